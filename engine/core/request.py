@@ -1,0 +1,125 @@
+"""A request as the scheduler sees it: token ids and counters, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything after PREEMPTED is a finished state."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock times (time.time()) of a request's milestones; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class Request:
+    """One sequence to generate. `n > 1` is fanned out into one Request per sample.
+
+    `num_computed_tokens` counts tokens whose keys/values are in the cache (or are being
+    written by the step in flight). `all_token_ids` is the prompt followed by the output.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        seed: int = 0,
+        cache_salt: str | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index  # which of the parent's n samples this is
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.priority = priority
+        # Seed of the counter-based sampler: fixed per request, so a request samples the
+        # same tokens whatever else shares its batch.
+        self.seed = seed
+        # Extra key mixed into the prefix-cache hashes: requests with different salts never
+        # share blocks (used to limit sharing to siblings when prefix caching is off).
+        self.cache_salt = cache_salt
+        self.times = RequestTimes(arrival_time if arrival_time is not None else time.time())
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        # Chained hashes of the full blocks of all_token_ids, kept by the KV-cache manager.
+        self.block_hashes: list[int] = []
+
+    @property
+    def arrival_time(self) -> float:
+        return self.times.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,1 @@
+"""Turning logits into tokens and logprobs, vectorised over the batch."""

@@ -1,0 +1,1 @@
+"""The model runner: builds the step's tensors, runs the model, samples."""
