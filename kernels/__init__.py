@@ -1,0 +1,33 @@
+"""Triton kernels with their launchers and pure-torch references.
+
+Launchers validate dtypes, devices and layouts on the host and raise `ValueError` for
+anything they do not support; see docs/kernels.md for layouts and blocking.
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.kv_cache import write_kv_cache
+from kernels.paged_attention import paged_attention
+from kernels.reference import (
+    ref_paged_attention,
+    ref_rms_norm,
+    ref_rotary,
+    ref_silu_and_mul,
+    ref_write_kv_cache,
+)
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq
+
+__all__ = [
+    "apply_rotary",
+    "build_cos_sin_cache",
+    "paged_attention",
+    "ref_paged_attention",
+    "ref_rms_norm",
+    "ref_rotary",
+    "ref_silu_and_mul",
+    "ref_write_kv_cache",
+    "rms_norm",
+    "rope_inv_freq",
+    "silu_and_mul",
+    "write_kv_cache",
+]

@@ -64,6 +64,7 @@ class Request:
         cache_salt: str | None = None,
         parent_id: str | None = None,
         index: int = 0,
+        trace_headers: dict[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -71,6 +72,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.priority = priority
+        self.trace_headers = trace_headers  # W3C trace context of the caller, if any
         # Seed of the counter-based sampler: fixed per request, so a request samples the
         # same tokens whatever else shares its batch.
         self.seed = seed

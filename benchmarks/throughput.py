@@ -1,0 +1,150 @@
+"""Offline throughput, modelled on `vllm bench throughput`.
+
+    python benchmarks/throughput.py                      # our engine only
+    python benchmarks/throughput.py --hf-baseline        # + transformers generate, same prompts
+
+Random prompts of `--input-len` token ids, `--output-len` tokens each with `ignore_eos`, all
+submitted at once to `LLM.generate`. With `--hf-baseline` the same prompts run through Hugging
+Face `generate` (static batches of `--hf-batch-size`, left-padded, greedy, exactly
+`--output-len` new tokens) in this process, and the ratio is printed. `--single-stream` also
+times one request alone (batch 1) on both. Peak resident memory is reported after each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the low ids, where tokenizers keep their special tokens.
+    return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num)]
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int):
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            pad_token_id=pad_id,
+        )
+        assert out.shape[1] == width + output_len
+    return time.perf_counter() - start
+
+
+def report(name: str, elapsed: float, num: int, input_len: int, output_len: int) -> dict:
+    result = {
+        "name": name,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(num / elapsed, 3),
+        "output_tokens_per_s": round(num * output_len / elapsed, 2),
+        "total_tokens_per_s": round(num * (input_len + output_len) / elapsed, 2),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
+    print(
+        f"{name:>22}: {result['requests_per_s']:.2f} requests/s, "
+        f"{result['output_tokens_per_s']:.1f} output tokens/s, "
+        f"{result['total_tokens_per_s']:.1f} total tokens/s "
+        f"({elapsed:.2f} s; peak RSS {result['peak_rss_mib']:.0f} MiB)"
+    )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-baseline", action="store_true", help="also run HF generate")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--single-stream", action="store_true", help="also time batch 1")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+    config = llm.llm_engine.get_model_config()
+    prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
+    run_engine(llm, prompts[:2], 4)  # warm-up
+    results = [
+        report(
+            "pagedserve",
+            run_engine(llm, prompts, args.output_len),
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+        )
+    ]
+    if args.single_stream:
+        elapsed = run_engine(llm, prompts[:1], args.output_len)
+        results.append(report("pagedserve batch 1", elapsed, 1, args.input_len, args.output_len))
+
+    if args.hf_baseline or args.single_stream:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            config.model_dir, dtype=getattr(torch, config.dtype)
+        ).eval()
+        pad_id = next(iter(config.eos_token_ids), 0)
+        run_hf(hf, prompts[:2], 4, 2, pad_id)  # warm-up
+        if args.hf_baseline:
+            elapsed = run_hf(hf, prompts, args.output_len, args.hf_batch_size, pad_id)
+            name = f"transformers bs {args.hf_batch_size}"
+            results.append(report(name, elapsed, args.num_prompts, args.input_len, args.output_len))
+            print(f"throughput vs transformers: {elapsed / results[0]['elapsed_s']:.2f}x")
+        if args.single_stream:
+            ours = next(r for r in results if r["name"] == "pagedserve batch 1")
+            elapsed = run_hf(hf, prompts[:1], args.output_len, 1, pad_id)
+            results.append(
+                report("transformers batch 1", elapsed, 1, args.input_len, args.output_len)
+            )
+            print(f"batch-1 speed vs transformers: {elapsed / ours['elapsed_s']:.2f}x")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

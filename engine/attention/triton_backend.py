@@ -1,0 +1,90 @@
+"""The `triton` attention backend: the paged-attention and KV-write kernels of `kernels/`.
+
+A step's batch is split into two launches of the same kernel, so each gets a tile shape
+that suits it::
+
+    tokens: | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |
+            '-- decode ---' '------ prefill ------'
+             1-token tiles,   64-row tiles
+             split-KV when
+             the GPU is idle
+
+Both launches write into one output tensor; padding rows after the real tokens are zeroed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with Triton kernels; needs a CUDA GPU (or `TRITON_INTERPRET=1`)."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        try:
+            import kernels
+            from kernels._common import is_interpreter
+        except ImportError as exc:  # triton is only a dependency on Linux x86_64
+            raise RuntimeError(
+                f"the triton attention backend needs the triton package ({exc}); "
+                "use attention_backend='torch'"
+            ) from exc
+        on_cuda = device.type == "cuda" and torch.cuda.is_available()
+        if not on_cuda and not is_interpreter():
+            raise RuntimeError(
+                "the triton attention backend needs a CUDA GPU; use attention_backend='torch'"
+            )
+        self.device = device
+        self._kernels = kernels
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        self._kernels.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
+        if num_decodes > 0:
+            # Decode requests come first with one token each: rows [0, num_decodes).
+            self._kernels.paged_attention(
+                query[:num_decodes],
+                kv_cache,
+                metadata.block_tables[:num_decodes],
+                metadata.seq_lens[:num_decodes],
+                metadata.query_start_loc[: num_decodes + 1],
+                max_query_len=1,
+                max_seq_len=max(metadata.seq_lens_cpu[:num_decodes]),
+                scale=scale,
+                out=out[:num_decodes],
+            )
+        if num_reqs > num_decodes:
+            # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
+            self._kernels.paged_attention(
+                query,
+                kv_cache,
+                metadata.block_tables[num_decodes:num_reqs],
+                metadata.seq_lens[num_decodes:num_reqs],
+                metadata.query_start_loc[num_decodes : num_reqs + 1],
+                max_query_len=metadata.max_query_len,
+                max_seq_len=metadata.max_seq_len,
+                scale=scale,
+                out=out,
+            )
+        if metadata.num_actual_tokens < out.shape[0]:
+            out[metadata.num_actual_tokens :].zero_()
+        return out

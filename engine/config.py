@@ -1,0 +1,236 @@
+"""Engine configuration: `EngineArgs` (what a user sets) and the resolved configs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+_DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+
+
+@dataclass
+class ModelConfig:
+    model: str | None  # what the user asked for (None = the default model)
+    model_dir: Path  # the resolved Hugging Face directory
+    hf_config: Any  # transformers PretrainedConfig
+    dtype: str  # resolved torch dtype name: "float32", "bfloat16" or "float16"
+    max_model_len: int
+    seed: int
+    tokenizer_dir: Path | None = None  # None: the model directory
+    skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
+    eos_token_ids: set[int] = field(default_factory=set)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None)
+        return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # explicit budget; else derived (see worker)
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    num_blocks: int = 0  # set at start-up from the memory budget
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}."
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled: "
+                "a whole prompt must fit in one step."
+            )
+
+
+@dataclass
+class DeviceConfig:
+    device: str  # "cpu", "cuda", "cuda:1"...
+    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set to build an engine (vLLM's names)."""
+
+    model: str | None = None  # HF directory, .gguf file, or None for the default model
+    tokenizer: str | None = None  # defaults to the model directory
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's dtype (bf16/fp16) on GPU
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    device: str = "auto"
+    attention_backend: str | None = None
+    max_logprobs: int = 20
+    disable_log_stats: bool = True
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.models.loader import load_generation_config, load_hf_config, resolve_model
+
+        device = _resolve_device(self.device)
+        model_dir = resolve_model(self.model)
+        hf_config = load_hf_config(model_dir)
+        dtype = _resolve_dtype(self.dtype, hf_config, device)
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_pos})."
+            )
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
+        generation = load_generation_config(model_dir)
+        gen_config = generation.to_diff_dict() if generation is not None else {}
+        model_config = ModelConfig(
+            model=self.model,
+            model_dir=model_dir,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            max_logprobs=self.max_logprobs,
+            eos_token_ids=_eos_ids(gen_config, hf_config),
+            generation_config=gen_config,
+        )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+        )
+        return EngineConfig(
+            model_config,
+            cache_config,
+            scheduler_config,
+            DeviceConfig(device, self.attention_backend),
+        )
+
+
+def default_cpu_kv_cache_bytes() -> int:
+    """CPU KV budget: `PAGEDSERVE_CPU_KVCACHE_SPACE` GiB (like vLLM's CPU knob), else 4 GiB."""
+    value = os.environ.get("PAGEDSERVE_CPU_KVCACHE_SPACE")
+    if value:
+        return int(float(value) * 1024**3)
+    return _DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available.")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}.")
+    return device
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
+    allowed = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
+    if dtype not in allowed:
+        raise ValueError(f"dtype must be one of {sorted(allowed)}, got {dtype!r}.")
+    aliases = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
+    aliases["bf16"] = "bfloat16"
+    if dtype != "auto":
+        return aliases.get(dtype, dtype)
+    if device == "cpu":
+        # Without AVX-512 bf16 (most CPUs), fp32 is faster than bf16 on CPU.
+        return "float32"
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(ckpt).replace("torch.", "") if ckpt is not None else "bfloat16"
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+
+def _eos_ids(gen_config: dict[str, Any], hf_config: Any) -> set[int]:
+    eos = gen_config.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
+    if eos is None:
+        return set()
+    return {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}

@@ -1,0 +1,196 @@
+"""Per-request block tables over the block pool, and the prefix-cache lookups the scheduler makes.
+
+Token `i` of a request lives in block `block_table[i // block_size]`, slot `i % block_size`::
+
+    block_size = 4, 10 tokens, block_table = [7, 2, 9]
+
+    tokens  t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 -- --
+    block       7       |      2      |      9
+    hash    h0 = H(None, t0..t3, salt)  h1 = H(h0, t4..t7, salt)   block 9: not full, no hash
+
+A block is *published* (put in the prefix cache) when the step that computes its last token
+is scheduled, not when that step has run: the model runner writes every layer's keys and
+values for the whole batch before attending, so a request scheduled later in the same step
+may already use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from engine.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats, hash_block_tokens
+from engine.core.request import Request
+
+
+class KVCacheManager:
+    """Owns the block pool and one block table per request. No torch."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request's table are in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens fits in the whole cache at all."""
+        return self.num_blocks_needed(num_tokens) <= self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a request about to be scheduled from scratch.
+
+        For a WAITING or PREEMPTED request (`num_computed_tokens == 0`, no blocks). Returns
+        the hit blocks and the number of tokens they hold. At least one token is left to
+        compute, since the model must run the last token to produce logits. Changes nothing
+        but `request.block_hashes` and the stats: pass the result to `allocate_slots`
+        before anything else allocates, or look up again.
+        """
+        assert request.num_computed_tokens == 0, f"{request} already has computed tokens"
+        assert not self.req_to_blocks.get(request.request_id), f"{request} already has blocks"
+        num_full_blocks = request.num_tokens // self.block_size
+        self._update_block_hashes(request, num_full_blocks)
+        extra_keys = self._extra_keys(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks: list[KVCacheBlock] = []
+        parent: KVCacheBlock | None = None
+        for i in range(max_hit_blocks):
+            block = self.block_pool.get_cached_block(
+                request.block_hashes[i], self._block_token_ids(request, i), parent, extra_keys
+            )
+            if block is None:
+                break
+            hit_blocks.append(block)
+            parent = block
+        num_hit_tokens = len(hit_blocks) * self.block_size
+        if self.enable_caching:
+            self.block_pool.record_prefix_cache_lookup(request.num_tokens, num_hit_tokens)
+        return hit_blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_computed_tokens + num_new_computed_tokens + num_new_tokens`.
+
+        `new_computed_blocks`/`num_new_computed_tokens` are a prefix hit from
+        `get_computed_blocks` (only for a request without blocks). Returns the newly
+        allocated blocks (possibly none), or None, changing nothing, when too few blocks
+        are free. On success, publishes every block that becomes full with tokens computed
+        by the end of this step.
+        """
+        hit_blocks = new_computed_blocks or []
+        assert num_new_tokens >= 0
+        assert num_new_computed_tokens == len(hit_blocks) * self.block_size, (
+            "num_new_computed_tokens must be the tokens of new_computed_blocks"
+        )
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if hit_blocks:
+            assert not blocks and request.num_computed_tokens == 0, (
+                f"{request}: prefix hits are only for a request without blocks"
+            )
+            assert all(block.is_cached for block in hit_blocks), "hit block evicted since lookup"
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = self.num_blocks_needed(num_tokens) - len(blocks) - len(hit_blocks)
+        num_to_allocate = max(num_required, 0)
+        # Hit blocks with ref_cnt 0 sit in the free queue: touching them takes them out.
+        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_to_allocate + num_revived > self.block_pool.get_num_free_blocks():
+            return None
+
+        # Touch before allocating, so that the hits are not evicted to make the new blocks.
+        self.block_pool.touch(hit_blocks)
+        blocks.extend(hit_blocks)
+        if hit_blocks:
+            self.num_cached_blocks[request.request_id] = len(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
+        blocks.extend(new_blocks)
+        self.req_to_blocks[request.request_id] = blocks
+        self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, last block first. Does nothing for an unknown request.
+
+        Reads `request.num_computed_tokens`: a published block past it (its step never ran,
+        e.g. the request is preempted in the step that allocated it) leaves the cache rather
+        than be revived with unwritten keys/values. Call this before resetting the count.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        num_cached_blocks = self.num_cached_blocks.pop(request.request_id, 0)
+        if blocks is None:
+            return
+        num_written_blocks = request.num_computed_tokens // self.block_size
+        for block in blocks[num_written_blocks:num_cached_blocks]:
+            if block.ref_cnt == 1:
+                self.block_pool.uncache_block(block)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache queries and hits (tokens) since the last call; counted only when
+        caching is enabled."""
+        return self.block_pool.take_prefix_cache_stats()
+
+    def _extra_keys(self, request: Request) -> tuple[Hashable, ...] | None:
+        return None if request.cache_salt is None else (request.cache_salt,)
+
+    def _block_token_ids(self, request: Request, block_index: int) -> tuple[int, ...]:
+        start = block_index * self.block_size
+        return tuple(request.all_token_ids[start : start + self.block_size])
+
+    def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
+        """Extend `request.block_hashes` to its first `num_full_blocks` blocks."""
+        hashes = request.block_hashes
+        extra_keys = self._extra_keys(request)
+        for i in range(len(hashes), num_full_blocks):
+            parent_hash = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block_tokens(parent_hash, self._block_token_ids(request, i), extra_keys)
+            )
+
+    def _cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
+        """Publish the request's blocks that are full within its first `num_known_tokens`."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks[request_id]
+        num_full_blocks = num_known_tokens // self.block_size
+        start = self.num_cached_blocks.get(request_id, 0)
+        if num_full_blocks <= start:
+            return
+        self._update_block_hashes(request, num_full_blocks)
+        extra_keys = self._extra_keys(request)
+        for i in range(start, num_full_blocks):
+            self.block_pool.cache_full_block(
+                blocks[i],
+                request.block_hashes[i],
+                self._block_token_ids(request, i),
+                blocks[i - 1] if i > 0 else None,
+                extra_keys,
+            )
+        self.num_cached_blocks[request_id] = num_full_blocks

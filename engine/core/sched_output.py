@@ -1,0 +1,68 @@
+"""The two dataclasses that cross the scheduler/runner boundary, one each way.
+
+Both sides live in one process, so a scheduled entry carries a reference to its `Request`
+(the runner reads token ids and sampling parameters from it) rather than a serialised copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: `num_new_tokens` tokens starting at
+    `num_computed_tokens`, their keys/values going into the blocks of `block_ids`."""
+
+    request: Request
+    num_computed_tokens: int  # before this step (prefix-cache hits included)
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.request.all_token_ids[start : start + self.num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so it samples."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # in scheduling order (priority order, then arrival)
+    num_scheduled_tokens: int
+    # Requests that finished or were aborted/preempted since the previous step: the runner
+    # drops any per-request state it keeps for them.
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class LogprobsLists:
+    """Logprobs of consecutive positions: row i = [chosen token, top-k...]."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the chosen token at each position (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per request that sampled this step.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Prompt logprobs computed this step: (position of the first token covered, lists).
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)

@@ -1,0 +1,189 @@
+"""Continuous batching by token budget.
+
+Every request has `num_computed_tokens`; a step grants each scheduled request some of the
+tokens it still lacks (a prefill chunk, or the one decode token), within
+`max_num_batched_tokens` and `max_num_seqs`. Prefill and decode share one batch, and the
+same rule covers chunked prefill, prefix-cache hits and recompute after preemption.
+
+Order within a step: running requests first (priority order under the priority policy,
+arrival order under FCFS), then waiting ones. When a running request cannot get a block,
+the running request that comes *last* in that order is preempted (its blocks freed, its
+state reset to recompute later). Because already-scheduled requests come earlier in the
+order, a victim is never one that was scheduled in this step, except the request itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from engine.config import SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import create_request_queue
+from engine.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.core.stop import check_stop
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # since the last schedule(), for the runner
+        self.num_preemptions_total = 0
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler.")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finishes (e.g. aborts) requests at any point; unknown ids are ignored."""
+        assert RequestStatus.is_finished(status)
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        request.times.finished_time = time.time()
+        self.kv_cache_manager.free(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ---- schedule ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+        if self.config.policy == "priority":
+            self.running.sort(key=lambda r: (-r.priority, r.arrival_time))
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen for a live request)
+                index += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._entry(request, num_new))
+                budget -= num_new
+                index += 1
+
+        # Waiting requests only when nothing was preempted: a preemption means the cache
+        # is full, and admitting new work would only preempt again.
+        if not preempted:
+            budget = self._schedule_waiting(scheduled, budget)
+
+        for entry in scheduled:
+            entry.request.num_computed_tokens += entry.num_new_tokens
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+        )
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        now = time.time()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            # Prompt logprobs need the logits of every prompt position: no prefix hits.
+            if request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            else:
+                hit_blocks, num_hit = [], 0
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, num_hit)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.times.first_scheduled_time is None:
+                request.times.first_scheduled_time = now
+            self.running.append(request)
+            scheduled.append(self._entry(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add_preempted(request)
+
+    # ---- update -----------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Appends sampled tokens, finishes requests that stop, frees their blocks.
+
+        Returns the requests that produced something this step (a token or prompt
+        logprobs), finished ones included, in scheduling order.
+        """
+        now = time.time()
+        max_model_len = self.config.max_model_len
+        updated: list[Request] = []
+        for entry in output.scheduled:
+            request = entry.request
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if request.is_finished():  # aborted while the step ran
+                continue
+            if token_id is None:
+                if request.request_id in runner_output.prompt_logprobs:
+                    updated.append(request)
+                continue
+            request.append_output_token_ids([token_id])
+            if request.times.first_token_time is None:
+                request.times.first_token_time = now
+            request.times.last_token_time = now
+            status = check_stop(request, max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+            updated.append(request)
+        return updated

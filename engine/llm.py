@@ -1,0 +1,132 @@
+"""`LLM`: offline batched generation (vLLM's class of the same name)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessage = dict[str, Any]
+
+# Sampling fields that a model's generation_config.json may set (HF name -> our name).
+_GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class LLM:
+    """Generates for a batch of prompts at once.
+
+    >>> llm = LLM()  # the default model
+    >>> outputs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the model's generation config where it sets them."""
+        gen = self.llm_engine.get_model_config().generation_config
+        overrides = {ours: gen[hf] for hf, ours in _GENERATION_CONFIG_FIELDS.items() if hf in gen}
+        if gen.get("do_sample") is False:
+            overrides["temperature"] = 0.0
+        return SamplingParams(**overrides)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(
+                    request_id,
+                    prompt,
+                    params,
+                    lora_request=lora_request,
+                    priority=0 if priority is None else priority[i],
+                )
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            self.llm_engine.step()  # drain the abort outputs
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        with bar:
+            while len(results) < len(wanted) and self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in wanted:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[rid] for rid in request_ids if rid in results]

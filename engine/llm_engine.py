@@ -1,0 +1,292 @@
+"""`LLMEngine`: vLLM's synchronous engine API over our scheduler and model runner.
+
+step():
+    scheduler_output = scheduler.schedule()
+    runner_output    = runner.execute(scheduler_output)
+    updated          = scheduler.update(scheduler_output, runner_output)
+    outputs          = output_processor.process(updated, runner_output)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import StatLogger, StepStats
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Mapping[str, Any]
+_SEED_MASK = (1 << 63) - 1
+_STATS_INTERVAL_S = 10.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        from engine.models.loader import load_tokenizer
+        from engine.worker.model_runner import ModelRunner
+
+        self.config = config
+        model_config = config.model_config
+        self.tokenizer = None
+        if not model_config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
+        self.runner = ModelRunner(config)
+        cache = config.cache_config
+        self.kv_cache_manager = KVCacheManager(
+            cache.num_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        # A sequence can never outgrow the whole cache: that is its length limit too.
+        self.max_tokens_in_cache = cache.num_blocks * cache.block_size
+        if self.max_tokens_in_cache < model_config.max_model_len:
+            logger.warning(
+                "The KV cache holds %d tokens, fewer than max_model_len=%d: longer "
+                "sequences finish with reason 'length' at %d tokens.",
+                self.max_tokens_in_cache,
+                model_config.max_model_len,
+                self.max_tokens_in_cache,
+            )
+        sched_config = config.scheduler_config
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=sched_config.max_num_seqs,
+                max_num_batched_tokens=sched_config.max_num_batched_tokens,
+                max_model_len=min(sched_config.max_model_len, self.max_tokens_in_cache),
+                enable_chunked_prefill=sched_config.enable_chunked_prefill,
+                policy=sched_config.policy,
+            ),
+            self.kv_cache_manager,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.log_stats = log_stats
+        self.stat_logger = StatLogger()
+        self._seed_rng = random.Random(model_config.seed)
+        self._pending_outputs: list[RequestOutput] = []
+        self._salt_counter = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+
+    # ---- config getters -----------------------------------------------------------------
+
+    def get_model_config(self) -> ModelConfig:
+        return self.config.model_config
+
+    def get_cache_config(self) -> CacheConfig:
+        return self.config.cache_config
+
+    def get_scheduler_config(self) -> SchedulerConfig:
+        return self.config.scheduler_config
+
+    def get_device_config(self) -> DeviceConfig:
+        return self.config.device_config
+
+    def get_engine_config(self) -> EngineConfig:
+        return self.config
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("The tokenizer was not initialised (skip_tokenizer_init=True).")
+        return self.tokenizer
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
+        if lora_request is not None:
+            raise NotImplementedError("lora_request: LoRA adapters are not supported yet.")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"params must be SamplingParams, got {type(params).__name__} "
+                "(pooling requests are not supported by LLMEngine.add_request)."
+            )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs scheduling_policy='priority' "
+                f"(the engine uses {self.config.scheduler_config.policy!r})."
+            )
+        if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
+        text, prompt_token_ids = self._process_prompt(prompt)
+        self._validate(prompt_token_ids, params)
+
+        params = params.clone()
+        params.update_from_generation_config(self.config.model_config.eos_token_ids)
+        salt = None
+        if not self.config.cache_config.enable_prefix_caching:
+            # Without prefix caching only the n samples of this prompt share blocks.
+            self._salt_counter += 1
+            salt = f"{request_id}/{self._salt_counter}"
+        arrival = arrival_time if arrival_time is not None else time.time()
+        samples = []
+        for index in range(params.n):
+            seed = (
+                (params.seed + index) & _SEED_MASK
+                if params.seed is not None
+                else self._seed_rng.getrandbits(63)
+            )
+            samples.append(
+                Request(
+                    request_id if params.n == 1 else f"{request_id}#{index}",
+                    prompt_token_ids,
+                    params,
+                    arrival_time=arrival,
+                    priority=priority,
+                    seed=seed,
+                    cache_salt=salt,
+                    parent_id=request_id,
+                    index=index,
+                    trace_headers=dict(trace_headers) if trace_headers else None,
+                )
+            )
+        if any(s.request_id in self.scheduler.requests for s in samples):
+            raise ValueError(f"request_id {request_id!r} collides with a live request's sample.")
+        self.output_processor.add_request(request_id, text, prompt_token_ids, params, samples)
+        for sample in samples:
+            self.scheduler.add_request(sample)
+
+    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty.")
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list | tuple) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise TypeError("prompt_token_ids must be a list of ints.")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self._process_prompt(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        raise TypeError(
+            f"prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}."
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.get_tokenizer()(text).input_ids)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num = len(prompt_token_ids)
+        model_config = self.config.model_config
+        if num == 0:
+            raise ValueError("prompt must not be empty (0 prompt tokens).")
+        vocab = model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}."
+            )
+        if num > model_config.max_model_len:
+            raise ValueError(
+                f"The prompt (length {num}) is longer than the maximum model length "
+                f"of {model_config.max_model_len} (max_model_len)."
+            )
+        block_size = self.config.cache_config.block_size
+        num_blocks = self.config.cache_config.num_blocks
+        if math.ceil(num / block_size) > num_blocks:
+            raise ValueError(
+                f"The prompt (length {num}) needs {math.ceil(num / block_size)} KV-cache "
+                f"blocks of {block_size} tokens, but the whole cache has {num_blocks} blocks "
+                f"({num_blocks * block_size} tokens): it could never be scheduled."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > model_config.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} exceeds max_logprobs={model_config.max_logprobs}."
+                )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Aborts requests (unknown or finished ids are ignored); frees their blocks now.
+
+        The next `step()` returns a final output with finish_reason "abort" for each."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if not self.output_processor.has_request(rid):
+                continue
+            sample_ids = self.output_processor.sample_ids(rid)
+            self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+            final = self.output_processor.abort_request(rid)
+            if final is not None:
+                self._pending_outputs.append(final)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, runner_output)
+        step_outputs, stopped = self.output_processor.process(updated, runner_output)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs.extend(step_outputs)
+        self._record_stats(scheduler_output, runner_output)
+        return outputs
+
+    def _record_stats(self, scheduler_output, runner_output) -> None:
+        num_prompt = sum(
+            e.num_new_tokens
+            for e in scheduler_output.scheduled
+            if e.num_computed_tokens < e.request.num_prompt_tokens
+        )
+        self.stat_logger.record_step(StepStats(num_prompt, len(runner_output.sampled_token_ids)))
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        self.stat_logger.record_prefix_cache(prefix.queries, prefix.hits)
+        if self.log_stats and time.monotonic() - self.stat_logger.last_log_time > _STATS_INTERVAL_S:
+            self.do_log_stats()
+
+    def do_log_stats(self) -> str:
+        """Logs (and returns) one line: requests, KV-cache use, throughput, prefix hits."""
+        return self.stat_logger.log(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

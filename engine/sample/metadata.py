@@ -1,0 +1,170 @@
+"""The per-step inputs of the sampler: one `SamplingRow` per request, batched into tensors.
+
+The model runner builds a `SamplingRow` for every request that samples a token this step
+(in batch order) and calls `SamplingMetadata.build` once. The loops here run per request per
+step; the sampler itself never loops over rows.
+
+Optional features cost nothing when no row uses them: their tensors are None and the
+sampler skips them. When one row uses a feature, every row gets a value that leaves its
+logits untouched (top_k 0, top_p 1, min_p 0, penalties 0/0/1), so a row samples the same
+token whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams, SamplingType
+
+_INT64_MIN = -(1 << 63)
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the batch: the request's parameters and tokens so far."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far, not yet the one being sampled
+    seed: int  # the request's fixed seed (Request.seed)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Batch tensors of one sampling step; B rows, vocabulary of V tokens."""
+
+    vocab_size: int
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    all_greedy: bool
+    all_random: bool
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64, index in the output of the token being sampled
+    # Filters for random rows; None when no row uses them.
+    top_k: torch.Tensor | None  # [B] int64, 0 = off
+    max_top_k: int  # largest enabled top_k, 0 when top_k is None
+    top_p: torch.Tensor | None  # [B] float32, 1 = off
+    min_p: torch.Tensor | None  # [B] float32, 0 = off
+    # Penalties (greedy rows too); each None when no row uses it. The tokens they act on
+    # are listed sparsely, one entry per distinct (row, token), and only for rows whose
+    # penalty is on: a row holds a few thousand distinct tokens, the vocabulary ~50k.
+    presence_penalties: torch.Tensor | None  # [B] float32, 0 = off
+    frequency_penalties: torch.Tensor | None  # [B] float32, 0 = off
+    repetition_penalties: torch.Tensor | None  # [B] float32, 1 = off
+    # Distinct output tokens of rows with a presence or frequency penalty, with counts.
+    output_row_ids: torch.Tensor | None  # [N] int64
+    output_token_ids: torch.Tensor | None  # [N] int64
+    output_token_counts: torch.Tensor | None  # [N] float32, occurrences in the row's output
+    # Distinct prompt-or-output tokens of rows with a repetition penalty.
+    seen_row_ids: torch.Tensor | None  # [S] int64
+    seen_token_ids: torch.Tensor | None  # [S] int64
+    # min_tokens: logits[min_tokens_row_ids[i], min_tokens_token_ids[i]] = -inf.
+    min_tokens_row_ids: torch.Tensor | None  # [M] int64
+    min_tokens_token_ids: torch.Tensor | None  # [M] int64
+    max_num_logprobs: int | None  # largest `logprobs` of any row; None: no row asks
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @staticmethod
+    def build(
+        rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+    ) -> SamplingMetadata:
+        params = [row.params for row in rows]
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        random = [not g for g in greedy]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        # Filters only matter for random rows; greedy rows get the "off" value.
+        top_k = [p.top_k if r and 0 < p.top_k < vocab_size else 0 for p, r in zip(params, random)]
+        top_p = [p.top_p if r else 1.0 for p, r in zip(params, random)]
+        min_p = [p.min_p if r else 0.0 for p, r in zip(params, random)]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        repetition = [p.repetition_penalty for p in params]
+        use_presence = any(v != 0.0 for v in presence)
+        use_frequency = any(v != 0.0 for v in frequency)
+        use_repetition = any(v != 1.0 for v in repetition)
+
+        output_rows = output_ids = output_counts = seen_rows = seen_ids = None
+        if use_presence or use_frequency:
+            chosen = [i for i, (p, f) in enumerate(zip(presence, frequency)) if p or f]
+            token_lists = [rows[i].output_token_ids for i in chosen]
+            output_rows, output_ids, counts = _distinct_tokens(
+                chosen, token_lists, vocab_size, device
+            )
+            output_counts = counts.to(torch.float32)
+        if use_repetition:
+            chosen = [i for i, r in enumerate(repetition) if r != 1.0]
+            token_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen]
+            seen_rows, seen_ids, _ = _distinct_tokens(chosen, token_lists, vocab_size, device)
+
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        min_tokens_rows, min_tokens_ids = _min_tokens_indices(rows, vocab_size)
+        return SamplingMetadata(
+            vocab_size=vocab_size,
+            temperature=floats([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            seeds=ints([_to_int64(row.seed) for row in rows]),
+            positions=ints([len(row.output_token_ids) for row in rows]),
+            top_k=ints(top_k) if any(top_k) else None,
+            max_top_k=max(top_k, default=0),
+            top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,
+            min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
+            presence_penalties=floats(presence) if use_presence else None,
+            frequency_penalties=floats(frequency) if use_frequency else None,
+            repetition_penalties=floats(repetition) if use_repetition else None,
+            output_row_ids=output_rows,
+            output_token_ids=output_ids,
+            output_token_counts=output_counts,
+            seen_row_ids=seen_rows,
+            seen_token_ids=seen_ids,
+            min_tokens_row_ids=ints(min_tokens_rows) if min_tokens_rows else None,
+            min_tokens_token_ids=ints(min_tokens_ids) if min_tokens_rows else None,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+def _to_int64(value: int) -> int:
+    """Any Python int, wrapped to a signed 64-bit value (its low 64 bits)."""
+    value &= _UINT64_MASK
+    return value + 2 * _INT64_MIN if value >= 1 << 63 else value
+
+
+def _distinct_tokens(
+    row_ids: list[int], token_lists: list[list[int]], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each distinct (row, token) pair of the given rows, as [N] row ids, [N] token ids and
+    [N] occurrence counts (int64), sorted by row then token."""
+    lengths = torch.tensor([len(ids) for ids in token_lists], dtype=torch.int64)
+    rows = torch.tensor(row_ids, dtype=torch.int64).repeat_interleave(lengths)  # [total]
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    keys, counts = torch.unique(rows * vocab_size + flat, return_counts=True)  # sorted
+    keys, counts = keys.to(device), counts.to(device)
+    return keys // vocab_size, keys % vocab_size, counts
+
+
+def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to mask: rows short of min_tokens may not sample a stop/EOS id."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        params = row.params
+        if len(row.output_token_ids) >= params.min_tokens:
+            continue
+        banned = sorted(
+            t for t in params.all_stop_token_ids | params.eos_token_ids if t < vocab_size
+        )
+        row_ids.extend([i] * len(banned))
+        token_ids.extend(banned)
+    return row_ids, token_ids

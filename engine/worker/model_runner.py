@@ -1,0 +1,235 @@
+"""The model runner: one batched forward pass per step, then sampling.
+
+It owns the model, the per-layer KV caches and the sampler. From a `SchedulerOutput` it
+builds flat tensors (decode tokens first, then prefill chunks), runs the model, computes
+logits only where something is sampled (or prompt logprobs are asked for) and returns a
+`ModelRunnerOutput`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from engine.attention.backend import get_attention_backend
+from engine.config import CacheConfig, EngineConfig, default_cpu_kv_cache_bytes
+from engine.core.sched_output import (
+    LogprobsLists,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from engine.models.loader import load_model
+from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
+from engine.worker.inputs import StepInputs, build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.device = torch.device(config.device_config.device)
+        self.dtype: torch.dtype = getattr(torch, model_config.dtype)
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = model_config.vocab_size
+        torch.manual_seed(model_config.seed)
+        self.attn_backend = get_attention_backend(
+            config.device_config.attention_backend, self.device
+        )
+        self.model = load_model(
+            model_config.model_dir,
+            model_config.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=self.attn_backend,
+        )
+        self.sampler = Sampler()
+        self.num_blocks = self._determine_num_blocks(config.cache_config)
+        config.cache_config.num_blocks = self.num_blocks
+        shape = (
+            2,
+            self.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        # Zeroed, not empty: padded positions of a gathered context are masked to weight 0,
+        # and 0 * NaN from uninitialised memory would still poison the sum.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(model_config.num_layers)
+        ]
+
+    # ---- KV-cache sizing --------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.config.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+
+    def _determine_num_blocks(self, cache_config: CacheConfig) -> int:
+        """Blocks from the memory budget: an explicit byte budget, the free GPU memory
+        times `gpu_memory_utilization`, or the CPU budget. Never more than the scheduler
+        could ever use (max_num_seqs full-length sequences)."""
+        per_block = self.kv_bytes_per_block
+        sched = self.config.scheduler_config
+        if cache_config.num_gpu_blocks_override is not None:
+            num_blocks = cache_config.num_gpu_blocks_override
+            source = "num_gpu_blocks_override"
+        else:
+            if cache_config.kv_cache_memory_bytes is not None:
+                budget, source = cache_config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+            elif self.device.type == "cuda":
+                budget, source = self._gpu_kv_budget(cache_config.gpu_memory_utilization), "GPU"
+            else:
+                budget, source = default_cpu_kv_cache_bytes(), "CPU budget"
+            num_blocks = budget // per_block
+            max_useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size)
+            num_blocks = min(num_blocks, max_useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"The KV-cache budget ({source}) holds no block of {per_block} bytes; "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization."
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_blocks * per_block / 2**20,
+            source,
+        )
+        return num_blocks
+
+    def _gpu_kv_budget(self, utilization: float) -> int:
+        """Memory left for the cache after the model and a worst-case forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        other = total - free - torch.cuda.memory_reserved(self.device)  # other processes
+        return int(total * utilization) - peak - max(other, 0)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        sched = self.config.scheduler_config
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        mc = self.config.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+        inputs = build_step_inputs(
+            [(list(range(num_tokens)), 0, list(range(num_blocks)))], self.block_size, self.device
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
+        self.model.compute_logits(hidden[-1:])
+        del caches, hidden
+        torch.cuda.synchronize(self.device)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Decode tokens (one query token) first, then prefill chunks: the layout the
+        # attention backends expect.
+        batch = sorted(scheduler_output.scheduled, key=lambda e: e.num_new_tokens != 1)
+        inputs = build_step_inputs(
+            [(e.token_ids, e.num_computed_tokens, e.block_ids) for e in batch],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+        )  # [num_tokens, hidden_size]
+
+        sampling = [i for i, e in enumerate(batch) if e.samples]
+        prompt_lp = [i for i, e in enumerate(batch) if self._wants_prompt_logprobs(e)]
+        output = ModelRunnerOutput()
+        if sampling:
+            self._sample(batch, sampling, inputs, hidden, output)
+        for i in prompt_lp:
+            self._prompt_logprobs(batch[i], inputs, i, hidden, output)
+        return output
+
+    def _sample(
+        self,
+        batch: list[ScheduledRequest],
+        rows: list[int],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        last_token = torch.tensor(
+            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device
+        )
+        logits = self.model.compute_logits(hidden[last_token])  # [num_rows, vocab] fp32
+        entries = [batch[i] for i in rows]
+        metadata = SamplingMetadata.build(
+            [
+                SamplingRow(
+                    params=e.request.sampling_params,
+                    prompt_token_ids=e.request.prompt_token_ids,
+                    output_token_ids=e.request.output_token_ids,
+                    seed=e.request.seed,
+                )
+                for e in entries
+            ],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        for row, entry in enumerate(entries):
+            output.sampled_token_ids[entry.request_id] = sampled[row]
+        if result.logprobs is None:
+            return
+        token_ids = result.logprobs.token_ids.tolist()
+        values = result.logprobs.logprobs.tolist()
+        ranks = result.logprobs.ranks.tolist()
+        for row, entry in enumerate(entries):
+            k = entry.request.sampling_params.logprobs
+            if k is not None:
+                output.logprobs[entry.request_id] = LogprobsLists(
+                    [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
+                )
+
+    @staticmethod
+    def _wants_prompt_logprobs(entry: ScheduledRequest) -> bool:
+        # Positions whose logits predict a *prompt* token: p with p + 1 < num_prompt_tokens.
+        return (
+            entry.request.sampling_params.prompt_logprobs is not None
+            and entry.num_computed_tokens + 1 < entry.request.num_prompt_tokens
+        )
+
+    def _prompt_logprobs(
+        self,
+        entry: ScheduledRequest,
+        inputs: StepInputs,
+        row: int,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        request = entry.request
+        start = entry.num_computed_tokens
+        end = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1)
+        first = inputs.query_start_loc_cpu[row]
+        logits = self.model.compute_logits(hidden[first : first + end - start])
+        logprobs = torch.log_softmax(logits, dim=-1)  # [end - start, vocab]
+        targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+        k = request.sampling_params.prompt_logprobs
+        assert k is not None
+        tensors = gather_logprobs(logprobs, targets, k)
+        output.prompt_logprobs[request.request_id] = (
+            start + 1,
+            LogprobsLists(
+                tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+            ),
+        )

@@ -1,0 +1,132 @@
+"""Scatter of a step's new keys and values into the paged KV cache.
+
+Token `t` goes to flat slot `slot_mapping[t] = block_id * block_size + offset`::
+
+    slot_mapping: [ 35, -1, 112 ]          (block_size 16)
+    token 0 -> kv_cache[:, 2, 3]           (35 = 2 * 16 + 3)
+    token 1 -> skipped                     (-1 = padding)
+    token 2 -> kv_cache[:, 7, 0]
+
+Grid: one program per token; it copies all KV heads of that token's key and value
+([num_kv_heads, head_dim] tiles) in one go.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    check_contiguous,
+    check_dtype,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_same_device,
+    next_power_of_2,
+)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[1])
+    slot_mapping_ptr,  # [num_tokens] int64, -1 = skip
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,  # int
+    HEADS_PADDED: tl.constexpr,  # int, power of two >= NUM_KV_HEADS
+    HEAD_DIM: tl.constexpr,  # int
+    HEAD_DIM_PADDED: tl.constexpr,  # int, power of two >= HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,  # int, tokens per cache block
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)  # int64
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PADDED)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    # int64 throughout: slot * head stride overflows 32 bits on large caches.
+    cache_offsets = (
+        (slot // BLOCK_SIZE) * stride_cache_block
+        + (slot % BLOCK_SIZE) * stride_cache_slot
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
+    )  # [HEADS_PADDED, HEAD_DIM_PADDED]
+    key_offsets = token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :]
+    value_offsets = token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :]
+    tl.store(key_cache_ptr + cache_offsets, tl.load(key_ptr + key_offsets, mask=mask), mask=mask)
+    tl.store(
+        value_cache_ptr + cache_offsets, tl.load(value_ptr + value_offsets, mask=mask), mask=mask
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+) -> None:
+    """Writes `key`/`value` into `kv_cache` in place at `slot_mapping`; -1 slots are skipped.
+
+    `key` and `value` may be strided views (e.g. slices of a fused QKV projection) as long as
+    their last dimension is contiguous. Slots must be < num_blocks * block_size (not checked
+    on the device).
+    """
+    check_kv_cache(kv_cache)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    for name, tensor in (("key", key), ("value", value)):
+        check_ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_dim]")
+        check_last_dim_contiguous(name, tensor)
+        if tensor.dtype != kv_cache.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} != kv_cache dtype {kv_cache.dtype}.")
+        if tensor.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match kv_cache, "
+                f"got {tuple(tensor.shape)}."
+            )
+    check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    check_contiguous("slot_mapping", slot_mapping)
+    num_tokens = slot_mapping.shape[0]
+    if key.shape[0] != num_tokens or value.shape[0] != num_tokens:
+        raise ValueError(
+            f"key, value and slot_mapping need the same number of tokens, got "
+            f"{key.shape[0]}, {value.shape[0]} and {num_tokens}."
+        )
+    check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    heads_padded = next_power_of_2(num_kv_heads)
+    head_dim_padded = next_power_of_2(head_dim)
+    _write_kv_cache_kernel[(num_tokens,)](
+        key_ptr=key,
+        value_ptr=value,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping,
+        stride_key_token=key.stride(0),
+        stride_key_head=key.stride(1),
+        stride_value_token=value.stride(0),
+        stride_value_head=value.stride(1),
+        stride_cache_block=key_cache.stride(0),
+        stride_cache_slot=key_cache.stride(1),
+        stride_cache_head=key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PADDED=heads_padded,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size,
+        num_warps=4 if heads_padded * head_dim_padded <= 2048 else 8,
+    )

@@ -1,0 +1,359 @@
+"""Causal paged attention over a batch that mixes prefill chunks and decode tokens.
+
+Request `r` owns query rows `query_start_loc[r] : query_start_loc[r + 1]`; they are the last
+`query_len` tokens of its context of `seq_lens[r]` tokens, so query token `i` sits at
+absolute position `seq_lens[r] - query_len + i` and sees keys at positions `<= ` that one.
+Key position `p` lives in the cache at `block_tables[r, p // block_size]`, slot
+`p % block_size`::
+
+    key position:   0 ... 15 | 16 ... 31 | 32 33 34
+    block_table[r]: [   7    ,    2      ,   9  ]      (block_size 16)
+    kv_cache[0, 9, 2] holds the key of position 34
+
+Grid and blocking
+-----------------
+One program handles one *query tile* of one request and one KV head. The tile's rows are
+`BLOCK_Q` consecutive query tokens times the `QUERIES_PER_KV` query heads that share the KV
+head (GQA), so K/V are read once per tile for the whole head group::
+
+    row m  ->  token  m // GROUP,  head  kv_head * QUERIES_PER_KV + m % GROUP
+
+Tiles are numbered over the whole batch without a host sync: request `r` owns program ids
+`[first(r), first(r + 1))` with `first(r) = (query_start_loc[r] - query_start_loc[0]) //
+BLOCK_Q + r` (one spare id per request at most); each program finds its request by a binary
+search over `query_start_loc`, and spare ids exit at once.
+
+The program walks the request's context in tiles of `BLOCK_N` key positions (each position
+looks its block id up in the block table, so any block size works), with an online softmax
+in fp32 (base-2 exponentials). The causal limit of the tile's last query row bounds the walk.
+
+Split-KV (flash decoding): with few requests and long contexts, a third grid axis splits the
+context walk into `num_splits` ranges. Each split writes a normalized partial output and its
+log-sum-exp; a second kernel merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_dtype,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_same_device,
+    is_interpreter,
+    next_power_of_2,
+)
+from kernels.split_kv import choose_num_splits, merge_splits
+
+LOG2_E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+# Row counts of the query tile: decode tiles stay small (one token per request), prefill
+# tiles are larger to reuse each K/V tile across more rows. tl.dot needs >= 16 rows.
+DECODE_TILE_ROWS = 16
+PREFILL_TILE_ROWS = 64
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.constexpr):
+    """Largest request r with first(r) <= pid; first(r) is strictly increasing in r."""
+    lo = tl.full((), 0, tl.int32)
+    hi = tl.full((), 0, tl.int32) + num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_mid = (tl.load(query_start_loc_ptr + mid) - q_first) // BLOCK_Q + mid
+        owns = first_mid <= pid
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[1])
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PADDED] fp32 (split-KV)
+    partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain (split-KV)
+    scale_log2,  # softmax scale * log2(e)
+    num_reqs,
+    kv_tiles_per_split,
+    stride_q_token,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_req,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,  # int
+    QUERIES_PER_KV: tl.constexpr,  # int, num_heads // num_kv_heads
+    GROUP: tl.constexpr,  # int, QUERIES_PER_KV rounded up to a power of two
+    BLOCK_Q: tl.constexpr,  # int, query tokens per tile
+    BLOCK_N: tl.constexpr,  # int, key positions per inner step
+    BLOCK_SIZE: tl.constexpr,  # int, tokens per cache block
+    HEAD_DIM: tl.constexpr,  # int
+    HEAD_DIM_PADDED: tl.constexpr,  # int, power of two >= HEAD_DIM
+    NUM_SPLITS: tl.constexpr,  # int, 1 = no split-KV
+    UPCAST: tl.constexpr,  # bool, compute the dots in fp32 (interpreter + bf16)
+    DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_first = tl.load(query_start_loc_ptr)
+    req = _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = pid - ((q_start - q_first) // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= q_len:
+        return  # a spare program id, or past the end of the batch
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # keys already cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_Q * GROUP)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP  # query token inside the request
+    head = kv_head * QUERIES_PER_KV + rows % GROUP
+    row_valid = (q_idx < q_len) & (rows % GROUP < QUERIES_PER_KV)
+    q_pos = context_len + q_idx  # absolute position of each row's token
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+
+    q_offsets = token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(
+        query_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0
+    )  # [BLOCK_Q * GROUP, HEAD_DIM_PADDED]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys visible to the tile's last row, capped at the context length.
+    kv_end = tl.minimum(context_len + q_tile * BLOCK_Q + BLOCK_Q, seq_len)
+    tile_lo = 0
+    tile_hi = tl.cdiv(kv_end, BLOCK_N)
+    if NUM_SPLITS > 1:
+        tile_lo = split * kv_tiles_per_split
+        if split < NUM_SPLITS - 1:  # the last split takes whatever remains
+            tile_hi = tl.minimum(tile_hi, tile_lo + kv_tiles_per_split)
+
+    # A finite floor instead of -inf keeps exp2(m_old - m_new) defined for rows that have
+    # seen only masked keys so far (their p is exp2(-inf) = 0 either way).
+    m_i = tl.full([BLOCK_Q * GROUP], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_PADDED], tl.float32)
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_valid = kv_pos < kv_end
+        block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
+        # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
+        kv_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )  # [BLOCK_N]
+        kv_mask = kv_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_Q * GROUP, BLOCK_N]
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        out_offsets = token[:, None] * stride_out_token + head[:, None] * stride_out_head
+        tl.store(
+            out_ptr + out_offsets + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        row_split = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_Q * GROUP]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(partial_lse_ptr + row_split, lse, mask=row_valid)
+        tl.store(
+            partial_out_ptr + row_split[:, None] * HEAD_DIM_PADDED + dims[None, :],
+            result,
+            mask=row_valid[:, None],
+        )
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
+    check_dtype("query", query, FLOAT_DTYPES)
+    check_last_dim_contiguous("query", query)
+    check_kv_cache(kv_cache)
+    if kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}.")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != query head_dim {head_dim}.")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}."
+        )
+    if head_dim % 8 != 0 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}.")
+    check_ndim("block_tables", block_tables, 2, "[num_reqs, max_blocks_per_req]")
+    check_dtype("block_tables", block_tables, (torch.int32,))
+    check_last_dim_contiguous("block_tables", block_tables)
+    num_reqs = block_tables.shape[0]
+    check_ndim("seq_lens", seq_lens, 1, "[num_reqs]")
+    check_dtype("seq_lens", seq_lens, (torch.int32,))
+    check_contiguous("seq_lens", seq_lens)
+    check_ndim("query_start_loc", query_start_loc, 1, "[num_reqs + 1]")
+    check_dtype("query_start_loc", query_start_loc, (torch.int32,))
+    check_contiguous("query_start_loc", query_start_loc)
+    if seq_lens.shape[0] != num_reqs or query_start_loc.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"block_tables has {num_reqs} rows, so seq_lens needs {num_reqs} entries and "
+            f"query_start_loc {num_reqs + 1}; got {seq_lens.shape[0]} and "
+            f"{query_start_loc.shape[0]}."
+        )
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(
+            f"out must match query's shape {tuple(query.shape)} and dtype {query.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}."
+        )
+    check_last_dim_contiguous("out", out)
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}.")
+    check_same_device(
+        query=query,
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        out=out,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, context length incl. this step's tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each request's query rows over its paged context.
+
+    Row indices in `query_start_loc` are absolute rows of `query`/`out`, and they need not
+    start at 0, so a caller can launch once for the decode requests and once for the
+    prefill requests of one batch, writing into the same `out`. Rows of `out` outside
+    `[query_start_loc[0], query_start_loc[-1])` are left untouched.
+
+    `max_query_len` picks the tile shape (1 = decode tiles); `max_seq_len` must be >= every
+    `seq_lens` entry and only balances the split-KV ranges. `num_splits=None` chooses
+    split-KV by occupancy (decode-only launches on CUDA); pass an int to force it.
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    _check_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_reqs = block_tables.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    queries_per_kv = num_heads // num_kv_heads
+    group = next_power_of_2(queries_per_kv)
+    tile_rows = DECODE_TILE_ROWS if max_query_len == 1 else PREFILL_TILE_ROWS
+    block_q = max(1, tile_rows // group)  # BLOCK_Q * GROUP >= 16 rows unless GROUP is larger
+    head_dim_padded = max(16, next_power_of_2(head_dim))
+    block_n = 64 if head_dim_padded <= 128 else 32
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len
+        )
+    if not 1 <= num_splits <= 64:
+        raise ValueError(f"num_splits must be in [1, 64], got {num_splits}.")
+    kv_tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), num_splits)
+
+    if num_splits > 1:  # [num_tokens, num_heads, num_splits(, head_dim_padded)] fp32
+        partial_out = query.new_empty(
+            (num_tokens, num_heads, num_splits, head_dim_padded), dtype=torch.float32
+        )
+        partial_lse = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+    else:  # never read; the kernel still takes the arguments
+        partial_out = partial_lse = out
+
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # Program ids per request: ceil(query_len / BLOCK_Q) plus at most one spare.
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query_ptr=query,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc,
+        out_ptr=out,
+        partial_out_ptr=partial_out,
+        partial_lse_ptr=partial_lse,
+        scale_log2=scale * LOG2_E,
+        num_reqs=num_reqs,
+        kv_tiles_per_split=kv_tiles_per_split,
+        stride_q_token=query.stride(0),
+        stride_q_head=query.stride(1),
+        stride_cache_block=key_cache.stride(0),
+        stride_cache_slot=key_cache.stride(1),
+        stride_cache_head=key_cache.stride(2),
+        stride_bt_req=block_tables.stride(0),
+        stride_out_token=out.stride(0),
+        stride_out_head=out.stride(1),
+        NUM_HEADS=num_heads,
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        NUM_SPLITS=num_splits,
+        UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
+        # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        num_warps=8 if head_dim_padded > 128 else 4,
+        num_stages=3 if max_query_len == 1 else 2,
+    )
+    if num_splits > 1:
+        merge_splits(partial_out, partial_lse, query_start_loc, out)
+    return out
