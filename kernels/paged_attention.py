@@ -34,6 +34,8 @@ log-sum-exp; a second kernel merges them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -53,10 +55,34 @@ from kernels.split_kv import choose_num_splits, merge_splits
 
 LOG2_E = 1.4426950408889634
 MAX_HEAD_DIM = 256
-# Row counts of the query tile: decode tiles stay small (one token per request), prefill
-# tiles are larger to reuse each K/V tile across more rows. tl.dot needs >= 16 rows.
-DECODE_TILE_ROWS = 16
-PREFILL_TILE_ROWS = 64
+
+
+class _TileConfig(NamedTuple):
+    group: int  # query heads per KV head, rounded up to a power of two
+    block_q: int  # query tokens per tile; a tile has block_q * group rows
+    block_n: int  # key positions per inner step
+    head_dim_padded: int
+    num_warps: int
+    num_stages: int
+
+
+def _tile_config(
+    queries_per_kv: int, head_dim: int, max_query_len: int, dtype: torch.dtype
+) -> _TileConfig:
+    """Tile shapes per launch kind. Decode tiles have 16 rows (tl.dot's minimum; one token
+    per request), prefill tiles 64 (32 in fp32) so each K/V tile serves more rows. Chosen
+    so that an sm_90 build of the kernel does not spill registers (checked with ptxas
+    resource usage; not yet timed on a GPU)."""
+    group = next_power_of_2(queries_per_kv)
+    head_dim_padded = max(16, next_power_of_2(head_dim))
+    wide = head_dim_padded > 128 or dtype == torch.float32
+    block_n = 32 if wide else 64
+    if max_query_len == 1:
+        tile_rows, num_warps, num_stages = 16, 4, 3
+    else:
+        tile_rows, num_warps, num_stages = (32 if dtype == torch.float32 else 64), 8, 2
+    block_q = max(1, tile_rows // group)  # a head group larger than the tile: one token
+    return _TileConfig(group, block_q, block_n, head_dim_padded, num_warps, num_stages)
 
 
 @triton.jit
@@ -294,22 +320,18 @@ def paged_attention(
         return out
 
     queries_per_kv = num_heads // num_kv_heads
-    group = next_power_of_2(queries_per_kv)
-    tile_rows = DECODE_TILE_ROWS if max_query_len == 1 else PREFILL_TILE_ROWS
-    block_q = max(1, tile_rows // group)  # BLOCK_Q * GROUP >= 16 rows unless GROUP is larger
-    head_dim_padded = max(16, next_power_of_2(head_dim))
-    block_n = 64 if head_dim_padded <= 128 else 32
+    tiles = _tile_config(queries_per_kv, head_dim, max_query_len, query.dtype)
     if num_splits is None:
         num_splits = choose_num_splits(
             query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len
         )
     if not 1 <= num_splits <= 64:
         raise ValueError(f"num_splits must be in [1, 64], got {num_splits}.")
-    kv_tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), num_splits)
+    kv_tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), tiles.block_n), num_splits)
 
     if num_splits > 1:  # [num_tokens, num_heads, num_splits(, head_dim_padded)] fp32
         partial_out = query.new_empty(
-            (num_tokens, num_heads, num_splits, head_dim_padded), dtype=torch.float32
+            (num_tokens, num_heads, num_splits, tiles.head_dim_padded), dtype=torch.float32
         )
         partial_lse = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
     else:  # never read; the kernel still takes the arguments
@@ -317,7 +339,7 @@ def paged_attention(
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     # Program ids per request: ceil(query_len / BLOCK_Q) plus at most one spare.
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
+    grid = (num_tokens // tiles.block_q + num_reqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query_ptr=query,
         key_cache_ptr=key_cache,
@@ -341,18 +363,18 @@ def paged_attention(
         stride_out_head=out.stride(1),
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=queries_per_kv,
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        GROUP=tiles.group,
+        BLOCK_Q=tiles.block_q,
+        BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=head_dim_padded,
+        HEAD_DIM_PADDED=tiles.head_dim_padded,
         NUM_SPLITS=num_splits,
         UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        num_warps=8 if head_dim_padded > 128 else 4,
-        num_stages=3 if max_query_len == 1 else 2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if num_splits > 1:
         merge_splits(partial_out, partial_lse, query_start_loc, out)

@@ -29,31 +29,32 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Zeroes the tokens outside each row's top-k, then outside its top-p nucleus.
 
-    probs: [B, V] float32 (softmax after temperature). top_k: [B] int64, 0 = off;
-    max_top_k: the largest top_k. top_p: [B] float32, 1 = off. The nucleus is the smallest
-    set of most likely tokens (among the top-k, renormalised) whose mass reaches top_p.
-    Returns a new tensor, or `probs` itself when both filters are off.
+    probs: [B, V] float32 (softmax after temperature), modified in place and returned.
+    top_k: [B] int64, 0 = off; max_top_k: the largest top_k. top_p: [B] float32, 1 = off.
+    The nucleus is the smallest set of most likely tokens (among the top-k, renormalised)
+    whose mass reaches top_p.
     """
     if top_k is None and top_p is None:
         return probs
     if top_p is None:
         assert top_k is not None
         values = probs.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
-        return _zero_below(probs, _top_k_cutoff(values, top_k))
+        return _zero_below_(probs, _top_k_cutoff(values, top_k))
 
     vocab_size = probs.shape[-1]
     top_p = top_p.unsqueeze(-1)  # [B, 1]
     lengths = _prefix_lengths(probs.device, vocab_size, max_top_k)
     values = _descending(probs, lengths[0])  # [B, L], L >= max_top_k
     k_cutoff = None if top_k is None else _top_k_cutoff(values, top_k)  # [B, 1]
-    kept = probs if k_cutoff is None else _zero_below(probs, k_cutoff)
+    if k_cutoff is not None:
+        _zero_below_(probs, k_cutoff)
     # Summed in vocabulary order, so it does not depend on the prefix length.
-    target = top_p * kept.sum(-1, keepdim=True).double()  # [B, 1]
+    target = top_p * probs.sum(-1, keepdim=True).double()  # [B, 1]
     for i, length in enumerate(lengths):
         if i > 0:
             values = _descending(probs, length)
         if k_cutoff is not None:
-            values = _zero_below(values, k_cutoff)
+            _zero_below_(values, k_cutoff)
         cumulative = values.cumsum(-1, dtype=torch.float64)  # [B, length]
         covered = (cumulative[:, -1:] >= target) | (top_p >= 1.0)
         if length == vocab_size or bool(covered.all()):
@@ -63,19 +64,19 @@ def apply_top_k_top_p(
     num_below = (cumulative < target).sum(-1, keepdim=True)  # [B, 1]
     num_kept = (num_below + 1).clamp(max=length)  # [B, 1], >= 1
     p_cutoff = torch.where(top_p < 1.0, values.gather(-1, num_kept - 1), 0.0)  # [B, 1]
-    cutoff = p_cutoff if k_cutoff is None else torch.maximum(k_cutoff, p_cutoff)
-    return _zero_below(probs, cutoff)
+    return _zero_below_(probs, p_cutoff)
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
     """Zeroes the probabilities below min_p times the row's largest one.
 
-    probs: [B, V] (need not sum to 1). min_p: [B] float32, 0 = off.
+    probs: [B, V] (need not sum to 1), modified in place and returned. min_p: [B]
+    float32, 0 = off.
     """
     if min_p is None:
         return probs
     threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
-    return _zero_below(probs, threshold)
+    return _zero_below_(probs, threshold)
 
 
 def _top_k_cutoff(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,8 @@ def _top_k_cutoff(values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return torch.where((top_k > 0).unsqueeze(-1), kth_value, 0.0)
 
 
-def _zero_below(probs: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
-    return probs.masked_fill(probs < cutoff, 0.0)
+def _zero_below_(probs: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    return probs.masked_fill_(probs < cutoff, 0.0)
 
 
 def _descending(probs: torch.Tensor, length: int) -> torch.Tensor:

