@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
@@ -58,27 +59,45 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts."
-                )
+        params_list = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
+        for i, params in enumerate(params_list):
+            params_list[i] = params = params.clone()
+            params.output_kind = RequestOutputKind.FINAL_ONLY
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        request_ids = self._add_requests(prompts, params_list, lora_request, priority)
+        return self._run_engine(request_ids, use_tqdm)  # type: ignore[return-value]
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pools each prompt (the final hidden state of its last token, L2-normalised by
+        default); outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params_list = _per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
+        request_ids = self._add_requests(prompts, params_list, lora_request, None)
+        return self._run_engine(request_ids, use_tqdm)  # type: ignore[return-value]
+
+    def _add_requests(
+        self,
+        prompts: list[PromptType],
+        params_list: Sequence[SamplingParams | PoolingParams],
+        lora_request: Any,
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        """Adds every request, or none: a bad one aborts those already added."""
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                params = params.clone()
-                params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(
                     request_id,
@@ -92,7 +111,7 @@ class LLM:
             self.llm_engine.abort_request(request_ids)
             self.llm_engine.step()  # drain the abort outputs
             raise
-        return self._run_engine(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -119,8 +138,10 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool
+    ) -> list[RequestOutput | PoolingRequestOutput]:
+        results: dict[str, RequestOutput | PoolingRequestOutput] = {}
         wanted = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         with bar:
@@ -130,3 +151,19 @@ class LLM:
                         results[output.request_id] = output
                         bar.update(1)
         return [results[rid] for rid in request_ids if rid in results]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(params: Any, kind: type, num_prompts: int, name: str) -> list[Any]:
+    """One params object per prompt: a single one is shared, a sequence must match."""
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    params_list = list(params)
+    if len(params_list) != num_prompts:
+        raise ValueError(f"{name} has {len(params_list)} entries for {num_prompts} prompts.")
+    return params_list

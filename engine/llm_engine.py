@@ -28,7 +28,8 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger, StepStats
 
@@ -79,7 +80,7 @@ class LLMEngine:
         self.log_stats = log_stats
         self.stat_logger = StatLogger()
         self._seed_rng = random.Random(model_config.seed)
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[RequestOutput | PoolingRequestOutput] = []
         self._salt_counter = 0
 
     @classmethod
@@ -114,21 +115,23 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
     ) -> None:
-        """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``."""
+        """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``.
+
+        With `PoolingParams` it is a pooling request: its one output is a
+        `PoolingRequestOutput` holding the last prompt token's final hidden state."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
             raise NotImplementedError("lora_request: LoRA adapters are not supported yet.")
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams | PoolingParams):
             raise TypeError(
-                f"params must be SamplingParams, got {type(params).__name__} "
-                "(pooling requests are not supported by LLMEngine.add_request)."
+                f"params must be SamplingParams or PoolingParams, got {type(params).__name__}."
             )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {priority!r}.")
@@ -142,14 +145,29 @@ class LLMEngine:
         text, prompt_token_ids = self._process_prompt(prompt)
         self._validate(prompt_token_ids, params)
 
-        params = params.clone()
-        params.update_from_generation_config(self.config.model_config.eos_token_ids)
         salt = None
         if not self.config.cache_config.enable_prefix_caching:
             # Without prefix caching only the n samples of this prompt share blocks.
             self._salt_counter += 1
             salt = f"{request_id}/{self._salt_counter}"
         arrival = arrival_time if arrival_time is not None else time.time()
+        headers = dict(trace_headers) if trace_headers else None
+        if isinstance(params, PoolingParams):
+            pooling = Request(
+                request_id,
+                prompt_token_ids,
+                None,
+                arrival_time=arrival,
+                priority=priority,
+                cache_salt=salt,
+                trace_headers=headers,
+                pooling_params=params.clone(),
+            )
+            self.output_processor.add_pooling_request(text, pooling)
+            self.scheduler.add_request(pooling)
+            return
+        params = params.clone()
+        params.update_from_generation_config(self.config.model_config.eos_token_ids)
         samples = []
         for index in range(params.n):
             seed = (
@@ -168,7 +186,7 @@ class LLMEngine:
                     cache_salt=salt,
                     parent_id=request_id,
                     index=index,
-                    trace_headers=dict(trace_headers) if trace_headers else None,
+                    trace_headers=headers,
                 )
             )
         if any(s.request_id in self.scheduler.requests for s in samples):
@@ -200,7 +218,9 @@ class LLMEngine:
     def _encode(self, text: str) -> list[int]:
         return list(self.get_tokenizer()(text).input_ids)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(
+        self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
+    ) -> None:
         num = len(prompt_token_ids)
         model_config = self.config.model_config
         if num == 0:
@@ -224,6 +244,8 @@ class LLMEngine:
                 f"blocks of {block_size} tokens, but the whole cache has {num_blocks} blocks "
                 f"({num_blocks * block_size} tokens): it could never be scheduled."
             )
+        if isinstance(params, PoolingParams):
+            return
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > model_config.max_logprobs:
@@ -253,7 +275,7 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self.scheduler.has_unfinished_requests():
             return outputs

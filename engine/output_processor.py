@@ -2,7 +2,8 @@
 
 Owns what is about text and presentation: incremental detokenization, stop strings,
 logprob dicts, the output kind (cumulative / delta / final only) and gathering the `n`
-samples of a request back under the caller's request id.
+samples of a request back under the caller's request id. A pooling request gets one
+`PoolingRequestOutput`, when its prompt has been pooled (none if it is aborted).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -58,11 +61,18 @@ class _ParentState:
         return all(s.finish_reason is not None for s in self.samples)
 
 
+@dataclass
+class _PoolingState:
+    request: Request
+    prompt: str | None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self._parent_of: dict[str, str] = {}  # sample request id -> parent request id
+        self.pooling: dict[str, _PoolingState] = {}  # request id -> live pooling request
 
     def add_request(
         self,
@@ -82,8 +92,12 @@ class OutputProcessor:
         for r in samples:
             self._parent_of[r.request_id] = request_id
 
+    def add_pooling_request(self, prompt: str | None, request: Request) -> None:
+        self.pooling[request.request_id] = _PoolingState(request, prompt)
+
     def _new_sample_state(self, request: Request, prompt_token_ids: list[int]) -> _SampleState:
         params = request.sampling_params
+        assert params is not None
         detokenizer = None
         if self.tokenizer is not None and params.detokenize:
             detokenizer = IncrementalDetokenizer(
@@ -100,21 +114,29 @@ class OutputProcessor:
         )
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.parents
+        return request_id in self.parents or request_id in self.pooling
 
     def sample_ids(self, request_id: str) -> list[str]:
+        if request_id in self.pooling:
+            return [request_id]
         return [s.request.request_id for s in self.parents[request_id].samples]
 
     # ---- per step ---------------------------------------------------------------------
 
     def process(
         self, updated: list[Request], runner_output: ModelRunnerOutput
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns this step's outputs and the sample ids a stop string has finished (the
         caller finishes them in the scheduler)."""
         stopped_by_string: list[str] = []
         touched: dict[str, _ParentState] = {}
+        pooled: list[PoolingRequestOutput] = []
         for request in updated:
+            if request.is_pooling:
+                pooling_output = self._pooling_output(request, runner_output)
+                if pooling_output is not None:
+                    pooled.append(pooling_output)
+                continue
             parent = self.parents.get(self._parent_of.get(request.request_id, ""))
             if parent is None:
                 continue
@@ -128,8 +150,29 @@ class OutputProcessor:
                 sample, runner_output.logprobs.get(request.request_id)
             ):
                 stopped_by_string.append(request.request_id)
-        outputs = [out for p in touched.values() if (out := self._make_output(p)) is not None]
+        outputs: list[RequestOutput | PoolingRequestOutput] = [
+            out for p in touched.values() if (out := self._make_output(p)) is not None
+        ]
+        outputs.extend(pooled)
         return outputs, stopped_by_string
+
+    def _pooling_output(
+        self, request: Request, runner_output: ModelRunnerOutput
+    ) -> PoolingRequestOutput | None:
+        data = runner_output.pooled.get(request.request_id)
+        state = self.pooling.get(request.request_id)
+        if data is None or state is None or state.request is not request:
+            return None
+        del self.pooling[request.request_id]
+        return PoolingRequestOutput(
+            request_id=request.request_id,
+            outputs=PoolingOutput(data=data),
+            prompt_token_ids=request.prompt_token_ids,
+            finished=True,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            prompt=state.prompt,
+            metrics=_metrics([request]),
+        )
 
     def _update_sample(self, sample: _SampleState, logprobs: LogprobsLists | None) -> bool:
         request = sample.request
@@ -208,7 +251,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
-            metrics=_metrics(parent),
+            metrics=_metrics([s.request for s in parent.samples]),
             num_cached_tokens=max(first.num_cached_tokens, 0),
         )
 
@@ -239,7 +282,10 @@ class OutputProcessor:
     # ---- aborts -------------------------------------------------------------------------
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Marks every unfinished sample aborted; returns the final output to deliver."""
+        """Marks every unfinished sample aborted; returns the final output to deliver (none
+        for a pooling request: it has nothing to report)."""
+        if self.pooling.pop(request_id, None) is not None:
+            return None
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -255,11 +301,12 @@ class OutputProcessor:
             self._parent_of.pop(sample.request.request_id, None)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.parents)
+        return len(self.parents) + len(self.pooling)
 
 
-def _metrics(parent: _ParentState) -> RequestMetrics:
-    times = [s.request.times for s in parent.samples]
+def _metrics(requests: list[Request]) -> RequestMetrics:
+    """One request's metrics, over its samples."""
+    times = [r.times for r in requests]
     first = times[0]
 
     def earliest(values: list[float | None]) -> float | None:
@@ -276,5 +323,5 @@ def _metrics(parent: _ParentState) -> RequestMetrics:
         first_token_time=earliest([t.first_token_time for t in times]),
         time_in_queue=None if scheduled is None else scheduled - first.arrival_time,
         finished_time=max(finished) if all(f is not None for f in finished) else None,  # type: ignore[type-var]
-        num_preemptions=sum(s.request.num_preemptions for s in parent.samples),
+        num_preemptions=sum(r.num_preemptions for r in requests),
     )

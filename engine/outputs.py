@@ -1,8 +1,13 @@
-"""What the engine returns: `RequestOutput` with one `CompletionOutput` per sample (vLLM's)."""
+"""What the engine returns (vLLM's classes): `RequestOutput` with one `CompletionOutput` per
+sample for generation, `PoolingRequestOutput` for a pooling (embedding) request."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module stays importable without torch
+    import torch
 
 
 @dataclass
@@ -66,3 +71,23 @@ class RequestOutput:
     encoder_prompt_token_ids: list[int] | None = None
     lora_request: None = None
     kv_transfer_params: dict | None = field(default=None, repr=False)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt: float32, on the CPU."""
+
+    data: torch.Tensor  # [hidden_size]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The one output of a pooling request, delivered when its prompt has been computed."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None

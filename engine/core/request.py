@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -51,13 +52,16 @@ class Request:
 
     `num_computed_tokens` counts tokens whose keys/values are in the cache (or are being
     written by the step in flight). `all_token_ids` is the prompt followed by the output.
+
+    A pooling request has `pooling_params` and no `sampling_params`: it is prefill only and
+    finishes when its last prompt token has been computed.
     """
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float | None = None,
         priority: int = 0,
         seed: int = 0,
@@ -65,12 +69,16 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
         trace_headers: dict[str, str] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
+        if (sampling_params is None) == (pooling_params is None):
+            raise ValueError("A request needs exactly one of sampling_params and pooling_params.")
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index  # which of the parent's n samples this is
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.priority = priority
         self.trace_headers = trace_headers  # W3C trace context of the caller, if any
         # Seed of the counter-based sampler: fixed per request, so a request samples the
@@ -108,7 +116,18 @@ class Request:
 
     @property
     def max_tokens(self) -> int | None:
-        return self.sampling_params.max_tokens
+        return self.sampling_params.max_tokens if self.sampling_params is not None else 0
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def needs_all_prompt_positions(self) -> bool:
+        """Whether every prompt position must be computed here, so that no prefix-cache hit
+        may stand in for one: pooling reads hidden states, prompt logprobs read logits."""
+        params = self.sampling_params
+        return params is None or params.prompt_logprobs is not None
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -7,6 +7,7 @@ Both sides live in one process, so a scheduled entry carries a reference to its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.request import Request
 
@@ -31,9 +32,19 @@ class ScheduledRequest:
         return self.request.all_token_ids[start : start + self.num_new_tokens]
 
     @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so it samples."""
+    def reaches_last_token(self) -> bool:
+        """True when this step computes the request's last known token."""
         return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step samples the request's next token."""
+        return self.reaches_last_token and not self.request.is_pooling
+
+    @property
+    def pools(self) -> bool:
+        """True when this step completes a pooling request's prompt, so it is pooled."""
+        return self.reaches_last_token and self.request.is_pooling
 
 
 @dataclass
@@ -66,3 +77,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Prompt logprobs computed this step: (position of the first token covered, lists).
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    # Pooled vectors of the pooling requests whose prompt completed this step (each a
+    # float32 CPU torch.Tensor [hidden_size]; typed Any to keep this module torch-free).
+    pooled: dict[str, Any] = field(default_factory=dict)

@@ -116,11 +116,10 @@ class Scheduler:
         now = time.time()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            # Prompt logprobs need the logits of every prompt position: no prefix hits.
-            if request.sampling_params.prompt_logprobs is None:
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            else:
+            if request.needs_all_prompt_positions:
                 hit_blocks, num_hit = [], 0
+            else:
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -159,10 +158,11 @@ class Scheduler:
     # ---- update -----------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Appends sampled tokens, finishes requests that stop, frees their blocks.
+        """Appends sampled tokens, finishes requests that stop (and pooling requests that
+        were pooled), frees their blocks.
 
-        Returns the requests that produced something this step (a token or prompt
-        logprobs), finished ones included, in scheduling order.
+        Returns the requests that produced something this step (a token, prompt logprobs or
+        a pooled vector), finished ones included, in scheduling order.
         """
         now = time.time()
         max_model_len = self.config.max_model_len
@@ -171,6 +171,12 @@ class Scheduler:
             request = entry.request
             token_id = runner_output.sampled_token_ids.get(request.request_id)
             if request.is_finished():  # aborted while the step ran
+                continue
+            if request.request_id in runner_output.pooled:
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._free(request)
+                updated.append(request)
                 continue
             if token_id is None:
                 if request.request_id in runner_output.prompt_logprobs:

@@ -13,6 +13,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     `min_tokens` are out; it takes precedence over the length limits it coincides with.
     """
     params = request.sampling_params
+    assert params is not None, "pooling requests sample no token"
     if request.num_output_tokens >= params.min_tokens:
         last = request.output_token_ids[-1]
         if last in params.all_stop_token_ids:

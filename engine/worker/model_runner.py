@@ -2,8 +2,8 @@
 
 It owns the model, the per-layer KV caches and the sampler. From a `SchedulerOutput` it
 builds flat tensors (decode tokens first, then prefill chunks), runs the model, computes
-logits only where something is sampled (or prompt logprobs are asked for) and returns a
-`ModelRunnerOutput`.
+logits only where something is sampled (or prompt logprobs are asked for), pools the final
+hidden state of pooling requests whose prompt completes, and returns a `ModelRunnerOutput`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.backend import get_attention_backend
 from engine.config import CacheConfig, EngineConfig, default_cpu_kv_cache_bytes
@@ -151,10 +152,13 @@ class ModelRunner:
         )  # [num_tokens, hidden_size]
 
         sampling = [i for i, e in enumerate(batch) if e.samples]
+        pooling = [i for i, e in enumerate(batch) if e.pools]
         prompt_lp = [i for i, e in enumerate(batch) if self._wants_prompt_logprobs(e)]
         output = ModelRunnerOutput()
         if sampling:
             self._sample(batch, sampling, inputs, hidden, output)
+        if pooling:
+            self._pool(batch, pooling, inputs, hidden, output)
         for i in prompt_lp:
             self._prompt_logprobs(batch[i], inputs, i, hidden, output)
         return output
@@ -175,7 +179,7 @@ class ModelRunner:
         metadata = SamplingMetadata.build(
             [
                 SamplingRow(
-                    params=e.request.sampling_params,
+                    params=e.request.sampling_params,  # type: ignore[arg-type]
                     prompt_token_ids=e.request.prompt_token_ids,
                     output_token_ids=e.request.output_token_ids,
                     seed=e.request.seed,
@@ -195,17 +199,41 @@ class ModelRunner:
         values = result.logprobs.logprobs.tolist()
         ranks = result.logprobs.ranks.tolist()
         for row, entry in enumerate(entries):
-            k = entry.request.sampling_params.logprobs
+            k = entry.request.sampling_params.logprobs  # type: ignore[union-attr]
             if k is not None:
                 output.logprobs[entry.request_id] = LogprobsLists(
                     [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
                 )
 
+    def _pool(
+        self,
+        batch: list[ScheduledRequest],
+        rows: list[int],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """LAST-token pooling: the final normed hidden state of each prompt's last token,
+        L2-normalised where asked, as float32 on the CPU."""
+        last_token = torch.tensor(
+            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device
+        )
+        pooled = hidden[last_token].float()  # [num_rows, hidden_size]
+        normalize = torch.tensor(
+            [batch[i].request.pooling_params.normalize for i in rows],  # type: ignore[union-attr]
+            device=self.device,
+        )
+        pooled = torch.where(normalize[:, None], F.normalize(pooled, p=2.0, dim=-1), pooled)
+        for row, vector in zip(rows, pooled.cpu().unbind(0)):
+            output.pooled[batch[row].request_id] = vector  # [hidden_size]
+
     @staticmethod
     def _wants_prompt_logprobs(entry: ScheduledRequest) -> bool:
         # Positions whose logits predict a *prompt* token: p with p + 1 < num_prompt_tokens.
+        params = entry.request.sampling_params
         return (
-            entry.request.sampling_params.prompt_logprobs is not None
+            params is not None
+            and params.prompt_logprobs is not None
             and entry.num_computed_tokens + 1 < entry.request.num_prompt_tokens
         )
 
@@ -224,6 +252,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[first : first + end - start])
         logprobs = torch.log_softmax(logits, dim=-1)  # [end - start, vocab]
         targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
+        assert request.sampling_params is not None
         k = request.sampling_params.prompt_logprobs
         assert k is not None
         tensors = gather_logprobs(logprobs, targets, k)

@@ -1,0 +1,206 @@
+"""`AsyncLLMEngine`: the asyncio front of `LLMEngine`, with vLLM's API.
+
+A background thread (`engine_thread.EngineThread`) owns the `LLMEngine` and runs its step
+loop, so a forward pass never blocks the event loop. Each `generate()` / `encode()` call
+gets an `OutputStream` (an asyncio queue) that the engine thread fills; closing the
+generator or cancelling its task aborts the request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from typing import Any
+
+from engine.config import EngineArgs, EngineConfig, ModelConfig
+from engine.engine_thread import (
+    END_OF_STREAM,
+    AbortCommand,
+    AddCommand,
+    EngineDeadError,
+    EngineStats,
+    EngineThread,
+    OutputStream,
+    raise_if_dead,
+)
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]
+
+
+class AsyncLLMEngine:
+    """Serves `generate()` / `encode()` calls from asyncio tasks on one `LLMEngine`.
+
+    >>> engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=...))
+    >>> async for output in engine.generate("Hi", SamplingParams(max_tokens=8), "req-1"):
+    ...     print(output.outputs[0].text)
+    """
+
+    def __init__(self, engine: LLMEngine, start_engine_loop: bool = True) -> None:
+        self.engine = engine  # used by the engine thread only, once it has started
+        self._loop_thread = EngineThread(engine)
+        if start_engine_loop:
+            self.start_background_loop()
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, start_engine_loop: bool = True
+    ) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(engine_args), start_engine_loop=start_engine_loop)
+
+    def start_background_loop(self) -> None:
+        raise_if_dead(self._loop_thread.dead_error)
+        self._loop_thread.start()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_thread.is_alive and self._loop_thread.dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        return self._loop_thread.dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self._loop_thread.dead_error or EngineDeadError("The engine is not dead.")
+
+    async def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine loop has stopped."""
+        raise_if_dead(self._loop_thread.dead_error)
+        if not self.is_running:
+            raise EngineDeadError("The background loop is not running.")
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.engine.get_model_config()
+
+    async def get_engine_config(self) -> EngineConfig:
+        return self.engine.get_engine_config()
+
+    async def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def get_stats(self) -> EngineStats:
+        """The snapshot taken after the latest step (safe from any thread)."""
+        return self._loop_thread.stats
+
+    def num_running(self) -> int:
+        return self.get_stats().num_running
+
+    def num_waiting(self) -> int:
+        return self.get_stats().num_waiting
+
+    async def wait_until_idle(self, timeout: float = 30.0) -> None:
+        """Waits until every submitted add/abort is applied and no request is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            raise_if_dead(self._loop_thread.dead_error)
+            num_submitted = self._loop_thread.num_submitted
+            stats = self.get_stats()
+            if (
+                stats.num_commands_applied >= num_submitted
+                and stats.num_requests == stats.num_running == stats.num_waiting == 0
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"The engine is still busy after {timeout} s: {stats}.")
+            await asyncio.sleep(0.002)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams the request's outputs (as `sampling_params.output_kind` asks) until the
+        one with `finished=True`. Closing the generator or cancelling its task aborts the
+        request. Errors of `LLMEngine.add_request` are raised here unchanged."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
+            )
+        stream = self._stream_outputs(
+            prompt, sampling_params, request_id, lora_request, trace_headers, priority
+        )
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                yield output
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Yields the one `PoolingRequestOutput` of a pooling request; an aborted request
+        ends without yielding."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(
+                f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}."
+            )
+        stream = self._stream_outputs(
+            prompt, pooling_params, request_id, lora_request, trace_headers, priority
+        )
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                yield output
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Aborts requests (unknown or finished ids are ignored); their blocks are freed and
+        their generators end (`generate` with a finish_reason "abort" output)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with contextlib.suppress(EngineDeadError):
+            self._loop_thread.submit(AbortCommand(ids))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stops the engine loop. In-flight `generate` calls end with their abort output,
+        in-flight `encode` calls raise `EngineDeadError`, as do later calls."""
+        self._loop_thread.stop(timeout)
+
+    async def _stream_outputs(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        lora_request: Any,
+        trace_headers: Mapping[str, str] | None,
+        priority: int,
+    ) -> AsyncGenerator[Any, None]:
+        stream = OutputStream(request_id, asyncio.get_running_loop())
+        self._loop_thread.submit(
+            AddCommand(stream, prompt, params, time.time(), lora_request, trace_headers, priority)
+        )
+        done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is END_OF_STREAM:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    if isinstance(item, EngineDeadError):
+                        raise_if_dead(item)
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # the consumer went away (closed, cancelled): free the request
+                with contextlib.suppress(EngineDeadError):
+                    self._loop_thread.submit(AbortCommand([request_id], stream))

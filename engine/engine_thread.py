@@ -1,0 +1,302 @@
+"""The thread that owns an `LLMEngine` and runs its step loop for `AsyncLLMEngine`.
+
+Requests cross between asyncio tasks and this thread through a command queue one way and
+per-request asyncio queues (`OutputStream`) the other way::
+
+    event loop (any number of tasks)            engine thread (owns LLMEngine)
+    submit(AddCommand / AbortCommand)           loop:
+        └────────────── commands ───────────▶       apply queued adds and aborts
+                                                    outputs = engine.step()
+        stream.queue ◀── call_soon_threadsafe ──    hand each output to its stream
+
+Only this thread touches the `LLMEngine` and the request-id -> stream table; other
+threads read the `EngineStats` snapshot it publishes after every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step raised, or `shutdown()` was called): no request
+    can be served any more. `__cause__` holds the error that killed it, if one did."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine, taken by the engine thread after each step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    num_requests: int = 0  # requests whose outputs are still being delivered
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    num_commands_applied: int = 0  # adds and aborts the engine thread has taken in
+
+
+class OutputStream:
+    """Where one request's outputs go: an asyncio queue on the caller's event loop.
+
+    Items are outputs, an exception to raise in the caller, or `END_OF_STREAM`."""
+
+    __slots__ = ("loop", "queue", "request_id")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> bool:
+        """Called from the engine thread; False when the event loop is closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+
+END_OF_STREAM = object()  # the request ended with no (further) output
+
+
+@dataclass
+class AddCommand:
+    stream: OutputStream
+    prompt: PromptType
+    params: SamplingParams | PoolingParams
+    arrival_time: float
+    lora_request: Any
+    trace_headers: Mapping[str, str] | None
+    priority: int
+
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+    # Set when a consumer went away: abort only while this stream still owns the id, so a
+    # late abort never hits a newer request that reuses it.
+    stream: OutputStream | None = None
+
+
+Command = AddCommand | AbortCommand
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: deque[Command] = deque()  # guarded by _cond
+        self._num_submitted = 0  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._dead_error: EngineDeadError | None = None  # set under _cond
+        self._thread: threading.Thread | None = None
+        # Touched only by the engine thread (before start: by nobody else either).
+        self._streams: dict[str, OutputStream] = {}
+        self._aborted: list[OutputStream] = []
+        self._num_applied = 0
+        self.stats = self._snapshot()  # replaced, never mutated: safe to read anywhere
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error
+
+    @property
+    def num_submitted(self) -> int:
+        with self._cond:
+            return self._num_submitted
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("The background loop is already started.")
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Command) -> None:
+        """Queues a command for the engine thread; raises `EngineDeadError` once stopped."""
+        with self._cond:
+            raise_if_dead(self._dead_error)
+            if self._thread is None:
+                raise EngineDeadError(
+                    "The background loop is not running: call start_background_loop()."
+                )
+            self._commands.append(command)
+            self._num_submitted += 1
+            self._cond.notify()
+
+    def stop(self, timeout: float | None) -> None:
+        """Ends the loop after its current step: live requests are aborted, queued ones
+        fail with `EngineDeadError`."""
+        with self._cond:
+            self._stopping = True
+            if self._dead_error is None:
+                self._dead_error = EngineDeadError("The engine was shut down.")
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # ---- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        commands: deque[Command] = deque()  # taken from the queue, not applied yet
+        try:
+            while (batch := self._next_commands()) is not None:
+                commands.extend(batch)
+                while commands:
+                    self._apply(commands.popleft())
+                self._deliver(self.engine.step())
+                self._end_aborted_streams()
+                self.stats = self._snapshot()
+        except BaseException as exc:
+            logger.exception("The engine loop died; every request fails from now on.")
+            self._die(exc, list(commands))
+            return
+        self._close()
+
+    def _next_commands(self) -> list[Command] | None:
+        """The queued commands, waiting for one while the engine has nothing to do; None
+        once stopping."""
+        with self._cond:
+            while (
+                not self._stopping
+                and not self._commands
+                and not self.engine.has_unfinished_requests()
+            ):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _apply(self, command: Command) -> None:
+        self._num_applied += 1
+        if isinstance(command, AbortCommand):
+            for request_id in command.request_ids:
+                stream = self._streams.get(request_id)
+                if command.stream is not None and stream is not command.stream:
+                    continue
+                self.engine.abort_request(request_id)
+                if stream is not None:
+                    self._aborted.append(stream)
+            return
+        stream = command.stream
+        request_id = stream.request_id
+        if request_id in self._streams:
+            stream.put(
+                ValueError(f"request_id {request_id!r} is already in use by a live request.")
+            )
+            return
+        try:
+            self.engine.add_request(
+                request_id,
+                command.prompt,
+                command.params,
+                arrival_time=command.arrival_time,
+                lora_request=command.lora_request,
+                trace_headers=command.trace_headers,
+                priority=command.priority,
+            )
+        except Exception as exc:  # a bad request fails alone; the caller gets the error
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            if not stream.put(output) and not output.finished:
+                # Its event loop is closed: nobody will ever read this request.
+                del self._streams[output.request_id]
+                self.engine.abort_request(output.request_id)
+
+    def _end_aborted_streams(self) -> None:
+        """Aborted requests without a final output (pooling ones) end their stream here."""
+        for stream in self._aborted:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                stream.put(END_OF_STREAM)
+        self._aborted.clear()
+
+    def _die(self, exc: BaseException, unapplied: list[Command]) -> None:
+        error = EngineDeadError(f"The engine loop died: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._cond:
+            self._dead_error = error
+            commands = unapplied + list(self._commands)
+            self._commands.clear()
+        self._fail_all(commands, error)
+
+    def _close(self) -> None:
+        """Stopping: abort every live request, deliver the abort outputs, fail the rest."""
+        with self._cond:
+            commands = list(self._commands)
+            self._commands.clear()
+        error = self._dead_error or EngineDeadError("The engine was shut down.")
+        try:
+            self.engine.abort_request(list(self._streams))
+            self._deliver(self.engine.step())
+        except Exception:
+            logger.exception("Aborting the live requests at shutdown failed.")
+        self._fail_all(commands, error)
+        self.stats = self._snapshot()
+
+    def _fail_all(self, commands: list[Command], error: EngineDeadError) -> None:
+        streams = list(self._streams.values())
+        streams += [c.stream for c in commands if isinstance(c, AddCommand)]
+        self._streams.clear()
+        for stream in streams:
+            stream.put(error)
+
+    def _snapshot(self) -> EngineStats:
+        engine = self.engine
+        kv = engine.kv_cache_manager
+        return EngineStats(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_free_blocks=kv.get_num_free_blocks(),
+            num_total_blocks=kv.num_blocks,
+            kv_cache_usage=kv.usage,
+            num_requests=len(self._streams),
+            num_prompt_tokens_total=engine.stat_logger.total_prompt_tokens,
+            num_generation_tokens_total=engine.stat_logger.total_generation_tokens,
+            num_preemptions_total=engine.scheduler.num_preemptions_total,
+            num_commands_applied=self._num_applied,
+        )
+
+
+def raise_if_dead(error: EngineDeadError | None) -> None:
+    """Raises a fresh copy of `error` (one per caller, so tracebacks do not pile up)."""
+    if error is not None:
+        raise EngineDeadError(str(error)) from error.__cause__
