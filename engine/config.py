@@ -27,6 +27,12 @@ class ModelConfig:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def served_model_name(self) -> str:
+        """The name reported in traces and model info: what was asked for, else the
+        directory's name."""
+        return self.model or self.model_dir.name
+
+    @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
@@ -111,6 +117,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass
@@ -136,6 +143,7 @@ class EngineArgs:
     attention_backend: str | None = None
     max_logprobs: int = 20
     disable_log_stats: bool = True
+    otlp_traces_endpoint: str | None = None  # export llm_request spans here (OTLP)
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model

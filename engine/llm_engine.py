@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import (
@@ -27,15 +29,33 @@ from engine.config import (
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.metrics import EngineMetrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger, StepStats
+from engine.tracing import (
+    RequestTracer,
+    TraceInfo,
+    contains_trace_headers,
+    init_tracer_provider,
+    tracing_is_configured,
+)
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | Mapping[str, Any]
+
+
+@dataclass
+class _LiveRequest:
+    params: SamplingParams | PoolingParams
+    trace_headers: Mapping[str, str] | None
+    samples: list[Request]
+    traced: bool
+
+
 _SEED_MASK = (1 << 63) - 1
 _STATS_INTERVAL_S = 10.0
 
@@ -82,6 +102,13 @@ class LLMEngine:
         self._seed_rng = random.Random(model_config.seed)
         self._pending_outputs: list[RequestOutput | PoolingRequestOutput] = []
         self._salt_counter = 0
+        if config.otlp_traces_endpoint:
+            service = os.environ.get("OTEL_SERVICE_NAME", "pagedserve-engine")
+            init_tracer_provider(config.otlp_traces_endpoint, service)
+        self.tracing_enabled = tracing_is_configured()
+        self.request_tracer = RequestTracer(model_config.served_model_name)
+        self.metrics = EngineMetrics(model_config.served_model_name)
+        self._live: dict[str, _LiveRequest] = {}  # until the final output is returned
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -165,6 +192,7 @@ class LLMEngine:
             )
             self.output_processor.add_pooling_request(text, pooling)
             self.scheduler.add_request(pooling)
+            self._track(request_id, headers, params, [pooling])
             return
         params = params.clone()
         params.update_from_generation_config(self.config.model_config.eos_token_ids)
@@ -194,6 +222,13 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, prompt_token_ids, params, samples)
         for sample in samples:
             self.scheduler.add_request(sample)
+        self._track(request_id, headers, params, samples)
+
+    def _track(self, request_id, headers, params, samples: list[Request]) -> None:
+        """Remembers what the request's metrics and span need once it finishes. A span is
+        recorded when the caller sent trace context or a tracer provider is configured."""
+        traced = contains_trace_headers(headers) or self.tracing_enabled
+        self._live[request_id] = _LiveRequest(params, headers, samples, traced)
 
     def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -266,6 +301,8 @@ class LLMEngine:
             final = self.output_processor.abort_request(rid)
             if final is not None:
                 self._pending_outputs.append(final)
+            else:  # an aborted pooling request ends without an output
+                self._live.pop(rid, None)
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -277,18 +314,41 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return outputs
-        runner_output = self.runner.execute(scheduler_output)
-        updated = self.scheduler.update(scheduler_output, runner_output)
-        step_outputs, stopped = self.output_processor.process(updated, runner_output)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs.extend(step_outputs)
-        self._record_stats(scheduler_output, runner_output)
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                runner_output = self.runner.execute(scheduler_output)
+                updated = self.scheduler.update(scheduler_output, runner_output)
+                step_outputs, stopped = self.output_processor.process(updated, runner_output)
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                outputs.extend(step_outputs)
+                self._record_stats(scheduler_output, runner_output)
+        self._finish_outputs(outputs)
         return outputs
+
+    def _finish_outputs(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+        """Metrics and the `llm_request` span of each request that finished this step."""
+        for output in outputs:
+            live = self._live.pop(output.request_id, None) if output.finished else None
+            if live is None or output.metrics is None:
+                continue
+            num_generated = sum(r.num_output_tokens for r in live.samples)
+            m = output.metrics
+            completions = output.outputs if isinstance(output, RequestOutput) else []
+            self.metrics.record_finished(
+                [c.finish_reason or "stop" for c in completions] or ["stop"],
+                len(output.prompt_token_ids),
+                num_generated,
+                m.arrival_time,
+                m.first_scheduled_time,
+                m.first_token_time,
+                m.finished_time,
+            )
+            if live.traced:
+                preemptions = sorted(t for r in live.samples for t in r.times.preemption_times)
+                self.request_tracer.record(
+                    output, TraceInfo(live.trace_headers, live.params, preemptions), num_generated
+                )
 
     def _record_stats(self, scheduler_output, runner_output) -> None:
         num_prompt = sum(
@@ -296,9 +356,19 @@ class LLMEngine:
             for e in scheduler_output.scheduled
             if e.num_computed_tokens < e.request.num_prompt_tokens
         )
-        self.stat_logger.record_step(StepStats(num_prompt, len(runner_output.sampled_token_ids)))
+        num_generated = len(runner_output.sampled_token_ids)
+        self.stat_logger.record_step(StepStats(num_prompt, num_generated))
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         self.stat_logger.record_prefix_cache(prefix.queries, prefix.hits)
+        m = self.metrics
+        m.num_requests_running.set(len(self.scheduler.running))
+        m.num_requests_waiting.set(len(self.scheduler.waiting))
+        m.kv_cache_usage.set(self.kv_cache_manager.usage)
+        m.num_preemptions.inc(len(scheduler_output.preempted_request_ids))
+        m.prefix_cache_queries.inc(prefix.queries)
+        m.prefix_cache_hits.inc(prefix.hits)
+        m.prompt_tokens.inc(num_prompt)
+        m.generation_tokens.inc(num_generated)
         if self.log_stats and time.monotonic() - self.stat_logger.last_log_time > _STATS_INTERVAL_S:
             self.do_log_stats()
 

@@ -67,12 +67,12 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        if self.temperature < _SAMPLING_EPS and self.temperature >= 0:
-            # Greedy: the other sampling knobs have no effect (as in vLLM).
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect (as in vLLM), once checked.
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
-        self._verify()
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:

@@ -41,16 +41,18 @@ def make_tiny_llama(
     rope_theta: float = 10000.0,
     attention_bias: bool = False,
     mlp_bias: bool = False,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Saves a random-weight `transformers.LlamaForCausalLM` (fp32 safetensors) to `path`.
 
-    Weights use initializer_range 0.15 so logits are peaky (greedy choices are not near-ties).
-    `vocab_size` defaults to 128, or 49152 with `with_tokenizer=True`, which copies the default
-    model's tokenizer files (converting the default model into the user cache on first use)
-    and requires that vocabulary size. `rope_scaling` is a Hugging Face rope dict such as
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64}. bos/eos are ids 1/2, as in SmolLM2.
-    Returns `path` as a Path.
+    Weights use initializer_range 0.15 so logits are peaky (greedy choices are not near-ties);
+    norm weights and biases are randomized too, so a loader that drops them is caught.
+    `vocab_size` defaults to 128, or 49152 with `with_tokenizer=True`, which copies the
+    tokenizer files of `tokenizer_dir` (default: the converted default model, converted into
+    the user cache on first use) and requires that vocabulary size. `rope_scaling` is a
+    Hugging Face rope dict (without rope_theta), e.g. {"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}.
+    bos/eos are ids 1/2, as in SmolLM2. Returns `path` as a Path.
     """
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -79,17 +81,24 @@ def make_tiny_llama(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
     model.save_pretrained(path)
     if with_tokenizer:
-        _copy_default_tokenizer(path)
+        _copy_tokenizer(Path(tokenizer_dir) if tokenizer_dir else None, path)
     return path
 
 
-def _copy_default_tokenizer(dest: Path) -> None:
-    from engine.models.loader import resolve_model
+def _copy_tokenizer(source: Path | None, dest: Path) -> None:
+    if source is None:
+        from engine.models.loader import resolve_model
 
-    source = resolve_model(None)
+        source = resolve_model(None)
     for file in source.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_")):
             shutil.copy2(file, dest / file.name)

@@ -1,15 +1,20 @@
 """Pure-torch paged attention: runs on any device, the CPU default.
 
-Decode requests are attended together: their blocks are gathered into one padded batch and
-one masked SDPA call covers them all. Prefill chunks go one request at a time, each with a
-causal mask shifted by its cached context (query token i sits at absolute position
-seq_len - query_len + i)::
+Decode requests (one query token each) are attended together: their blocks are gathered
+into one padded batch ``[num_decodes, max_seq_len, num_kv_heads, head_dim]`` and attended
+with plain matmuls, query heads grouped by the KV head they share (on CPU this beats SDPA
+several times over for a single query token). Padded positions are masked, not skipped, so
+the cache must hold finite values everywhere (allocate it with zeros, not empty).
+
+Prefill chunks go one request at a time through SDPA, each with a causal mask shifted by
+its cached context (query token i sits at absolute position seq_len - query_len + i)::
 
     keys:     0 1 2 3 4 5      seq_len = 6, query_len = 2, cached = 4
     query 0:  x x x x x .      sees keys j <= cached + 0
     query 1:  x x x x x x      sees keys j <= cached + 1
 
-Loop bounds come from the metadata's host lists, so nothing syncs with the device.
+Loop bounds come from the metadata's host lists, so nothing syncs with the device. A backend
+instance keeps one reusable gather buffer: use one instance per model runner (thread).
 """
 
 from __future__ import annotations
@@ -95,16 +100,16 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _scatter_kv(
-    key: torch.Tensor,  # [n, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [n, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [n] int64, all >= 0
-) -> None:
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+# Bounds the gathered keys/values of one decode group; larger batches are split. On CPU a
+# group small enough to stay in cache between the gather and the matmuls that read it back
+# runs 20-30% faster than one big gather (measured at 256-512 tokens of context); elsewhere
+# fewer, larger groups mean fewer kernel launches.
+_MAX_GATHER_BYTES_CPU = 8 << 20
+_MAX_GATHER_BYTES = 256 << 20
+# Below this many gathered tokens (all decodes x context) the per-KV-head loop costs more in
+# op overhead than the one key copy the grouped matmul makes.
+_MIN_TOKENS_FOR_HEAD_LOOP = 2048
+_MAX_KV_HEADS_FOR_HEAD_LOOP = 8
 
 
 class _Workspace:
@@ -124,18 +129,19 @@ class _Workspace:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
         seq_len: int,
-    ) -> torch.Tensor:  # [2, num_reqs, num_kv_heads, seq_len, head_dim]
+    ) -> torch.Tensor:  # [2, num_reqs, seq_len, num_kv_heads, head_dim]
         """Each request's first `seq_len` keys and values, read through its block table."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_reqs = block_tables.shape[0]
         blocks_per_req = -(-seq_len // block_size)
         block_ids = block_tables[:, :blocks_per_req].flatten()  # [R * nb]
-        rows = (2, num_reqs * blocks_per_req, block_size * num_kv_heads * head_dim)
-        out = self._take(rows[0] * rows[1] * rows[2], kv_cache).view(rows)
-        flat = kv_cache.view(2, num_blocks, rows[2])  # [2, num_blocks, block_size * Hkv * D]
+        row = block_size * num_kv_heads * head_dim
+        numel = 2 * num_reqs * blocks_per_req * row
+        out = self._take(numel, kv_cache).view(2, num_reqs * blocks_per_req, row)
+        flat = kv_cache.view(2, num_blocks, row)  # [2, num_blocks, block_size * Hkv * D]
         torch.index_select(flat, 1, block_ids, out=out)  # [2, R * nb, block_size * Hkv * D]
         kv = out.view(2, num_reqs, blocks_per_req * block_size, num_kv_heads, head_dim)
-        return kv[:, :, :seq_len].transpose(2, 3)  # [2, R, Hkv, seq_len, D]
+        return kv[:, :, :seq_len]  # [2, R, seq_len, Hkv, D]
 
     def _take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         buffer = self._buffer
@@ -150,36 +156,98 @@ class _Workspace:
         return buffer[:numel]
 
 
+def _scatter_kv(
+    key: torch.Tensor,  # [n, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [n, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [n] int64, all >= 0
+) -> None:
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
 def _decode(
     query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
     workspace: _Workspace,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+    """The decode requests in groups whose gathered context fits `_MAX_GATHER_BYTES`."""
     num_decodes = query.shape[0]
     seq_lens = metadata.seq_lens_cpu[:num_decodes]
+    token_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.element_size()
+    max_bytes = _MAX_GATHER_BYTES_CPU if kv_cache.device.type == "cpu" else _MAX_GATHER_BYTES
+    group = max(1, max_bytes // (max(seq_lens) * token_bytes))
+    if group >= num_decodes:
+        return _decode_group(query, kv_cache, metadata, scale, workspace, 0, num_decodes)
+    out = query.new_empty(query.shape)  # [num_decodes, num_heads, head_dim]
+    for start in range(0, num_decodes, group):
+        end = min(start + group, num_decodes)
+        out[start:end] = _decode_group(
+            query[start:end], kv_cache, metadata, scale, workspace, start, end
+        )
+    return out
+
+
+def _decode_group(
+    query: torch.Tensor,  # [R, num_heads, head_dim], requests start..end
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+    workspace: _Workspace,
+    start: int,
+    end: int,
+) -> torch.Tensor:  # [R, num_heads, head_dim]
+    """One query token per request against its padded, gathered context.
+
+    Plain matmuls beat SDPA's CPU kernels several times over for one query token. Query
+    heads are grouped by the KV head they share (GQA), so keys are never repeated.
+    """
+    num_reqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group_size = num_heads // num_kv_heads
+    seq_lens = metadata.seq_lens_cpu[start:end]
     max_len = max(seq_lens)
-    kv = workspace.gather_kv(kv_cache, metadata.block_tables[:num_decodes], max_len)
-    mask = None
+    kv = workspace.gather_kv(kv_cache, metadata.block_tables[start:end], max_len)
+    key, value = kv[0], kv[1]  # [R, max_len, Hkv, D]
+    q = (query * scale).view(num_reqs, num_kv_heads, group_size, head_dim)  # [R, Hkv, G, D]
+    pad = None
     if min(seq_lens) != max_len:
         positions = torch.arange(max_len, device=query.device)  # [max_len]
-        lens = metadata.seq_lens[:num_decodes, None]  # [num_decodes, 1]
-        mask = (positions < lens)[:, None, None, :]  # [num_decodes, 1, 1, max_len]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [num_decodes, H, 1, D]
-        kv[0],  # [num_decodes, Hkv, max_len, D]
-        kv[1],
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )  # [num_decodes, H, 1, D]
-    return out.squeeze(2)
+        pad = positions >= metadata.seq_lens[start:end, None]  # [R, max_len]
+    if num_kv_heads == 1 or (
+        num_kv_heads <= _MAX_KV_HEADS_FOR_HEAD_LOOP
+        and num_reqs * max_len >= _MIN_TOKENS_FOR_HEAD_LOOP
+    ):
+        # Per KV head, the strided key/value views go to bmm as they are: no copy.
+        out = query.new_empty(num_reqs, num_kv_heads, group_size, head_dim)  # [R, Hkv, G, D]
+        for h in range(num_kv_heads):
+            scores = torch.bmm(q[:, h], key[:, :, h].transpose(1, 2))  # [R, G, max_len]
+            probs = _softmax(scores, None if pad is None else pad[:, None, :])
+            out[:, h] = torch.bmm(probs, value[:, :, h])  # [R, G, D]
+    else:
+        # One grouped matmul; it copies the keys into head-major order first.
+        scores = torch.matmul(q, key.permute(0, 2, 3, 1))  # [R, Hkv, G, max_len]
+        probs = _softmax(scores, None if pad is None else pad[:, None, None, :])
+        out = torch.matmul(probs, value.transpose(1, 2))  # [R, Hkv, G, D]
+    return out.view(num_reqs, num_heads, head_dim)
+
+
+def _softmax(scores: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim in fp32 (as transformers does), padded keys masked out."""
+    if pad is not None:
+        scores = scores.masked_fill(pad, float("-inf"))
+    if scores.dtype == torch.float32:
+        return scores.softmax(-1)
+    return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
 
 
 def _prefill_one(
     query: torch.Tensor,  # [query_len, num_heads, head_dim]
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
     req: int,
@@ -187,25 +255,26 @@ def _prefill_one(
     value: torch.Tensor | None,
     workspace: _Workspace,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """One request's prefill chunk, causal over its cached context plus the chunk."""
     query_len = query.shape[0]
     seq_len = metadata.seq_lens_cpu[req]
     num_cached = seq_len - query_len
     if num_cached == 0 and key is not None and value is not None:
         # No cached context: the keys are exactly this step's, no need to read the cache.
         start = metadata.query_start_loc_cpu[req]
-        k = key[start : start + query_len].transpose(0, 1)  # [Hkv, query_len, D]
-        v = value[start : start + query_len].transpose(0, 1)
+        k = key[start : start + query_len]  # [query_len, Hkv, D]
+        v = value[start : start + query_len]
     else:
         kv = workspace.gather_kv(kv_cache, metadata.block_tables[req : req + 1], seq_len)
-        k, v = kv[0, 0], kv[1, 0]  # [Hkv, seq_len, D]
+        k, v = kv[0, 0], kv[1, 0]  # [seq_len, Hkv, D]
     mask = None
     if num_cached > 0:
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device)
         mask = mask.tril_(diagonal=num_cached)  # [query_len, seq_len]
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),  # [H, query_len, D]
-        k,
-        v,
+        k.transpose(0, 1),  # [Hkv, seq_len, D]
+        v.transpose(0, 1),
         attn_mask=mask,
         is_causal=num_cached == 0,
         scale=scale,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ class RequestTimes:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
 
 
 class Request:

@@ -152,6 +152,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.times.preemption_times.append(time.time())
         self.num_preemptions_total += 1
         self.waiting.add_preempted(request)
 

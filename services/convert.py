@@ -1,0 +1,150 @@
+"""Converters between the protos and the engine's objects: pure functions, no I/O.
+
+Field names of `pagedserve.v1.SamplingParams` are those of `engine.SamplingParams`, so the
+conversion is by name; an unset (`optional`) field is left to the engine's default.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+from engine import Logprob, RequestOutput, SamplingParams
+from pagedserve.v1 import common_pb2, engine_pb2
+
+# The scalar `optional` fields (those with presence), in proto order.
+SAMPLING_SCALAR_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields if f.has_presence
+)
+FINISH_REASONS: dict[str | None, int] = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_NO_RANK = 1 << 30  # sorts a rank-less entry last
+
+
+# ---- sampling parameters ----------------------------------------------------------------
+
+
+def sampling_kwargs_from_proto(msg: common_pb2.SamplingParams) -> dict[str, object]:
+    """The fields the caller set, as `engine.SamplingParams` keyword arguments."""
+    kwargs: dict[str, object] = {
+        name: getattr(msg, name) for name in SAMPLING_SCALAR_FIELDS if msg.HasField(name)
+    }
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    return kwargs
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams, **extra: object) -> SamplingParams:
+    """`engine.SamplingParams` from the proto; `extra` sets fields the proto lacks (such as
+    `output_kind`). Raises ValueError naming the field for an invalid value."""
+    return SamplingParams(**{**sampling_kwargs_from_proto(msg), **extra})  # type: ignore[arg-type]
+
+
+def sampling_params_to_proto(
+    params: SamplingParams, *, include_stop: bool = True
+) -> common_pb2.SamplingParams:
+    """Every field set (None stays unset); `include_stop=False` leaves stop strings out (the
+    tokenizer service applies them itself)."""
+    msg = common_pb2.SamplingParams()
+    for name in SAMPLING_SCALAR_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    msg.stop_token_ids.extend(params.stop_token_ids or [])
+    if include_stop:
+        msg.stop.extend(params.stop or [])  # type: ignore[arg-type]
+    return msg
+
+
+# ---- outputs ----------------------------------------------------------------------------
+
+
+def stop_reason_to_proto(reason: int | str | None) -> common_pb2.StopReason | None:
+    if reason is None:
+        return None
+    if isinstance(reason, str):
+        return common_pb2.StopReason(text=reason)
+    return common_pb2.StopReason(token_id=reason)
+
+
+def position_logprobs_to_proto(
+    position: Mapping[int, Logprob] | None, num_top: int
+) -> common_pb2.PositionLogprobs:
+    """One position's logprobs. The engine's dict holds the chosen token first, then the
+    top-k (the chosen one not repeated); `top` is the k most likely, the chosen one included
+    when it is among them. None (the first prompt position) gives an empty message."""
+    msg = common_pb2.PositionLogprobs()
+    if not position:
+        return msg
+    entries = [
+        common_pb2.TokenLogprob(token_id=tid, logprob=lp.logprob, rank=lp.rank or 0)
+        for tid, lp in position.items()
+    ]
+    msg.chosen.CopyFrom(entries[0])
+    top = sorted(entries, key=lambda e: e.rank or _NO_RANK)
+    msg.top.extend(e for e in top if 0 < e.rank <= num_top)
+    return msg
+
+
+class EngineResponseBuilder:
+    """Turns one request's DELTA `RequestOutput`s into `EngineGenerateResponse`s: one
+    message per changed output index, with the running completion-token count."""
+
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.num_logprobs = params.logprobs or 0
+        self.num_prompt_logprobs = params.prompt_logprobs or 0
+        self.num_completion_tokens: defaultdict[int, int] = defaultdict(int)
+        self.finish_reasons: dict[int, str] = {}  # index -> "stop" / "length" / "abort"
+        self.pending_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
+
+    def build(self, output: RequestOutput) -> list[engine_pb2.EngineGenerateResponse]:
+        if output.prompt_logprobs:
+            self.pending_prompt_logprobs += [
+                position_logprobs_to_proto(p, self.num_prompt_logprobs)
+                for p in output.prompt_logprobs
+            ]
+        num_prompt = len(output.prompt_token_ids)
+        num_cached = output.num_cached_tokens or 0
+        responses = []
+        for completion in output.outputs:
+            index = completion.index
+            self.num_completion_tokens[index] += len(completion.token_ids)
+            if completion.finish_reason is not None:
+                self.finish_reasons[index] = completion.finish_reason
+            msg = engine_pb2.EngineGenerateResponse(
+                request_id=self.request_id,
+                index=index,
+                token_ids=completion.token_ids,
+                finish_reason=FINISH_REASONS[completion.finish_reason],  # type: ignore[arg-type]
+                usage=common_pb2.Usage(
+                    prompt_tokens=num_prompt,
+                    completion_tokens=self.num_completion_tokens[index],
+                    cached_tokens=num_cached,
+                ),
+            )
+            if completion.logprobs:
+                msg.logprobs.extend(
+                    position_logprobs_to_proto(p, self.num_logprobs) for p in completion.logprobs
+                )
+            if completion.cumulative_logprob is not None:
+                msg.cumulative_logprob = completion.cumulative_logprob
+            stop_reason = stop_reason_to_proto(completion.stop_reason)
+            if stop_reason is not None:
+                msg.stop_reason.CopyFrom(stop_reason)
+            if self.pending_prompt_logprobs:
+                msg.prompt_logprobs.extend(self.pending_prompt_logprobs)
+                self.pending_prompt_logprobs = []
+            responses.append(msg)
+        return responses
+
+
+def token_ids_prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
+    """The engine's prompt form for pre-tokenized input."""
+    return {"prompt_token_ids": list(token_ids)}

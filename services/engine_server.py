@@ -1,0 +1,262 @@
+"""The engine service: `pagedserve.v1.EngineService` over one `AsyncLLMEngine`.
+
+Token ids in, token-id deltas out; it never sees text (the engine runs with
+`skip_tokenizer_init=True`). One stream per request:
+
+    EngineGenerateRequest ──▶ engine.generate(..., output_kind=DELTA, detokenize=False)
+    EngineGenerateResponse ◀── one message per changed output index per engine step
+
+When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
+engine's generator then aborts the request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine import (
+    AsyncLLMEngine,
+    EngineConfig,
+    EngineDeadError,
+    PoolingParams,
+    RequestOutputKind,
+)
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services import convert
+from services.errors import ServiceError, invalid_argument, rpc_method
+from services.grpc_server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ENGINE_SERVICE,
+    HealthReporter,
+    bind,
+    create_server,
+    enable_reflection,
+    trace_headers,
+)
+from services.limits import RequestRegistry
+
+logger = logging.getLogger("services.engine")
+
+_ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+@dataclass
+class EngineServerConfig:
+    address: str = "127.0.0.1:50052"
+    max_inflight_requests: int = 1024  # more → RESOURCE_EXHAUSTED
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
+
+
+def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
+    model, cache, hf = config.model_config, config.cache_config, config.model_config.hf_config
+    return common_pb2.ModelInfo(
+        model=model.model or "",  # empty: the default model
+        architecture=(getattr(hf, "architectures", None) or [""])[0],
+        vocab_size=model.vocab_size,
+        max_model_len=model.max_model_len,
+        eos_token_ids=sorted(model.eos_token_ids),
+        dtype=model.dtype,
+        device=config.device_config.device,
+        block_size=cache.block_size,
+        num_kv_blocks=cache.num_blocks,
+        hidden_size=int(hf.hidden_size),
+    )
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Thin: proto → engine call → proto; errors become statuses in `services.errors`."""
+
+    def __init__(self, health: HealthReporter, max_inflight_requests: int) -> None:
+        self.health = health
+        self.engine: AsyncLLMEngine | None = None
+        self.model_info = common_pb2.ModelInfo()
+        self.requests: RequestRegistry[None] = RequestRegistry(max_inflight_requests)
+
+    def _ready_engine(self) -> AsyncLLMEngine:
+        if self.engine is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine is still loading")
+        return self.engine
+
+    @rpc_method
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
+        engine = self._ready_engine()
+        request_id = _check_request_id(request.request_id)
+        params = convert.sampling_params_from_proto(
+            request.sampling_params, output_kind=RequestOutputKind.DELTA, detokenize=False
+        )
+        builder = convert.EngineResponseBuilder(request_id, params)
+        start = time.perf_counter()
+        with self.requests.admit(request_id, None):
+            stream = engine.generate(
+                convert.token_ids_prompt(request.prompt_token_ids),
+                params,
+                request_id,
+                trace_headers=trace_headers(request.trace_headers, context) or None,
+                priority=request.priority,
+            )
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    for response in builder.build(output):
+                        await context.write(response)
+        logger.info(
+            "request finished",
+            extra={
+                "request_id": request_id,
+                "prompt_tokens": len(request.prompt_token_ids),
+                "completion_tokens": sum(builder.num_completion_tokens.values()),
+                "finish_reasons": ",".join(r for _, r in sorted(builder.finish_reasons.items())),
+                "seconds": round(time.perf_counter() - start, 3),
+            },
+        )
+
+    @rpc_method
+    async def Encode(
+        self, request: engine_pb2.EngineEncodeRequest, context: Any
+    ) -> engine_pb2.EngineEncodeResponse:
+        engine = self._ready_engine()
+        request_id = _check_request_id(request.request_id)
+        pooling = request.pooling_params
+        normalize = pooling.normalize if pooling.HasField("normalize") else True
+        params = PoolingParams(normalize=normalize)
+        final = None
+        with self.requests.admit(request_id, None):
+            stream = engine.encode(
+                convert.token_ids_prompt(request.prompt_token_ids),
+                params,
+                request_id,
+                trace_headers=trace_headers(request.trace_headers, context) or None,
+                priority=request.priority,
+            )
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    final = output
+        if final is None:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
+        return engine_pb2.EngineEncodeResponse(
+            request_id=request_id,
+            embedding=final.outputs.data.tolist(),
+            usage=common_pb2.Usage(
+                prompt_tokens=len(final.prompt_token_ids), cached_tokens=final.num_cached_tokens
+            ),
+        )
+
+    @rpc_method
+    async def Abort(self, request: common_pb2.AbortRequest, context: Any) -> Any:
+        live = [rid for rid in dict.fromkeys(request.request_ids) if rid in self.requests]
+        if live:
+            await self._ready_engine().abort(live)
+            logger.info("aborted", extra={"request_ids": ",".join(live)})
+        return common_pb2.AbortResponse(aborted_request_ids=live)
+
+    @rpc_method
+    async def Health(self, request: common_pb2.HealthRequest, context: Any) -> Any:
+        details = {"num_inflight_streams": str(len(self.requests))}
+        if self.engine is None:
+            return common_pb2.HealthResponse(healthy=False, status="NOT_SERVING", details=details)
+        try:
+            await self.engine.check_health()
+            healthy = True
+        except EngineDeadError as exc:
+            healthy, details["error"] = False, str(exc)
+        stats = self.engine.get_stats()
+        details.update(
+            model=self.model_info.model,
+            num_running_requests=str(stats.num_running),
+            num_waiting_requests=str(stats.num_waiting),
+            num_engine_requests=str(stats.num_requests),
+            num_kv_blocks=str(stats.num_total_blocks),
+            num_free_kv_blocks=str(stats.num_free_blocks),
+            kv_cache_usage=f"{stats.kv_cache_usage:.4f}",
+            num_preemptions_total=str(stats.num_preemptions_total),
+        )
+        healthy = healthy and self.health.serving
+        status = "SERVING" if healthy else "NOT_SERVING"
+        return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)
+
+    @rpc_method
+    async def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: Any
+    ) -> common_pb2.ModelInfo:
+        self._ready_engine()
+        return self.model_info
+
+
+def _check_request_id(request_id: str) -> str:
+    if not request_id:
+        raise invalid_argument("request_id must not be empty")
+    return request_id
+
+
+class EngineServer:
+    """One gRPC server for one engine. `start()` answers health (NOT_SERVING) at once;
+    `attach_engine()` makes it serve, so a model can load while probes get answers."""
+
+    def __init__(self, config: EngineServerConfig) -> None:
+        self.config = config
+        self.server = create_server(config.max_message_bytes)
+        self.health = HealthReporter(self.server, [ENGINE_SERVICE])
+        self.servicer = EngineServicer(self.health, config.max_inflight_requests)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
+        enable_reflection(self.server, [ENGINE_SERVICE])
+        self.port = 0
+        self.engine_dead = asyncio.Event()
+        self._watch_task: asyncio.Task[None] | None = None
+
+    @property
+    def engine(self) -> AsyncLLMEngine | None:
+        return self.servicer.engine
+
+    async def start(self) -> int:
+        """Starts listening; returns the bound port."""
+        self.port = bind(self.server, self.config.address)
+        await self.health.set_serving(False, "loading")
+        await self.server.start()
+        logger.info(
+            "engine service listening", extra={"address": self.config.address, "port": self.port}
+        )
+        return self.port
+
+    async def attach_engine(self, engine: AsyncLLMEngine) -> None:
+        self.servicer.model_info = model_info_from_config(await engine.get_engine_config())
+        self.servicer.engine = engine
+        await self.health.set_serving(not engine.errored, "engine ready")
+        self._watch_task = asyncio.create_task(self._watch_engine(engine))
+
+    async def _watch_engine(self, engine: AsyncLLMEngine) -> None:
+        """A dead engine turns health NOT_SERVING (the process should be restarted)."""
+        while not engine.errored:
+            await asyncio.sleep(_ENGINE_WATCH_INTERVAL_S)
+        await self.health.set_serving(False, f"engine dead: {engine.dead_error}")
+        self.engine_dead.set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops taking requests; in-flight streams get `grace` seconds to finish, then
+        the engine aborts them (their streams end with finish_reason ABORT)."""
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        await self.health.shutdown()
+        aborter = asyncio.create_task(self._abort_all_after(grace * 0.8))
+        try:
+            await self.server.stop(grace)
+        finally:
+            aborter.cancel()
+            if self._watch_task is not None:
+                self._watch_task.cancel()
+        logger.info("engine service stopped", extra={"port": self.port})
+
+    async def _abort_all_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        live = [rid for rid, _ in self.servicer.requests.items()]
+        if live and self.engine is not None:
+            logger.info("shutdown: aborting in-flight requests", extra={"count": len(live)})
+            await self.engine.abort(live)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()

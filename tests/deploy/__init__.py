@@ -1,0 +1,1 @@
+"""Deployment: docker-compose.yml, the images and the container health probe."""
