@@ -8,6 +8,8 @@ submitted at once to `LLM.generate`. With `--hf-baseline` the same prompts run t
 Face `generate` (static batches of `--hf-batch-size`, left-padded, greedy, exactly
 `--output-len` new tokens) in this process, and the ratio is printed. `--single-stream` also
 times one request alone (batch 1) on both. Peak resident memory is reported after each phase.
+`--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
+its draft acceptance is printed.
 """
 
 from __future__ import annotations
@@ -94,6 +96,13 @@ def main() -> int:
     parser.add_argument("--hf-baseline", action="store_true", help="also run HF generate")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--single-stream", action="store_true", help="also time batch 1")
+    parser.add_argument(
+        "--speculative-ngram",
+        type=int,
+        default=0,
+        metavar="K",
+        help="n-gram speculative decoding with K draft tokens in our engine (0: off)",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
@@ -104,6 +113,11 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        speculative_config=(
+            {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
+            if args.speculative_ngram
+            else None
+        ),
     )
     config = llm.llm_engine.get_model_config()
     prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
@@ -121,6 +135,11 @@ def main() -> int:
         elapsed = run_engine(llm, prompts[:1], args.output_len)
         results.append(report("pagedserve batch 1", elapsed, 1, args.input_len, args.output_len))
 
+    if args.speculative_ngram:
+        scheduler = llm.llm_engine.scheduler
+        drafted, accepted = scheduler.num_draft_tokens, scheduler.num_accepted_draft_tokens
+        rate = 100.0 * accepted / drafted if drafted else 0.0
+        print(f"speculative drafts: {accepted}/{drafted} accepted ({rate:.1f}%)")
     if args.hf_baseline or args.single_stream:
         from transformers import AutoModelForCausalLM
 

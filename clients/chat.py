@@ -1,4 +1,4 @@
-"""A small synchronous client: stream one chat answer and print it as it arrives.
+"""Stream one chat answer and print it as it arrives (the `pagedserve serve` demo).
 
 from clients.chat import stream_chat
 stream_chat("localhost:50051", "What is the capital of France?")
@@ -10,9 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-import grpc
-
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from clients.client import Client
 
 
 @dataclass
@@ -32,24 +30,17 @@ def stream_chat(
     timeout: float | None = None,
 ) -> ChatAnswer:
     """Sends `prompt` as one user message; writes each text delta to `out` as it streams."""
-    request = generation_pb2.GenerateRequest(
-        chat=generation_pb2.ChatInput(
-            messages=[generation_pb2.ChatMessage(role="user", content=prompt)]
-        ),
-        sampling_params=common_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens),
-    )
     parts: list[str] = []
     num_tokens = 0
-    finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-    with grpc.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.TextGenerationServiceStub(channel)
-        for response in stub.Generate(request, timeout=timeout):
-            parts.append(response.text)
-            num_tokens += len(response.token_ids)
-            if out is not None and response.text:
-                out.write(response.text)
+    finish_reason: str | None = None
+    messages = [{"role": "user", "content": prompt}]
+    with Client(address, timeout=timeout) as client:
+        stream = client.generate(messages=messages, max_tokens=max_tokens, temperature=temperature)
+        for delta in stream:
+            parts.append(delta.text)
+            num_tokens += len(delta.token_ids)
+            if out is not None and delta.text:
+                out.write(delta.text)
                 out.flush()
-            if response.finish_reason:
-                finish_reason = response.finish_reason
-    name = common_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
-    return ChatAnswer("".join(parts), num_tokens, name)
+            finish_reason = delta.finish_reason or finish_reason
+    return ChatAnswer("".join(parts), num_tokens, finish_reason or "unspecified")

@@ -90,6 +90,17 @@ class AsyncLLMEngine:
         """The snapshot taken after the latest step (safe from any thread)."""
         return self._loop_thread.stats
 
+    @property
+    def metrics_registry(self) -> Any:
+        """The engine's Prometheus `CollectorRegistry` (`LLMEngine.metrics`), for a
+        `/metrics` endpoint; its metrics are safe to read from any thread."""
+        return self.engine.metrics.registry
+
+    async def do_log_stats(self) -> str:
+        """Logs (and returns) the engine's stats line (`LLMEngine.do_log_stats`), computed
+        on the engine thread, which owns the counters it reads and resets."""
+        return await self._loop_thread.call(lambda engine: engine.do_log_stats())
+
     def num_running(self) -> int:
         return self.get_stats().num_running
 

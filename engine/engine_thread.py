@@ -4,8 +4,9 @@ Requests cross between asyncio tasks and this thread through a command queue one
 per-request asyncio queues (`OutputStream`) the other way::
 
     event loop (any number of tasks)            engine thread (owns LLMEngine)
-    submit(AddCommand / AbortCommand)           loop:
-        └────────────── commands ───────────▶       apply queued adds and aborts
+    submit(AddCommand / AbortCommand /          loop:
+           CallCommand)
+        └────────────── commands ───────────▶       apply queued adds, aborts, calls
                                                     outputs = engine.step()
         stream.queue ◀── call_soon_threadsafe ──    hand each output to its stream
 
@@ -16,10 +17,11 @@ threads read the `EngineStats` snapshot it publishes after every step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +97,28 @@ class AbortCommand:
     stream: OutputStream | None = None
 
 
-Command = AddCommand | AbortCommand
+@dataclass
+class CallCommand:
+    """Runs `fn(engine)` on the engine thread (between steps) and resolves `future`, on
+    its event loop, with the result or the error."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.future.done():  # the caller gave up
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # its event loop is closed
+            self.future.get_loop().call_soon_threadsafe(settle)
+
+
+Command = AddCommand | AbortCommand | CallCommand
 
 
 class EngineThread:
@@ -150,6 +173,13 @@ class EngineThread:
             self._num_submitted += 1
             self._cond.notify()
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future[Any]:
+        """Runs `fn(engine)` on the engine thread; await the returned future (from the
+        running event loop) for its result."""
+        future = asyncio.get_running_loop().create_future()
+        self.submit(CallCommand(fn, future))
+        return future
+
     def stop(self, timeout: float | None) -> None:
         """Ends the loop after its current step: live requests are aborted, queued ones
         fail with `EngineDeadError`."""
@@ -198,6 +228,14 @@ class EngineThread:
 
     def _apply(self, command: Command) -> None:
         self._num_applied += 1
+        if isinstance(command, CallCommand):
+            try:
+                result = command.fn(self.engine)
+            except Exception as exc:  # the caller gets it; the engine goes on
+                command.resolve(error=exc)
+            else:
+                command.resolve(result)
+            return
         if isinstance(command, AbortCommand):
             for request_id in command.request_ids:
                 stream = self._streams.get(request_id)
@@ -278,6 +316,9 @@ class EngineThread:
         self._streams.clear()
         for stream in streams:
             stream.put(error)
+        for command in commands:
+            if isinstance(command, CallCommand):
+                command.resolve(error=EngineDeadError(str(error)))
 
     def _snapshot(self) -> EngineStats:
         engine = self.engine

@@ -95,7 +95,9 @@ class LLMEngine:
                 policy=sched_config.policy,
             ),
             self.kv_cache_manager,
+            config.speculative_config,
         )
+        self._last_logged_drafts = (0, 0)  # (scheduled, accepted) at the last stats line
         self.output_processor = OutputProcessor(self.tokenizer)
         self.log_stats = log_stats
         self.stat_logger = StatLogger()
@@ -356,7 +358,7 @@ class LLMEngine:
             for e in scheduler_output.scheduled
             if e.num_computed_tokens < e.request.num_prompt_tokens
         )
-        num_generated = len(runner_output.sampled_token_ids)
+        num_generated = self.scheduler.num_output_tokens_last_update
         self.stat_logger.record_step(StepStats(num_prompt, num_generated))
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         self.stat_logger.record_prefix_cache(prefix.queries, prefix.hits)
@@ -373,12 +375,28 @@ class LLMEngine:
             self.do_log_stats()
 
     def do_log_stats(self) -> str:
-        """Logs (and returns) one line: requests, KV-cache use, throughput, prefix hits."""
-        return self.stat_logger.log(
+        """Logs (and returns) one line: requests, KV-cache use, throughput, prefix hits; with
+        speculative decoding, a second line with the draft acceptance rate since the last."""
+        line = self.stat_logger.log(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
         )
+        if self.config.speculative_config is None:
+            return line
+        scheduler = self.scheduler
+        drafts = (scheduler.num_draft_tokens, scheduler.num_accepted_draft_tokens)
+        num_drafts, num_accepted = (
+            now - last for now, last in zip(drafts, self._last_logged_drafts)
+        )
+        self._last_logged_drafts = drafts
+        rate = 100.0 * num_accepted / num_drafts if num_drafts else 0.0
+        spec_line = (
+            f"Speculative decoding: draft acceptance rate: {rate:.1f}%, "
+            f"Accepted: {num_accepted} tokens, Drafted: {num_drafts} tokens"
+        )
+        logger.info(spec_line)
+        return f"{line}\n{spec_line}"
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -27,6 +27,7 @@ class StatLogger:
     # Totals since start (never reset), for tests and metrics.
     total_prompt_tokens: int = 0
     total_generation_tokens: int = 0
+    was_idle: bool = False  # nothing happened during the previous interval
 
     def record_step(self, stats: StepStats) -> None:
         self.num_prompt_tokens += stats.num_prompt_tokens
@@ -49,7 +50,11 @@ class StatLogger:
             f"KV cache usage: {100.0 * kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
-        logger.info(line)
+        # A server logs every few seconds: once idle, repeats of the idle line go to DEBUG.
+        idle = not (self.num_prompt_tokens or self.num_generation_tokens)
+        idle = idle and num_running == num_waiting == 0
+        logger.log(logging.DEBUG if idle and self.was_idle else logging.INFO, line)
+        self.was_idle = idle
         self.last_log_time = now
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.prefix_queries = self.prefix_hits = 0

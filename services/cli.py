@@ -5,10 +5,14 @@
                           API, then serves until Ctrl-C (`--demo`: exits after the answer)
     pagedserve engine     the engine service alone   (default 127.0.0.1:50052)
     pagedserve tokenizer  the tokenizer service alone (default 0.0.0.0:50051, the public API)
+    pagedserve generate | chat | tokenize | health | bench serve | bench plot
+                          client commands against a running server (clients/cli.py; they
+                          never import the engine, so they start fast and need no torch)
 
 Engine flags are `EngineArgs` fields with vLLM's names (`--max-num-seqs`, `--dtype`, ...).
 Environment variables give defaults: PAGEDSERVE_MODEL, PAGEDSERVE_HOST, PAGEDSERVE_PORT,
-PAGEDSERVE_ENGINE_ADDR, PAGEDSERVE_LOG_LEVEL, PAGEDSERVE_LOG_FORMAT.
+PAGEDSERVE_ENGINE_ADDR, PAGEDSERVE_LOG_LEVEL, PAGEDSERVE_LOG_FORMAT, PAGEDSERVE_METRICS_PORT.
+Tracing follows the standard OTEL_* variables (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from clients.cli import CLIENT_COMMANDS, add_client_commands
+from clients.cli import main as client_main
+
 logger = logging.getLogger("services.cli")
 
 DEFAULT_PORT = 50051
@@ -34,7 +41,8 @@ _NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init"}
 
 
 def _env(name: str, default: Any) -> Any:
-    return os.environ.get(name, default)
+    """The variable's value; an empty value counts as unset (compose files often set "")."""
+    return os.environ.get(name) or default
 
 
 # ---- the parser ---------------------------------------------------------------------------
@@ -111,6 +119,32 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_observability_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """`--metrics-port` of each service (0: no endpoint) and the engine's stats log. `serve`
+    has one port per child: `--metrics-port` (tokenizer), `--engine-metrics-port` (engine)."""
+    group = parser.add_argument_group("observability (docs/observability.md)")
+    env_port = _env("PAGEDSERVE_METRICS_PORT", "0")  # a string: argparse applies type=int
+    help_port = "Prometheus /metrics on this port ($PAGEDSERVE_METRICS_PORT; 0: off)"
+    if command in ("serve", "tokenizer"):
+        group.add_argument("--metrics-port", type=int, default=env_port, help=help_port)
+    if command in ("serve", "engine"):
+        flag = "--engine-metrics-port" if command == "serve" else "--metrics-port"
+        default = "0" if command == "serve" else env_port
+        group.add_argument(
+            flag, dest="engine_metrics_port", type=int, default=default, help=help_port
+        )
+        group.add_argument(
+            "--log-stats-interval",
+            type=float,
+            default=10.0,
+            help="seconds between the engine's stats log lines (10; 0: never)",
+        )
+
+
+def _metrics_address(host: str, port: int) -> str | None:
+    return f"{host}:{port}" if port else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(sub)
     for sub in (serve, tokenizer):
         _add_tokenizer_args(sub)
+    for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):
+        _add_observability_args(sub, name)
     # The children log warnings only, so the demo answer reads cleanly (--log-level INFO
     # shows every request).
     serve.set_defaults(log_level=_env("PAGEDSERVE_LOG_LEVEL", "WARNING"))
@@ -132,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for health (900)"
     )
+    add_client_commands(commands)
     return parser
 
 
@@ -190,14 +227,20 @@ async def run_engine(ns: argparse.Namespace) -> int:
     from engine import AsyncLLMEngine
     from services.engine_server import EngineServer, EngineServerConfig
     from services.grpc_server import wait_for_signal
+    from services.tracing import ENGINE_SERVICE_NAME, setup_tracing
 
     engine_args = engine_args_from(ns)  # bad flags fail before anything starts
+    setup_tracing(ENGINE_SERVICE_NAME)  # flushed at exit by the provider itself
     server = EngineServer(
         EngineServerConfig(
             address=ns.engine_addr,
             max_inflight_requests=ns.max_engine_requests,
             max_message_bytes=ns.max_message_bytes,
             shutdown_grace_s=ns.shutdown_grace,
+            metrics_address=_metrics_address(
+                ns.engine_addr.rpartition(":")[0], ns.engine_metrics_port
+            ),
+            log_stats_interval_s=ns.log_stats_interval,
         )
     )
     await server.start()
@@ -224,7 +267,9 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
     from services.grpc_server import wait_for_signal
     from services.model_files import load_text_model_files
     from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
+    from services.tracing import TOKENIZER_SERVICE_NAME, setup_tracing
 
+    setup_tracing(TOKENIZER_SERVICE_NAME)  # flushed at exit by the provider itself
     files = await asyncio.to_thread(load_text_model_files, ns.model)
     server = TokenizerServer(
         TokenizerServerConfig(
@@ -234,6 +279,7 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             max_prompt_tokens=ns.max_prompt_tokens,
             max_message_bytes=ns.max_message_bytes,
             shutdown_grace_s=ns.shutdown_grace,
+            metrics_address=_metrics_address(ns.host, ns.metrics_port),
         ),
         files,
     )
@@ -246,6 +292,9 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     from services.log import setup_logging
 
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in CLIENT_COMMANDS:  # their own parser: no engine (torch) import
+        return client_main(args)
     parser = build_parser()
     ns = parser.parse_args(argv)
     setup_logging(ns.log_level, ns.log_format)

@@ -8,6 +8,11 @@ Token ids in, token-id deltas out; it never sees text (the engine runs with
 
 When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
 engine's generator then aborts the request, which frees its KV blocks at once.
+
+Observability (docs/observability.md): each RPC has a SERVER span (`rpc_method`), which is
+the parent passed to the engine as the request's trace headers, so the engine's
+`llm_request` span is its child; `/metrics` (`metrics_address`) serves the RPC counts and
+the engine's own registry; the engine's stats line is logged every `log_stats_interval_s`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from engine import (
     AsyncLLMEngine,
@@ -29,7 +35,7 @@ from engine import (
     RequestOutputKind,
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services import convert
+from services import convert, tracing
 from services.errors import ServiceError, invalid_argument, rpc_method
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -41,6 +47,7 @@ from services.grpc_server import (
     trace_headers,
 )
 from services.limits import RequestRegistry
+from services.metrics import EngineServiceMetrics, MetricsEndpoint
 
 logger = logging.getLogger("services.engine")
 
@@ -53,6 +60,8 @@ class EngineServerConfig:
     max_inflight_requests: int = 1024  # more → RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
+    metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
+    log_stats_interval_s: float = 10.0  # the engine's stats line every so often; 0: never
 
 
 def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
@@ -74,11 +83,20 @@ def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Thin: proto → engine call → proto; errors become statuses in `services.errors`."""
 
-    def __init__(self, health: HealthReporter, max_inflight_requests: int) -> None:
+    SERVICE_NAME = ENGINE_SERVICE
+
+    def __init__(
+        self,
+        health: HealthReporter,
+        max_inflight_requests: int,
+        rpc_metrics: EngineServiceMetrics | None = None,
+    ) -> None:
         self.health = health
         self.engine: AsyncLLMEngine | None = None
         self.model_info = common_pb2.ModelInfo()
+        self.model_name = ""  # in spans: the engine's served model name
         self.requests: RequestRegistry[None] = RequestRegistry(max_inflight_requests)
+        self.rpc_metrics = rpc_metrics
 
     def _ready_engine(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -87,11 +105,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @rpc_method
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
+        span = trace.get_current_span()  # this call's (rpc_method): llm_request's parent
         engine = self._ready_engine()
         request_id = _check_request_id(request.request_id)
         params = convert.sampling_params_from_proto(
             request.sampling_params, output_kind=RequestOutputKind.DELTA, detokenize=False
         )
+        tracing.set_request_attributes(span, request_id, self.model_name, params)
         builder = convert.EngineResponseBuilder(request_id, params)
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
@@ -99,20 +119,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 convert.token_ids_prompt(request.prompt_token_ids),
                 params,
                 request_id,
-                trace_headers=trace_headers(request.trace_headers, context) or None,
+                trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     for response in builder.build(output):
                         await context.write(response)
+        finish_reasons = [r for _, r in sorted(builder.finish_reasons.items())]
+        num_completion_tokens = sum(builder.num_completion_tokens.values())
+        tracing.set_usage_attributes(
+            span, len(request.prompt_token_ids), num_completion_tokens, finish_reasons
+        )
         logger.info(
             "request finished",
             extra={
                 "request_id": request_id,
                 "prompt_tokens": len(request.prompt_token_ids),
-                "completion_tokens": sum(builder.num_completion_tokens.values()),
-                "finish_reasons": ",".join(r for _, r in sorted(builder.finish_reasons.items())),
+                "completion_tokens": num_completion_tokens,
+                "finish_reasons": ",".join(finish_reasons),
                 "seconds": round(time.perf_counter() - start, 3),
             },
         )
@@ -132,7 +157,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 convert.token_ids_prompt(request.prompt_token_ids),
                 params,
                 request_id,
-                trace_headers=trace_headers(request.trace_headers, context) or None,
+                trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
             )
             async with contextlib.aclosing(stream):
@@ -150,6 +175,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @rpc_method
     async def Abort(self, request: common_pb2.AbortRequest, context: Any) -> Any:
+        tracing.set_abort_attributes(trace.get_current_span(), request.request_ids)
         live = [rid for rid in dict.fromkeys(request.request_ids) if rid in self.requests]
         if live:
             await self._ready_engine().abort(live)
@@ -189,6 +215,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return self.model_info
 
 
+def _engine_trace_headers(request: Any, context: Any) -> dict[str, str] | None:
+    """The request's trace headers for the engine, with this call's span as the parent."""
+    incoming = trace_headers(request.trace_headers, context)
+    return tracing.outgoing_trace_headers(incoming) or None
+
+
 def _check_request_id(request_id: str) -> str:
     if not request_id:
         raise invalid_argument("request_id must not be empty")
@@ -203,12 +235,16 @@ class EngineServer:
         self.config = config
         self.server = create_server(config.max_message_bytes)
         self.health = HealthReporter(self.server, [ENGINE_SERVICE])
-        self.servicer = EngineServicer(self.health, config.max_inflight_requests)
+        self.metrics = EngineServiceMetrics()
+        self.servicer = EngineServicer(self.health, config.max_inflight_requests, self.metrics)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         enable_reflection(self.server, [ENGINE_SERVICE])
         self.port = 0
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        if config.metrics_address is not None:
+            self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, config.metrics_address)
         self.engine_dead = asyncio.Event()
-        self._watch_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def engine(self) -> AsyncLLMEngine | None:
@@ -217,6 +253,8 @@ class EngineServer:
     async def start(self) -> int:
         """Starts listening; returns the bound port."""
         self.port = bind(self.server, self.config.address)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.start()
         await self.health.set_serving(False, "loading")
         await self.server.start()
         logger.info(
@@ -225,10 +263,16 @@ class EngineServer:
         return self.port
 
     async def attach_engine(self, engine: AsyncLLMEngine) -> None:
-        self.servicer.model_info = model_info_from_config(await engine.get_engine_config())
+        config = await engine.get_engine_config()
+        self.servicer.model_info = model_info_from_config(config)
+        self.servicer.model_name = config.model_config.served_model_name
         self.servicer.engine = engine
+        self.metrics.attach_engine(engine.metrics_registry)
         await self.health.set_serving(not engine.errored, "engine ready")
-        self._watch_task = asyncio.create_task(self._watch_engine(engine))
+        self._tasks.append(asyncio.create_task(self._watch_engine(engine)))
+        if self.config.log_stats_interval_s > 0:
+            interval = self.config.log_stats_interval_s
+            self._tasks.append(asyncio.create_task(self._log_stats_every(engine, interval)))
 
     async def _watch_engine(self, engine: AsyncLLMEngine) -> None:
         """A dead engine turns health NOT_SERVING (the process should be restarted)."""
@@ -236,6 +280,14 @@ class EngineServer:
             await asyncio.sleep(_ENGINE_WATCH_INTERVAL_S)
         await self.health.set_serving(False, f"engine dead: {engine.dead_error}")
         self.engine_dead.set()
+
+    async def _log_stats_every(self, engine: AsyncLLMEngine, interval: float) -> None:
+        """The engine's stats line (throughput, running / waiting, KV-cache use) every
+        `interval` seconds (repeated idle lines at DEBUG level)."""
+        while not engine.errored:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(EngineDeadError):
+                await engine.do_log_stats()
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops taking requests; in-flight streams get `grace` seconds to finish, then
@@ -247,8 +299,10 @@ class EngineServer:
             await self.server.stop(grace)
         finally:
             aborter.cancel()
-            if self._watch_task is not None:
-                self._watch_task.cancel()
+            for task in self._tasks:
+                task.cancel()
+            if self.metrics_endpoint is not None:
+                await self.metrics_endpoint.stop()
         logger.info("engine service stopped", extra={"port": self.port})
 
     async def _abort_all_after(self, delay: float) -> None:

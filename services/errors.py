@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine import EngineDeadError
+from services import tracing
 
 logger = logging.getLogger("services.errors")
 
@@ -90,9 +91,10 @@ def engine_call_error(exc: grpc.aio.AioRpcError, address: str) -> ServiceError:
     return ServiceError(exc.code(), exc.details() or exc.code().name)
 
 
-async def _abort(context: grpc.aio.ServicerContext, request: Any, exc: BaseException) -> None:
-    """Ends the RPC with the status for `exc` (raises grpc.aio.AbortError)."""
-    code, message = status_for(exc)
+async def _abort(
+    context: grpc.aio.ServicerContext, request: Any, code: grpc.StatusCode, message: str
+) -> None:
+    """Ends the RPC with `code` and `message` (raises grpc.aio.AbortError)."""
     request_id = getattr(request, "request_id", "")
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("rpc failed", extra={"request_id": request_id, "code": code.name})
@@ -110,18 +112,47 @@ def _client_gone(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
     )
 
 
+def _final_status(exc: BaseException, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+    """The status a call that raised `exc` ends with: what a `context.abort` in the method
+    set, DEADLINE_EXCEEDED for a cancel once the deadline passed, else `status_for`."""
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        if not isinstance(code, grpc.StatusCode):
+            code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+        return code or grpc.StatusCode.UNKNOWN, context.details() or ""
+    if isinstance(exc, asyncio.CancelledError):
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline was exceeded"
+    return status_for(exc)
+
+
 def rpc_method(method: F) -> F:
     """Wraps a servicer method (unary, or streaming with `context.write`): what it raises
     becomes a status. Streaming methods write rather than yield so that a cancelled client
-    interrupts them at an `await`, where their `finally` blocks run at once."""
+    interrupts them at an `await`, where their `finally` blocks run at once.
+
+    Each call runs inside its SERVER span (`services.tracing.rpc_span`, named
+    `<SERVICE_NAME>/<method>` from the servicer's `SERVICE_NAME`), which ends with the
+    call's status; the servicer's `rpc_metrics` (if not None) counts it by status code."""
+    method_name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: Any) -> Any:
-        try:
-            return await method(self, request, context)
-        except (Exception, asyncio.CancelledError) as exc:
-            if _client_gone(exc, context):
-                raise
-            await _abort(context, request, exc)
+        code, message = grpc.StatusCode.OK, ""
+        service = getattr(self, "SERVICE_NAME", type(self).__name__)
+        with tracing.rpc_span(f"{service}/{method_name}", request, context) as span:
+            try:
+                return await method(self, request, context)
+            except (Exception, asyncio.CancelledError) as exc:
+                code, message = _final_status(exc, context)
+                if _client_gone(exc, context):
+                    raise
+                await _abort(context, request, code, message)
+            finally:
+                tracing.end_rpc_span(span, code, message)
+                rpc_metrics = getattr(self, "rpc_metrics", None)
+                if rpc_metrics is not None:
+                    rpc_metrics.count_rpc(method_name, code)
 
     return wrapper  # type: ignore[return-value]

@@ -15,6 +15,9 @@ from typing import Any
 from engine import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
+from services.convert import FINISH_REASONS
+
+_FINISH_REASON_NAMES = {code: name or "" for name, code in FINISH_REASONS.items()}
 
 
 class TokenTexts:
@@ -44,6 +47,7 @@ class _Output:
     num_tokens: int = 0
     num_sent_chars: int = 0
     finished: bool = False
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class TextStream:
@@ -75,6 +79,19 @@ class TextStream:
     @property
     def finished(self) -> bool:
         return all(out.finished for out in self.outputs)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Per output index: "stop", "length", "abort" ("" while it is open)."""
+        return [_FINISH_REASON_NAMES.get(out.finish_reason, "") for out in self.outputs]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(out.num_tokens for out in self.outputs)
+
+    @property
+    def num_sent_chars(self) -> int:
+        return sum(out.num_sent_chars for out in self.outputs)
 
     def process(
         self, msg: engine_pb2.EngineGenerateResponse
@@ -123,6 +140,7 @@ class TextStream:
             response.finish_reason = msg.finish_reason
             if msg.HasField("stop_reason"):
                 response.stop_reason.CopyFrom(msg.stop_reason)
+        out.finish_reason = response.finish_reason
         out.finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         response.text = self._new_text(out)
         return response
@@ -134,6 +152,7 @@ class TextStream:
             if out.finished:
                 continue
             out.finished = True
+            out.finish_reason = common_pb2.FINISH_REASON_ABORT
             responses.append(
                 generation_pb2.GenerateResponse(
                     request_id=self.request_id,

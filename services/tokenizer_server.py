@@ -9,6 +9,11 @@ Text in, streamed text out; token ids go to the engine service and back:
 A request's engine call is cancelled when its client goes away, when every output has
 met a stop string, and on Abort (after asking the engine to abort it); cancelling the
 call makes the engine service abort the request and free its KV blocks.
+
+Observability (docs/observability.md): each RPC has a SERVER span (`rpc_method`); Generate
+adds `tokenize`, a CLIENT span for the engine call (the parent the engine service gets, in
+metadata and in `trace_headers`) and `detokenize`; `/metrics` (`metrics_address`) serves
+`TokenizerMetrics`.
 """
 
 from __future__ import annotations
@@ -18,17 +23,20 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
-from services import convert
+from services import convert, tracing
 from services.engine_client import EngineBackend
-from services.errors import ServiceError, invalid_argument, rpc_method
+from services.errors import ServiceError, invalid_argument, rpc_method, status_for
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    ENGINE_SERVICE,
     TEXT_GENERATION_SERVICE,
     HealthReporter,
     bind,
@@ -38,6 +46,7 @@ from services.grpc_server import (
     trace_metadata,
 )
 from services.limits import RequestRegistry
+from services.metrics import MetricsEndpoint, TokenizerMetrics
 from services.model_files import TextModelFiles
 from services.preprocess import Preprocessor, generation_defaults
 from services.text_stream import TextStream, TokenTexts
@@ -45,6 +54,7 @@ from services.text_stream import TextStream, TokenTexts
 logger = logging.getLogger("services.tokenizer")
 
 _ENGINE_RPC_TIMEOUT_S = 5.0  # Abort / Health calls to the engine
+_ENGINE_GENERATE = f"{ENGINE_SERVICE}/Generate"  # the CLIENT span of the engine call
 
 
 @dataclass
@@ -56,6 +66,7 @@ class TokenizerServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
     engine_poll_interval_s: float = 1.0
+    metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
 
 
 @dataclass
@@ -74,6 +85,8 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
     """Thin: proto → preprocess → engine call → proto; errors become statuses in
     `services.errors`."""
 
+    SERVICE_NAME = TEXT_GENERATION_SERVICE
+
     def __init__(
         self, files: TextModelFiles, backend: EngineBackend, config: TokenizerServerConfig
     ) -> None:
@@ -84,6 +97,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         self.defaults = generation_defaults(files.generation_config)
         self.requests: RequestRegistry[_Live] = RequestRegistry(config.max_inflight_requests)
         self.token_texts = TokenTexts(self.tokenizer)
+        self.rpc_metrics = TokenizerMetrics(num_inflight=lambda: len(self.requests))
         self.serving = False
         self._preprocessor: Preprocessor | None = None
         self._preprocessor_info: common_pb2.ModelInfo | None = None
@@ -109,25 +123,72 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         assert self._preprocessor is not None
         return self._preprocessor
 
+    @property
+    def model_name(self) -> str:
+        """In spans: the engine's model (as it was asked for), else our tokenizer's source."""
+        info = self.backend.model_info
+        return (info.model if info is not None else "") or self.files.source
+
+    @contextlib.contextmanager
+    def _tokenizing(self) -> Iterator[None]:
+        """Checks, chat template and tokenizer: the `tokenize` span and histogram."""
+        start = time.perf_counter()
+        with tracing.internal_span("tokenize"):
+            yield
+        self.rpc_metrics.tokenization_seconds.observe(time.perf_counter() - start)
+
     # ---- Generate -----------------------------------------------------------------------
 
     @rpc_method
     async def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> None:
+        span = trace.get_current_span()  # this call's (rpc_method)
         pre = self.preprocessor()
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        prompt_ids = pre.prompt_token_ids(request)
-        params = pre.sampling_params(request.sampling_params)
-        headers = trace_headers(request.trace_headers, context)
+        with self._tokenizing():
+            prompt_ids = pre.prompt_token_ids(request)
+            params = pre.sampling_params(request.sampling_params)
+        tracing.set_request_attributes(span, request_id, self.model_name, params)
         engine_request = engine_pb2.EngineGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling_params=convert.sampling_params_to_proto(params, include_stop=False),
             priority=request.priority,
-            trace_headers=headers,
         )
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
+        incoming = trace_headers(request.trace_headers, context)
         start = time.perf_counter()
         with self.requests.admit(request_id, _Live()) as live:
+            await self._generate_at_engine(engine_request, incoming, live, stream, context)
+        tracing.set_usage_attributes(
+            span, len(prompt_ids), stream.num_tokens, stream.finish_reasons
+        )
+        self.rpc_metrics.streamed_tokens.inc(stream.num_tokens)
+        self.rpc_metrics.streamed_text_chars.inc(stream.num_sent_chars)
+        logger.info(
+            "request finished",
+            extra={
+                "request_id": request_id,
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": stream.num_tokens,
+                "aborted": live.aborted,
+                "seconds": round(time.perf_counter() - start, 3),
+            },
+        )
+
+    async def _generate_at_engine(
+        self,
+        engine_request: engine_pb2.EngineGenerateRequest,
+        incoming_trace_headers: dict[str, str],
+        live: _Live,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """The engine call, under its CLIENT span: the parent the engine service gets, in
+        the metadata and in `trace_headers`. Its messages are relayed under `detokenize`."""
+        client_span = tracing.start_client_span(_ENGINE_GENERATE)
+        try:
+            headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
+            engine_request.trace_headers.update(headers)
             call = self.backend.stub.Generate(
                 engine_request,
                 timeout=context.time_remaining(),
@@ -135,19 +196,15 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             )
             live.calls.append(call)
             try:
-                await self._relay(call, live, stream, context)
+                with tracing.internal_span("detokenize"):
+                    await self._relay(call, live, stream, context)
             finally:
                 call.cancel()  # a no-op once the call is done; else the engine aborts
-        logger.info(
-            "request finished",
-            extra={
-                "request_id": request_id,
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": sum(out.num_tokens for out in stream.outputs),
-                "aborted": live.aborted,
-                "seconds": round(time.perf_counter() - start, 3),
-            },
-        )
+        except (Exception, asyncio.CancelledError) as exc:
+            tracing.set_error(client_span, *status_for(exc))
+            raise
+        finally:
+            client_span.end()
 
     async def _relay(
         self, call: Any, live: _Live, stream: TextStream, context: grpc.aio.ServicerContext
@@ -174,6 +231,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
 
     @rpc_method
     async def Abort(self, request: common_pb2.AbortRequest, context: Any) -> Any:
+        tracing.set_abort_attributes(trace.get_current_span(), request.request_ids)
         live = {
             rid: entry
             for rid in dict.fromkeys(request.request_ids)
@@ -186,7 +244,9 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         engine_aborted: set[str] = set()
         with contextlib.suppress(grpc.aio.AioRpcError):
             reply = await self.backend.stub.Abort(
-                common_pb2.AbortRequest(request_ids=list(live)), timeout=_ENGINE_RPC_TIMEOUT_S
+                common_pb2.AbortRequest(request_ids=list(live)),
+                timeout=_ENGINE_RPC_TIMEOUT_S,
+                metadata=_outgoing_metadata(context),
             )
             engine_aborted = set(reply.aborted_request_ids)
         # The engine ends the streams it aborted with finish_reason ABORT; the others (not
@@ -208,19 +268,21 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         pre = self.preprocessor()
         if request.texts and request.token_ids:
             raise invalid_argument("texts, token_ids: set one of them, not both")
-        prompts = [
-            pre.check_prompt_length(pre.encode_text(text, True, f"texts[{i}]"), f"texts[{i}]")
-            for i, text in enumerate(request.texts)
-        ] + [
-            pre.check_prompt_length(
-                pre.check_token_ids(ids.ids, f"token_ids[{i}].ids"), f"token_ids[{i}]"
-            )
-            for i, ids in enumerate(request.token_ids)
-        ]
+        with self._tokenizing():
+            prompts = [
+                pre.check_prompt_length(pre.encode_text(text, True, f"texts[{i}]"), f"texts[{i}]")
+                for i, text in enumerate(request.texts)
+            ] + [
+                pre.check_prompt_length(
+                    pre.check_token_ids(ids.ids, f"token_ids[{i}].ids"), f"token_ids[{i}]"
+                )
+                for i, ids in enumerate(request.token_ids)
+            ]
         if not prompts:
             raise invalid_argument("texts or token_ids must hold at least one input")
         request_id = request.request_id or f"enc-{uuid.uuid4().hex}"
-        headers = trace_headers(request.trace_headers, context)
+        # The engine calls' parent is this call's span.
+        headers = tracing.outgoing_trace_headers(trace_headers(request.trace_headers, context))
         with self.requests.admit(request_id, _Live()) as live:
             live.calls = [
                 self.backend.stub.Encode(
@@ -301,13 +363,20 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         if self.backend.available:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 reply = await self.backend.stub.Health(
-                    common_pb2.HealthRequest(), timeout=_ENGINE_RPC_TIMEOUT_S
+                    common_pb2.HealthRequest(),
+                    timeout=_ENGINE_RPC_TIMEOUT_S,
+                    metadata=_outgoing_metadata(context),
                 )
                 engine_healthy = reply.healthy
                 details.update({f"engine.{k}": v for k, v in reply.details.items()})
         healthy = self.serving and engine_healthy
         status = "SERVING" if healthy else "NOT_SERVING"
         return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)
+
+
+def _outgoing_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
+    """Trace context for an engine call made by this call: its span is the parent."""
+    return trace_metadata(tracing.outgoing_trace_headers(trace_headers({}, context)))
 
 
 class TokenizerServer:
@@ -327,14 +396,22 @@ class TokenizerServer:
         generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
         enable_reflection(self.server, [TEXT_GENERATION_SERVICE])
         self.port = 0
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        if config.metrics_address is not None:
+            self.metrics_endpoint = MetricsEndpoint(
+                self.servicer.rpc_metrics.registry, config.metrics_address
+            )
 
     async def _on_engine_health(self, available: bool, reason: str) -> None:
         self.servicer.serving = available and not self.health.shutting_down
+        self.servicer.rpc_metrics.engine_backend_up.set(1 if available else 0)
         await self.health.set_serving(available, f"engine {reason}")
 
     async def start(self) -> int:
         """Starts listening (and polling the engine); returns the bound port."""
         self.port = bind(self.server, self.config.address)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.start()
         await self.health.set_serving(False, "waiting for the engine")
         await self.server.start()
         self.backend.start()
@@ -360,6 +437,8 @@ class TokenizerServer:
         finally:
             aborter.cancel()
             await self.backend.close()
+            if self.metrics_endpoint is not None:
+                await self.metrics_endpoint.stop()
         logger.info("tokenizer service stopped", extra={"port": self.port})
 
     async def _abort_all_after(self, delay: float) -> None:

@@ -98,6 +98,9 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of the full blocks of all_token_ids, kept by the KV-cache manager.
         self.block_hashes: list[int] = []
+        # Draft tokens scheduled for verification this step (speculative decoding): not in
+        # all_token_ids; cleared when the step's tokens are appended or on preemption.
+        self.spec_token_ids: list[int] = []
 
     @property
     def arrival_time(self) -> float:

@@ -15,12 +15,19 @@ from engine.core.request import Request
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: `num_new_tokens` tokens starting at
-    `num_computed_tokens`, their keys/values going into the blocks of `block_ids`."""
+    `num_computed_tokens`, their keys/values going into the blocks of `block_ids`.
+
+    A speculative entry computes its last known token followed by draft tokens::
+
+        all_token_ids  ... t9 | spec_token_ids  d0 d1 d2     num_new_tokens = 1 + 3
+        token_ids          t9 d0 d1 d2
+    """
 
     request: Request
     num_computed_tokens: int  # before this step (prefix-cache hits included)
-    num_new_tokens: int
+    num_new_tokens: int  # including the drafts
     block_ids: list[int]  # the request's whole block table after this step's allocation
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
 
     @property
     def request_id(self) -> str:
@@ -29,12 +36,14 @@ class ScheduledRequest:
     @property
     def token_ids(self) -> list[int]:
         start = self.num_computed_tokens
-        return self.request.all_token_ids[start : start + self.num_new_tokens]
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[start : start + num_known] + self.spec_token_ids
 
     @property
     def reaches_last_token(self) -> bool:
         """True when this step computes the request's last known token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.num_computed_tokens + num_known == self.request.num_tokens
 
     @property
     def samples(self) -> bool:
@@ -72,8 +81,10 @@ class LogprobsLists:
 
 @dataclass
 class ModelRunnerOutput:
-    # One entry per request that sampled this step.
+    # One entry per request that sampled this step (speculative entries excepted).
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Per speculative entry: its accepted drafts followed by one more token (1..k+1).
+    spec_output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Prompt logprobs computed this step: (position of the first token covered, lists).
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)

@@ -10,6 +10,12 @@ arrival order under FCFS), then waiting ones. When a running request cannot get 
 the running request that comes *last* in that order is preempted (its blocks freed, its
 state reset to recompute later). Because already-scheduled requests come earlier in the
 order, a victim is never one that was scheduled in this step, except the request itself.
+
+With speculative decoding (n-gram drafts), an eligible running request in decode gets
+`1 + k` tokens: its last known token and k drafts kept in `request.spec_token_ids`. The
+drafts are only ever dropped, never the cause of a preemption. `update` appends the tokens
+the runner verified and rolls `num_computed_tokens` back over the rejected drafts, whose
+cache slots the next step overwrites.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import create_request_queue
 from engine.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -26,7 +33,12 @@ from engine.core.stop import check_stop
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
@@ -34,6 +46,11 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions_total = 0
+        self.proposer = NgramProposer(speculative_config) if speculative_config else None
+        # Drafts scheduled / accepted since start; output tokens appended by the last update.
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+        self.num_output_tokens_last_update = 0
 
     # ---- queue management -------------------------------------------------------------
 
@@ -86,13 +103,21 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (cannot happen for a live request)
                 index += 1
                 continue
+            drafts = self._propose(request, budget)
+            num_new += len(drafts)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if drafts:  # speculation never preempts: retry without the drafts
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
                     break
             else:
+                request.spec_token_ids = drafts
+                self.num_draft_tokens += len(drafts)
                 scheduled.append(self._entry(request, num_new))
                 budget -= num_new
                 index += 1
@@ -139,18 +164,33 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """N-gram drafts for an eligible request in decode; none that would pass the step's
+        budget, max_tokens or max_model_len (the step adds up to 1 + len(drafts) tokens)."""
+        if self.proposer is None or not can_speculate(request):
+            return []
+        limit = min(budget, self.config.max_model_len - request.num_tokens) - 1
+        max_tokens = request.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        if limit <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, limit)
+
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             num_computed_tokens=request.num_computed_tokens,
             num_new_tokens=num_new,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            spec_token_ids=list(request.spec_token_ids),
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.times.preemption_times.append(time.time())
         self.num_preemptions_total += 1
@@ -166,31 +206,57 @@ class Scheduler:
         a pooled vector), finished ones included, in scheduling order.
         """
         now = time.time()
-        max_model_len = self.config.max_model_len
         updated: list[Request] = []
+        self.num_output_tokens_last_update = 0
         for entry in output.scheduled:
             request = entry.request
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
             if request.is_finished():  # aborted while the step ran
                 continue
+            token_ids = self._step_token_ids(request, runner_output)
             if request.request_id in runner_output.pooled:
                 self.running.remove(request)
                 request.status = RequestStatus.FINISHED_STOPPED
                 self._free(request)
                 updated.append(request)
                 continue
-            if token_id is None:
+            if not token_ids:
                 if request.request_id in runner_output.prompt_logprobs:
                     updated.append(request)
                 continue
-            request.append_output_token_ids([token_id])
             if request.times.first_token_time is None:
                 request.times.first_token_time = now
             request.times.last_token_time = now
-            status = check_stop(request, max_model_len)
+            status = self._append_tokens(request, token_ids)
             if status is not None:
                 self.running.remove(request)
                 request.status = status
                 self._free(request)
             updated.append(request)
         return updated
+
+    def _step_token_ids(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
+        """The tokens the step produced for `request` (none, one, or a verified draft run
+        plus one); for a speculative entry, rolls `num_computed_tokens` back over the
+        rejected drafts (their slots hold keys/values of wrong tokens) and clears them."""
+        num_drafts = len(request.spec_token_ids)
+        if not num_drafts:
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            return [] if token_id is None else [token_id]
+        token_ids = runner_output.spec_output_token_ids[request.request_id]
+        num_accepted = len(token_ids) - 1
+        assert 0 <= num_accepted <= num_drafts, (request, token_ids)
+        self.num_accepted_draft_tokens += num_accepted
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_token_ids = []
+        return token_ids
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Appends tokens one by one until one finishes the request (the rest are dropped);
+        returns that finished status, or None."""
+        for token_id in token_ids:
+            request.append_output_token_ids([token_id])
+            self.num_output_tokens_last_update += 1
+            status = check_stop(request, self.config.max_model_len)
+            if status is not None:
+                return status
+        return None

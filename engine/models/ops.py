@@ -1,7 +1,9 @@
 """Elementwise model ops: RMSNorm, SiLU-and-mul, rotary embeddings.
 
-Plain torch functions with Hugging Face Llama numerics, kept free-standing so a CUDA path
-(Triton kernels from `kernels/`) can be dispatched here later without touching the model.
+Plain torch functions with Hugging Face Llama numerics. On CUDA, RMSNorm (with its fused
+residual add) and SiLU-and-mul dispatch to the Triton kernels in `kernels/`, which follow
+the same numerics (tested against these functions' references); the rotation stays in torch
+here because q and k are strided views into the fused QKV output.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ def rms_norm(
 
     Computed in fp32 and cast back before the weight multiply, as transformers does.
     """
+    if x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype:
+        from kernels import rms_norm as triton_rms_norm
+
+        return triton_rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         residual = x
@@ -39,6 +45,10 @@ def rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]."""
+    if x.is_cuda and x.dim() == 2 and x.is_contiguous():
+        from kernels import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 

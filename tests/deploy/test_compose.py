@@ -227,6 +227,12 @@ def test_tracing(services: dict[str, Any]) -> None:
     assert len(names) == len(APP_SERVICES)
 
 
+@pytest.mark.parametrize("name", APP_SERVICES)
+def test_metrics_endpoints(services: dict[str, Any], name: str) -> None:
+    """Prometheus /metrics on each service (reachable inside the compose network only)."""
+    assert _flag(services[name]["command"], "--metrics-port") == "9100"
+
+
 def test_gpu_override() -> None:
     services = _config(COMPOSE_FILE, GPU_OVERRIDE)["services"]
     engine = services["engine"]

@@ -46,8 +46,16 @@ class LoopThread:
 
 
 class ServiceStack:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        engine_server_config: dict[str, Any] | None = None,
+        tokenizer_server_config: dict[str, Any] | None = None,
+    ) -> None:
+        """The `*_server_config` dicts are extra `EngineServerConfig` /
+        `TokenizerServerConfig` fields."""
         self.model_dir = model_dir
+        self.engine_server_config = engine_server_config or {}
         self.loop = LoopThread()
         self.engine = AsyncLLMEngine.from_engine_args(
             EngineArgs(model=str(model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
@@ -56,7 +64,7 @@ class ServiceStack:
         self.engine_server: EngineServer | None = None
         self.engine_port = 0
         self.start_engine_server()
-        self.tokenizer_server = self.start_tokenizer_server()
+        self.tokenizer_server = self.start_tokenizer_server(**(tokenizer_server_config or {}))
         self.public_port = self.tokenizer_server.port
         self.public_channel = grpc.insecure_channel(f"127.0.0.1:{self.public_port}")
         self.engine_channel = grpc.insecure_channel(f"127.0.0.1:{self.engine_port}")
@@ -69,7 +77,11 @@ class ServiceStack:
         """(Re)starts the engine service on its port (a free one the first time)."""
 
         async def start() -> EngineServer:
-            server = EngineServer(EngineServerConfig(address=f"127.0.0.1:{self.engine_port}"))
+            server = EngineServer(
+                EngineServerConfig(
+                    address=f"127.0.0.1:{self.engine_port}", **self.engine_server_config
+                )
+            )
             await server.start()
             await server.attach_engine(self.engine)
             return server

@@ -1,0 +1,309 @@
+"""`Client`: the synchronous client of pagedserve's public API.
+
+    with Client("localhost:50051") as client:
+        for delta in client.generate("The capital of France is", max_tokens=16):
+            print(delta.text, end="", flush=True)
+        print(client.chat([{"role": "user", "content": "Hi!"}], temperature=0).text)
+
+`generate` streams `GenerationDelta`s; leaving the loop early (or `stream.cancel()`, or the
+end of a `with client.generate(...) as stream:` block) cancels the call, and the server
+aborts the request and frees its KV cache. Failures raise `clients.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from clients import requests
+from clients.channel import (
+    DEFAULT_ADDRESS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    NO_RETRY,
+    ChannelConfig,
+    Deadline,
+    Pem,
+    RetryPolicy,
+)
+from clients.errors import from_rpc_error
+from clients.outputs import (
+    GenerationDelta,
+    GenerationResult,
+    HealthStatus,
+    ModelInfo,
+    ResultBuilder,
+    TokenizeResult,
+    delta_from_proto,
+    health_from_proto,
+    model_info_from_proto,
+    tokenize_from_proto,
+)
+from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from clients.requests import Message, SamplingKwargs
+
+
+class GenerationStream:
+    """The deltas of one Generate call, as they arrive. UNAVAILABLE before the first
+    message is retried (`RetryPolicy`); after it, every failure is raised."""
+
+    def __init__(
+        self,
+        stub: generation_pb2_grpc.TextGenerationServiceStub,
+        request: generation_pb2.GenerateRequest,
+        deadline: Deadline,
+        retry: RetryPolicy,
+    ) -> None:
+        self.request_id = request.request_id  # the server's id once the first delta is in
+        self._stub = stub
+        self._request = request
+        self._deadline = deadline
+        self._retry = retry
+        self._call: Any = None
+        self._started = False
+        self._done = False
+        self._cancelled = False
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> GenerationDelta:
+        if self._done:
+            raise StopIteration
+        try:
+            if self._started:
+                msg = next(self._call)
+            else:
+                self._started = True
+                msg = self._first_message()
+        except StopIteration:
+            msg = None
+        except grpc.RpcError as exc:
+            self._done = True
+            if self._cancelled:
+                raise StopIteration from None  # cancelled by its owner: just ends
+            raise from_rpc_error(exc) from None
+        if msg is None or self._cancelled:
+            self._done = True
+            raise StopIteration
+        delta = delta_from_proto(msg)
+        self.request_id = delta.request_id
+        return delta
+
+    def _first_message(self) -> generation_pb2.GenerateResponse | None:
+        for attempt in itertools.count():
+            self._call = self._stub.Generate(self._request, timeout=self._deadline.remaining())
+            if self._cancelled:
+                self._call.cancel()
+            try:
+                return next(self._call)
+            except StopIteration:
+                return None
+            except grpc.RpcError as exc:
+                wait = (
+                    None
+                    if self._cancelled
+                    else self._retry.backoff(exc.code(), attempt, self._deadline)
+                )
+                if wait is None:
+                    raise
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def cancel(self) -> None:
+        """Cancels the call (the server aborts the request); iteration ends. Idempotent, and
+        safe from another thread."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+
+    close = cancel
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if self._call is not None and not self._done:
+            self._call.cancel()
+
+
+class Client:
+    """A synchronous client of `pagedserve.v1.TextGenerationService`.
+
+    `timeout` is every call's default deadline in seconds (None: none); each method takes
+    its own `timeout=`. `retry` decides how UNAVAILABLE is retried (`NO_RETRY` turns it off).
+    TLS: `tls=True` (system roots) or any of `root_certificates`, `private_key`,
+    `certificate_chain` (PEM bytes or file paths)."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tls: bool = False,
+        root_certificates: Pem | None = None,
+        private_key: Pem | None = None,
+        certificate_chain: Pem | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.config = ChannelConfig(
+            address=address,
+            tls=tls,
+            root_certificates=root_certificates,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+            max_message_bytes=max_message_bytes,
+            options=tuple(options),
+        )
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._channel = self.config.sync_channel()
+        self._stub = generation_pb2_grpc.TextGenerationServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.timeout if timeout is None else timeout)
+
+    def _unary(
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        timeout: float | None,
+        retry: RetryPolicy | None = None,
+    ) -> Any:
+        deadline, retry = self._deadline(timeout), retry or self.retry
+        for attempt in itertools.count():
+            try:
+                return method(request, timeout=deadline.remaining())
+            except grpc.RpcError as exc:
+                wait = retry.backoff(exc.code(), attempt, deadline)
+                if wait is None:
+                    raise from_rpc_error(exc) from None
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    # ---- generation -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Sequence[Message] | None = None,
+        request_id: str = "",
+        priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+        **sampling: Unpack[SamplingKwargs],
+    ) -> GenerationStream:
+        """Streams the answer to one prompt: a text `prompt`, `token_ids`, or chat
+        `messages` (rendered with the model's chat template). Sampling keyword arguments are
+        `SamplingParams` fields (vLLM's names); unset ones take the server's defaults."""
+        request = requests.generate_request(
+            prompt,
+            token_ids,
+            messages,
+            request_id=request_id,
+            priority=priority,
+            trace_headers=trace_headers,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **sampling,
+        )
+        return GenerationStream(self._stub, request, self._deadline(timeout), self.retry)
+
+    def generate_text(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
+        """`generate`, gathered: the whole answer, one `CompletionOutput` per index."""
+        with self.generate(prompt, **kwargs) as stream:
+            return ResultBuilder().add_all(stream).result()
+
+    def chat(self, messages: Sequence[Message], **kwargs: Any) -> GenerationResult:
+        """The whole answer to a conversation (`generate_text(messages=...)`)."""
+        return self.generate_text(messages=messages, **kwargs)
+
+    def abort(self, request_ids: str | Iterable[str], *, timeout: float | None = None) -> list[str]:
+        """Aborts requests by id; returns the ids that were live (their streams end with
+        finish_reason "abort")."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        reply = self._unary(self._stub.Abort, common_pb2.AbortRequest(request_ids=ids), timeout)
+        return list(reply.aborted_request_ids)
+
+    # ---- embeddings, text, health -----------------------------------------------------
+
+    def encode(
+        self,
+        texts: str | Sequence[str] | None = None,
+        *,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        normalize: bool | None = None,
+        request_id: str = "",
+        trace_headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> list[list[float]]:
+        """One pooled embedding per text (or per token-id list), in input order."""
+        request = requests.encode_request(
+            texts,
+            token_ids,
+            normalize=normalize,
+            request_id=request_id,
+            trace_headers=trace_headers,
+        )
+        reply = self._unary(self._stub.Encode, request, timeout)
+        return [list(e.values) for e in reply.embeddings]
+
+    def tokenize(
+        self,
+        text: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        add_special_tokens: bool | None = None,
+        timeout: float | None = None,
+    ) -> TokenizeResult:
+        request = requests.tokenize_request(text, messages, add_special_tokens=add_special_tokens)
+        return tokenize_from_proto(self._unary(self._stub.Tokenize, request, timeout))
+
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        request = generation_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens
+        )
+        return self._unary(self._stub.Detokenize, request, timeout).text
+
+    def health(self, *, timeout: float | None = None) -> HealthStatus:
+        """The server's own health (not retried: an unreachable server raises
+        UnavailableError at once)."""
+        request = common_pb2.HealthRequest()
+        return health_from_proto(self._unary(self._stub.Health, request, timeout, NO_RETRY))
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        request = common_pb2.GetModelInfoRequest()
+        return model_info_from_proto(self._unary(self._stub.GetModelInfo, request, timeout))

@@ -1,0 +1,38 @@
+"""Real servers for the client tests: the services' `ServiceStack` (a tiny random Llama with
+the default model's tokenizer, an engine service and a tokenizer service in-process), and a
+small fake of the public API for what a real server cannot be made to do on cue."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.model_utils import make_tiny_llama
+from tests.services.conftest import ServiceStack
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("clients") / "tiny", with_tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model_dir: Path) -> Iterator[ServiceStack]:
+    stack = ServiceStack(tiny_model_dir)
+    yield stack
+    stack.close()
+
+
+@pytest.fixture(scope="session")
+def address(stack: ServiceStack) -> str:
+    """The public API's address."""
+    return f"127.0.0.1:{stack.public_port}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
