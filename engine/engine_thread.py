@@ -78,6 +78,12 @@ class OutputStream:
 END_OF_STREAM = object()  # the request ended with no (further) output
 
 
+def _put_all(items: list[tuple[OutputStream, Any]]) -> None:
+    """Runs on the event loop: one step's outputs into their streams."""
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
 @dataclass
 class AddCommand:
     stream: OutputStream
@@ -268,16 +274,24 @@ class EngineThread:
         self._streams[request_id] = stream
 
     def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+        """Hands a step's outputs over with one wake-up per event loop, not one per request
+        (each `call_soon_threadsafe` writes to the loop's self-pipe)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Any]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            if not stream.put(output) and not output.finished:
-                # Its event loop is closed: nobody will ever read this request.
-                del self._streams[output.request_id]
-                self.engine.abort_request(output.request_id)
+            batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop is closed: nobody will read these
+                for stream, output in items:
+                    if not output.finished:
+                        self._streams.pop(stream.request_id, None)
+                        self.engine.abort_request(stream.request_id)
 
     def _end_aborted_streams(self) -> None:
         """Aborted requests without a final output (pooling ones) end their stream here."""
