@@ -12,19 +12,13 @@ from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    generation_config_defaults,
+)
 
 ChatMessage = dict[str, Any]
-
-# Sampling fields that a model's generation_config.json may set (HF name -> our name).
-_GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
 
 
 class LLM:
@@ -45,10 +39,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the model's generation config where it sets them."""
         gen = self.llm_engine.get_model_config().generation_config
-        overrides = {ours: gen[hf] for hf, ours in _GENERATION_CONFIG_FIELDS.items() if hf in gen}
-        if gen.get("do_sample") is False:
-            overrides["temperature"] = 0.0
-        return SamplingParams(**overrides)
+        return SamplingParams(**generation_config_defaults(gen))
 
     def generate(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
 
@@ -147,6 +148,30 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+# Sampling fields a model's generation_config.json may set (HF name -> our name).
+_GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_config_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams keyword defaults from a model's generation config: the fields it sets
+    override vLLM's defaults; `do_sample: false` means greedy."""
+    defaults = {
+        ours: generation_config[hf]
+        for hf, ours in _GENERATION_CONFIG_FIELDS.items()
+        if hf in generation_config
+    }
+    if generation_config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
 
 
 def _is_int(value: object) -> bool:

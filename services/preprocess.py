@@ -12,26 +12,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine import SamplingParams
-from engine.llm import _GENERATION_CONFIG_FIELDS
 from pagedserve.v1 import common_pb2, generation_pb2
 from services import convert
 from services.errors import invalid_argument
 
 CHAT_ROLES = ("system", "user", "assistant")
-_GREEDY_EPS = 1e-5
-_HIDDEN_BY_GREEDY = ("top_p", "top_k", "min_p")  # SamplingParams resets them when greedy
-
-
-def generation_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Sampling defaults from a model's generation_config (as `LLM` takes them)."""
-    defaults = {
-        ours: generation_config[hf]
-        for hf, ours in _GENERATION_CONFIG_FIELDS.items()
-        if hf in generation_config
-    }
-    if generation_config.get("do_sample") is False:
-        defaults["temperature"] = 0.0
-    return defaults
 
 
 class Preprocessor:
@@ -142,9 +127,6 @@ class Preprocessor:
         """The caller's fields over the model's defaults over vLLM's, checked."""
         kwargs = {**self.defaults, **convert.sampling_kwargs_from_proto(msg)}
         try:
-            if float(kwargs.get("temperature", 1.0)) < _GREEDY_EPS:
-                # Greedy sampling ignores these, but a bad value is still a bad request.
-                SamplingParams(**{k: kwargs[k] for k in _HIDDEN_BY_GREEDY if k in kwargs})
             params = SamplingParams(**kwargs)
         except ValueError as exc:
             raise invalid_argument(f"sampling_params.{exc}") from None

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
 from services.engine_client import EngineBackend
@@ -48,7 +49,7 @@ from services.grpc_server import (
 from services.limits import RequestRegistry
 from services.metrics import MetricsEndpoint, TokenizerMetrics
 from services.model_files import TextModelFiles
-from services.preprocess import Preprocessor, generation_defaults
+from services.preprocess import Preprocessor
 from services.text_stream import TextStream, TokenTexts
 
 logger = logging.getLogger("services.tokenizer")
@@ -94,7 +95,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         self.files = files
         self.backend = backend
         self.config = config
-        self.defaults = generation_defaults(files.generation_config)
+        self.defaults = generation_config_defaults(dict(files.generation_config))
         self.requests: RequestRegistry[_Live] = RequestRegistry(config.max_inflight_requests)
         self.token_texts = TokenTexts(self.tokenizer)
         self.rpc_metrics = TokenizerMetrics(num_inflight=lambda: len(self.requests))

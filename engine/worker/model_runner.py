@@ -57,35 +57,39 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         config.cache_config.num_blocks = self.num_blocks
-        shape = (
-            2,
-            self.num_blocks,
-            self.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-        )
-        # Zeroed, not empty: padded positions of a gathered context are masked to weight 0,
-        # and 0 * NaN from uninitialised memory would still poison the sum.
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()
 
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+
+        Zeroed, not empty: padded positions of a gathered context are masked to weight 0,
+        and 0 * NaN from uninitialised memory would still poison the sum.
+        """
+        mc = self.config.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
+
     @torch.inference_mode()
+    def _dummy_forward(
+        self, requests: list[tuple[list[int], int, list[int]]], kv_caches: list[torch.Tensor]
+    ) -> None:
+        """A forward pass (and the last row's logits) outside any scheduled step."""
+        inputs = build_step_inputs(requests, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
+        self.model.compute_logits(hidden[-1:])
+
     def _warm_up(self) -> None:
         """One small prefill and one decode step, so that library initialisation (oneDNN
         primitives, Triton compilation) is not paid by the first request. Writes only into
         block 0, whose contents a later owner overwrites before reading."""
         num_tokens = min(self.block_size, self.config.scheduler_config.max_model_len) - 1
-        for step in ([(list(range(num_tokens)), 0, [0])], [([0], num_tokens, [0])]):
-            if num_tokens < 1:
-                break
-            inputs = build_step_inputs(step, self.block_size, self.device)
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-            )
-            self.model.compute_logits(hidden[-1:])
+        if num_tokens < 1:
+            return
+        self._dummy_forward([(list(range(num_tokens)), 0, [0])], self.kv_caches)
+        self._dummy_forward([([0], num_tokens, [0])], self.kv_caches)
 
     # ---- KV-cache sizing --------------------------------------------------------------
 
@@ -139,22 +143,14 @@ class ModelRunner:
         other = total - free - torch.cuda.memory_reserved(self.device)  # other processes
         return int(total * utilization) - peak - max(other, 0)
 
-    @torch.inference_mode()
     def _profile_run(self) -> None:
+        """The largest step the scheduler can make, on a scratch cache."""
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         num_blocks = math.ceil(num_tokens / self.block_size)
-        mc = self.config.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
-        inputs = build_step_inputs(
-            [(list(range(num_tokens)), 0, list(range(num_blocks)))], self.block_size, self.device
-        )
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
-        self.model.compute_logits(hidden[-1:])
-        del caches, hidden
+        caches = self._allocate_kv_caches(num_blocks)
+        self._dummy_forward([(list(range(num_tokens)), 0, list(range(num_blocks)))], caches)
+        del caches
         torch.cuda.synchronize(self.device)
 
     # ---- the step ---------------------------------------------------------------------
