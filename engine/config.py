@@ -155,7 +155,7 @@ class SpeculativeConfig:
 @dataclass
 class DeviceConfig:
     device: str  # "cpu", "cuda", "cuda:1"...
-    attention_backend: str | None = None  # None: triton on CUDA, torch elsewhere
+    attention_backend: str | None = None  # None: triton on CUDA, cpu (else torch) on CPU
 
 
 @dataclass

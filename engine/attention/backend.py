@@ -50,7 +50,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Paged attention over the layout above. Implementations: `torch`, `triton`."""
+    """Paged attention over the layout above. Implementations: `torch`, `cpu`, `triton`."""
 
     name: str
 
@@ -89,15 +89,32 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """Returns the backend by name; `None` picks `triton` on CUDA and `torch` elsewhere."""
+    """Returns the backend by name.
+
+    `None` picks `triton` on CUDA; elsewhere `cpu` (native decode kernels) on a CPU where
+    they build, else `torch`.
+    """
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif device.type == "cpu":
+            from engine.native import native_kernels_available
+
+            name = "cpu" if native_kernels_available() else "torch"
+        else:
+            name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}.")
+        from engine.attention.cpu_backend import CPUAttentionBackend
+
+        return CPUAttentionBackend()
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(device)
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}.")
+    raise ValueError(f"attention_backend must be 'cpu', 'torch' or 'triton', got {name!r}.")

@@ -6,8 +6,10 @@ with plain matmuls, query heads grouped by the KV head they share (on CPU this b
 several times over for a single query token). Padded positions are masked, not skipped, so
 the cache must hold finite values everywhere (allocate it with zeros, not empty).
 
-Prefill chunks go one request at a time through SDPA, each with a causal mask shifted by
-its cached context (query token i sits at absolute position seq_len - query_len + i)::
+Prefill chunks go one request at a time through SDPA (KV heads repeated to the query
+heads, 4-D inputs: the combination that takes torch's fused CPU kernel), each with a causal
+mask shifted by its cached context (query token i sits at absolute position
+seq_len - query_len + i)::
 
     keys:     0 1 2 3 4 5      seq_len = 6, query_len = 2, cached = 4
     query 0:  x x x x x .      sees keys j <= cached + 0
@@ -83,13 +85,13 @@ class TorchAttentionBackend(AttentionBackend):
         if num_reqs == 1 and num_tokens == query_start_loc[1]:
             # One request filling the whole batch (batch-1 decode, a lone prefill): no copy.
             if num_decodes == 1:
-                return _decode(query, kv_cache, metadata, scale, self._workspace)
+                return self._decode(query, kv_cache, metadata, scale)
             return _prefill_one(query, kv_cache, metadata, scale, 0, key, value, self._workspace)
 
         out = query.new_empty(query.shape)  # [num_tokens, num_heads, head_dim]
         if num_decodes > 0:
             decode_query = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
-            out[:num_decodes] = _decode(decode_query, kv_cache, metadata, scale, self._workspace)
+            out[:num_decodes] = self._decode(decode_query, kv_cache, metadata, scale)
         for i in range(num_decodes, num_reqs):
             start, end = query_start_loc[i], query_start_loc[i + 1]
             out[start:end] = _prefill_one(
@@ -98,6 +100,16 @@ class TorchAttentionBackend(AttentionBackend):
         if query_start_loc[num_reqs] < num_tokens:
             out[query_start_loc[num_reqs] :].zero_()  # padding rows
         return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        """The decode requests (the first `num_decodes` of the batch)."""
+        return _decode(query, kv_cache, metadata, scale, self._workspace)
 
 
 # Bounds the gathered keys/values of one decode group; larger batches are split. On CPU a
@@ -271,13 +283,18 @@ def _prefill_one(
     if num_cached > 0:
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device)
         mask = mask.tril_(diagonal=num_cached)  # [query_len, seq_len]
+    num_heads, num_kv_heads = query.shape[1], k.shape[1]
+    if num_kv_heads != num_heads:
+        # Repeating the KV heads costs one small copy; SDPA's `enable_gqa` would instead take
+        # the unfused math path on CPU, about twice as slow for a 128-token chunk.
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, H, D]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),  # [H, query_len, D]
-        k.transpose(0, 1),  # [Hkv, seq_len, D]
-        v.transpose(0, 1),
+        query.transpose(0, 1)[None],  # [1, H, query_len, D]: 4-D takes the fused kernel
+        k.transpose(0, 1)[None],  # [1, H, seq_len, D]
+        v.transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=num_cached == 0,
         scale=scale,
-        enable_gqa=True,
-    )  # [H, query_len, D]
-    return out.transpose(0, 1)
+    )  # [1, H, query_len, D]
+    return out[0].transpose(0, 1)

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.models.ops import RotaryEmbedding, apply_rotary_emb, rms_norm, silu_and_mul
+from engine.models.linear import Linear, linear, pack_linear_weights, pack_weight
+from engine.models.ops import RotaryEmbedding, apply_rotary_emb_, rms_norm, silu_and_mul
 
 # Hugging Face projection name -> (our fused parameter's module, shard).
 _FUSED_SHARDS = {
@@ -88,8 +88,8 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
         bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(hf_config.hidden_size, qkv_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hf_config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(hf_config.hidden_size, qkv_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hf_config.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -102,8 +102,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, H + 2 Hkv, D]
-        # q and k are adjacent heads of qkv, so one rotation covers both.
-        qk = apply_rotary_emb(qkv[:, :num_qk_heads], cos, sin)  # [T, H + Hkv, D]
+        # q and k are adjacent heads of qkv, so one rotation covers both (in place on CPU).
+        qk = apply_rotary_emb_(qkv[:, :num_qk_heads], cos, sin)  # [T, H + Hkv, D]
         query = qk[:, : self.num_heads]  # [T, H, D]
         key = qk[:, self.num_heads :]  # [T, Hkv, D]
         value = qkv[:, num_qk_heads:]  # [T, Hkv, D]
@@ -116,8 +116,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(hf_config, "mlp_bias", False))
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, intermediate]
@@ -197,8 +197,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self._packed_logits_weight: torch.Tensor | None = None  # set by pack_weights
 
     def forward(
         self,
@@ -210,8 +211,24 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab_size]
+        return linear(hidden, self._logits_weight, None, self._packed_logits_weight).float()
+
+    @property
+    def _logits_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_weights(self) -> int:
+        """Packs the projection weights for MKL's fp32 CPU GEMM (see `engine.models.linear`);
+        call after loading. Returns the number of packed matrices (0 where not applicable)."""
+        num_packed = pack_linear_weights(self)
+        if not num_packed:
+            return 0
+        if self.lm_head is not None:
+            self._packed_logits_weight = self.lm_head.packed_weight
+        else:  # the tied embedding is not a Linear
+            self._packed_logits_weight = pack_weight(self._logits_weight)
+            num_packed += 1
+        return num_packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors into the (fused) parameters; checks every name."""

@@ -259,4 +259,8 @@ def load_model(
         model = LlamaForCausalLM(hf_config, attn_backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(model_dir) if weights is None else weights)
+    if device.type == "cpu":
+        num_packed = model.pack_weights()
+        if num_packed:
+            logger.info("Packed %d weight matrices for MKL's fp32 GEMM.", num_packed)
     return model.eval()

@@ -3,7 +3,9 @@
 Plain torch functions with Hugging Face Llama numerics. On CUDA, RMSNorm (with its fused
 residual add) and SiLU-and-mul dispatch to the Triton kernels in `kernels/`, which follow
 the same numerics (tested against these functions' references); the rotation stays in torch
-here because q and k are strided views into the fused QKV output.
+there because q and k are strided views into the fused QKV output. On the CPU in fp32,
+RMSNorm and the rotation (in place) go to the native kernels of `engine.native` when they
+are built: one call each instead of several torch ops.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine import native
 
 
 def rms_norm(
@@ -30,6 +34,8 @@ def rms_norm(
         from kernels import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight, eps, residual)
+    if _use_native(x, weight) and x.dim() == 2:
+        return native.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         residual = x
@@ -66,6 +72,33 @@ def apply_rotary_emb(
     head_dim = x.shape[-1]
     swapped = x.unflatten(-1, (2, head_dim // 2)).flip(-2).flatten(-2)  # (x2 | x1)
     return torch.addcmul(x * cos, swapped, sin)
+
+
+def apply_rotary_emb_(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim], overwritten
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]  (cos | cos)
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim]  (-sin | sin)
+) -> torch.Tensor:
+    """`apply_rotary_emb` in place where a native kernel does it (fp32 CPU, heads contiguous
+    within a row, cos/sin contiguous); returns the rotated tensor, which is `x` itself there
+    and a new tensor elsewhere. Callers must own `x` and use the return value."""
+    if (
+        _use_native(x, cos, sin)
+        and x.stride(-1) == 1
+        and x.stride(-2) == x.shape[-1]
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
+        return native.rotary_inplace(x, cos, sin)
+    return apply_rotary_emb(x, cos, sin)
+
+
+def _use_native(*tensors: torch.Tensor) -> bool:
+    """fp32 CPU tensors go to the native kernels when they are built (engine.native)."""
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        and native.native_kernels_available()
+    )
 
 
 class RotaryEmbedding(nn.Module):

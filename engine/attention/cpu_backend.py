@@ -1,0 +1,84 @@
+"""The CPU default: the torch backend with decode attention in native kernels.
+
+Decode requests (one query token each) go to `engine.native.paged_decode_attention`,
+which reads keys and values from the paged cache in place instead of gathering each
+request's context into a padded copy first, and the KV write is one native call; prefill
+chunks and dtypes other than fp32 take the torch backend's paths. See
+engine/native/__init__.py for how the kernels are built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.native import load_library, paged_decode_attention, write_kv
+
+
+class CPUAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        load_library()  # raises NativeKernelError with the reason when it cannot build
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+    ) -> None:
+        if _native_layout(key, value, kv_cache):
+            write_kv(key, value, kv_cache, slot_mapping)
+        else:
+            super().write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if not _native_layout(key, value, kv_cache):
+            return super().forward(query, key, value, kv_cache, metadata, scale)
+        n = metadata.num_actual_tokens
+        write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping)
+        return self._attend(query, kv_cache, metadata, scale, key, value)
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        if query.dtype != torch.float32 or query.device.type != "cpu":
+            return super()._decode(query, kv_cache, metadata, scale)
+        num_decodes = query.shape[0]
+        max_len = max(metadata.seq_lens_cpu[:num_decodes])
+        return paged_decode_attention(
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            max_len,
+            scale,
+        )
+
+
+def _native_layout(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """fp32 on the CPU, heads contiguous within a row: what the native KV write takes."""
+    return (
+        key.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and key.device.type == "cpu"
+        and key.stride(2) == 1
+        and key.stride(1) == key.shape[2]
+        and value.stride() == key.stride()
+        and kv_cache.is_contiguous()
+    )

@@ -1,0 +1,257 @@
+"""The CPU fast paths: native C kernels (engine.native), the `cpu` attention backend, and
+MKL-packed linears (engine.models.linear), each against the pure-torch path it replaces."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams, native
+from engine.attention.backend import get_attention_backend
+from engine.attention.cpu_backend import CPUAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.models.linear import Linear, linear, pack_weight, packing_available
+from engine.models.loader import load_hf_config, load_model
+from engine.models.ops import apply_rotary_emb
+from kernels.reference import ref_paged_attention
+from tests.model_utils import allocate_block_tables, build_attn_metadata, make_tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    not native.native_kernels_available(), reason="no C compiler: native kernels not built"
+)
+
+
+# --- paged decode attention -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_reqs,num_heads,num_kv_heads,head_dim,block_size",
+    [
+        (1, 9, 3, 64, 16),  # batch 1: work split per KV head
+        (2, 4, 4, 128, 8),
+        (12, 9, 3, 64, 16),  # enough requests: work split per request
+        (9, 8, 1, 80, 5),  # MQA, head_dim off the specialised sizes, odd block size
+        (10, 6, 2, 20, 1),  # head_dim not a multiple of the vector width
+    ],
+)
+def test_paged_decode_attention_matches_reference(
+    num_reqs, num_heads, num_kv_heads, head_dim, block_size
+):
+    gen = torch.Generator().manual_seed(num_reqs * 100 + head_dim)
+    seq_lens = torch.randint(1, 90, (num_reqs,), generator=gen).to(torch.int32)
+    num_blocks = int(sum(-(-int(n) // block_size) for n in seq_lens)) + 4
+    tables = allocate_block_tables(seq_lens.tolist(), block_size, num_blocks, seed=1)
+    width = max(len(t) for t in tables) + 2  # padded rows, as the model runner builds them
+    block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
+    for r, table in enumerate(tables):
+        block_tables[r, : len(table)] = torch.tensor(table)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    # Strided query rows, as the model passes a view of the fused QKV projection.
+    qkv = torch.randn(num_reqs, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    query = qkv[:, :num_heads]
+    scale = head_dim**-0.5
+    max_len = int(seq_lens.max()) + 3  # longer than every context: the tail is masked
+    out = native.paged_decode_attention(query, kv_cache, block_tables, seq_lens, max_len, scale)
+    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
+    expected = ref_paged_attention(
+        query.contiguous(), kv_cache, block_tables, seq_lens, query_start_loc, scale
+    )
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_paged_decode_attention_rejects_bad_layouts():
+    kv_cache = torch.zeros(2, 4, 4, 2, 8)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    seq_lens = torch.tensor([3], dtype=torch.int32)
+    query = torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match="float32"):
+        native.paged_decode_attention(query.double(), kv_cache, tables, seq_lens, 3, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        native.paged_decode_attention(query, kv_cache, tables.long(), seq_lens, 3, 1.0)
+    with pytest.raises(ValueError, match="query strides"):
+        native.paged_decode_attention(query.transpose(1, 2), kv_cache, tables, seq_lens, 3, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.paged_decode_attention(torch.zeros(1, 3, 8), kv_cache, tables, seq_lens, 3, 1.0)
+
+
+# --- elementwise kernels ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 48), (7, 576), (300, 250)])  # 300 x 250: threaded
+def test_rms_norm_kernel_matches_torch(rows, cols):
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, cols + 5, generator=gen)
+    x = wide[:, :cols]  # strided rows
+    residual = torch.randn(rows, cols, generator=gen)
+    weight = torch.rand(cols, generator=gen) + 0.5
+    expected = F.rms_norm(x, (cols,), weight, 1e-5)
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), expected, atol=1e-6, rtol=1e-5)
+    out, summed = native.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+    expected = F.rms_norm(x + residual, (cols,), weight, 1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        native.rms_norm(x, weight, 1e-5, residual[:, :-1])
+
+
+@pytest.mark.parametrize("rows,num_heads,head_dim", [(3, 5, 64), (700, 12, 32)])
+def test_rotary_kernel_matches_torch(rows, num_heads, head_dim):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, num_heads + 2, head_dim, generator=gen)
+    angles = torch.rand(rows, 1, head_dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    expected = apply_rotary_emb(qkv[:, :num_heads], cos, sin)
+    untouched = qkv[:, num_heads:].clone()
+    out = native.rotary_inplace(qkv[:, :num_heads], cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    torch.testing.assert_close(qkv[:, :num_heads], expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, num_heads:], untouched, atol=0, rtol=0)
+
+
+def test_write_kv_kernel_matches_torch_backend():
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(6, 2 + 2 * 3, 8, generator=gen)
+    key, value = qkv[:, 2:5], qkv[:, 5:8]  # strided rows, as the model passes them
+    slot_mapping = torch.tensor([5, -1, 0, 11, 2, -1])
+    ours = torch.zeros(2, 3, 4, 3, 8)
+    native.write_kv(key, value, ours, slot_mapping)
+    expected = torch.zeros(2, 3, 4, 3, 8)
+    TorchAttentionBackend().write_kv(key, value, expected, slot_mapping)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+    assert ours.any()
+
+
+# --- the cpu backend against the torch backend ------------------------------------------------
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_cpu_backend_matches_torch_backend(num_heads, num_kv_heads):
+    block_size, head_dim, scale = 4, 16, 0.25
+    gen = torch.Generator().manual_seed(num_heads)
+    # (num_computed, query_len): ten decodes (enough for per-request work), two prefills.
+    shapes = [(9, 1), (0, 1), (30, 1), (39, 1), (17, 1)] * 2 + [(0, 12), (5, 7)]
+    num_blocks = 160
+    tables = allocate_block_tables([n + q for n, q in shapes], block_size, num_blocks, seed=3)
+    metadata = build_attn_metadata(
+        [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size, num_padding=2
+    )
+    num_tokens = metadata.slot_mapping.shape[0]
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    query = qkv[:, :num_heads]
+    key = qkv[:, num_heads : num_heads + num_kv_heads]
+    value = qkv[:, num_heads + num_kv_heads :]
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    expected_cache = cache.clone()
+    out = CPUAttentionBackend().forward(query, key, value, cache, metadata, scale)
+    expected = TorchAttentionBackend().forward(query, key, value, expected_cache, metadata, scale)
+    torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_default_cpu_backend_is_native_and_falls_back_without_a_compiler(tmp_path):
+    assert get_attention_backend(None, torch.device("cpu")).name == "cpu"
+    # In a fresh process with no usable compiler and an empty kernel cache: a warning that
+    # names the reason, and the pure-torch backend.
+    script = textwrap.dedent(
+        """
+        import logging, torch
+        logging.basicConfig(level=logging.WARNING)
+        from engine.attention.backend import get_attention_backend
+        print("BACKEND", get_attention_backend(None, torch.device("cpu")).name)
+        """
+    )
+    env = {
+        **_child_env(),
+        "CC": str(tmp_path / "no-such-compiler"),
+        "PAGEDSERVE_KERNEL_CACHE_DIR": str(tmp_path / "kernels"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "BACKEND torch" in result.stdout
+    assert "CPU attention kernels unavailable" in result.stderr
+    assert "no-such-compiler" in result.stderr
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpu", torch.device("meta"))
+
+
+def _child_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_NATIVE_CPU_KERNELS"}
+
+
+def test_engine_tokens_same_with_and_without_native_kernels(tmp_path, monkeypatch):
+    path = make_tiny_llama(tmp_path / "m", hidden_size=96, num_heads=6, num_kv_heads=2)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30, 2)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(model=str(path), block_size=4, kv_cache_memory_bytes=1 << 22)
+    fast = LLM(**common)
+    assert fast.llm_engine.runner.attn_backend.name == "cpu"
+    fast_tokens = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_CPU_KERNELS", "0")
+    native.native_kernels_available.cache_clear()
+    try:
+        slow = LLM(**common)
+        assert slow.llm_engine.runner.attn_backend.name == "torch"
+        outputs = slow.generate(prompts, params, use_tqdm=False)
+    finally:
+        monkeypatch.delenv("PAGEDSERVE_NATIVE_CPU_KERNELS")
+        native.native_kernels_available.cache_clear()
+    assert [o.outputs[0].token_ids for o in outputs] == fast_tokens
+
+
+# --- MKL-packed linears -----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch built without MKL")
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 200, 2049])
+def test_packed_linear_matches_f_linear_for_any_batch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen)
+    bias = torch.randn(96, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    packed = pack_weight(weight)
+    torch.testing.assert_close(
+        linear(x, weight, bias, packed), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch built without MKL")
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_packs_every_projection(tmp_path, tied):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=tied)
+    model = load_model(
+        path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend()
+    )
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    assert model._packed_logits_weight is not None
+    hidden = torch.randn(5, model.config.hidden_size)
+    weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    torch.testing.assert_close(
+        model.compute_logits(hidden), F.linear(hidden, weight), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch built without MKL")
+def test_packing_skipped_when_the_check_fails(tmp_path, monkeypatch, caplog):
+    path = make_tiny_llama(tmp_path / "m", num_layers=1)
+    config = load_hf_config(path)
+    monkeypatch.setattr(
+        torch.ops.mkl, "_mkl_linear", lambda x, packed, w, b, rows: F.linear(x, w, b) + 1.0
+    )
+    with caplog.at_level(logging.WARNING):
+        model = load_model(
+            path, config, torch.float32, torch.device("cpu"), TorchAttentionBackend()
+        )
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    assert "disagrees" in caplog.text
