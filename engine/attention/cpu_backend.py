@@ -28,27 +28,22 @@ class CPUAttentionBackend(TorchAttentionBackend):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped natively)
     ) -> None:
         if _native_layout(key, value, kv_cache):
             write_kv(key, value, kv_cache, slot_mapping)
         else:
             super().write_kv(key, value, kv_cache, slot_mapping)
 
-    def forward(
+    def _write_valid_kv(
         self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key: torch.Tensor,  # [n, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [n, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if not _native_layout(key, value, kv_cache):
-            return super().forward(query, key, value, kv_cache, metadata, scale)
-        n = metadata.num_actual_tokens
-        write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping)
-        return self._attend(query, kv_cache, metadata, scale, key, value)
+        slot_mapping: torch.Tensor,  # [n] int64, all >= 0
+    ) -> None:
+        # The native write needs no padding-free fast path: it skips -1 slots itself.
+        self.write_kv(key, value, kv_cache, slot_mapping)
 
     def _decode(
         self,

@@ -57,8 +57,18 @@ class TorchAttentionBackend(AttentionBackend):
         # Padding tokens come after the real ones, so the valid slots are a prefix: slicing
         # avoids the mask `write_kv` needs for an arbitrary slot_mapping.
         n = metadata.num_actual_tokens
-        _scatter_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        self._write_valid_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
         return self._attend(query, kv_cache, metadata, scale, key, value)
+
+    def _write_valid_kv(
+        self,
+        key: torch.Tensor,  # [n, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [n, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [n] int64, all >= 0
+    ) -> None:
+        """The step's KV write when no slot is padding (what `forward` passes)."""
+        _scatter_kv(key, value, kv_cache, slot_mapping)
 
     def attend(
         self,

@@ -232,10 +232,6 @@ def _check(
         raise ValueError("paged_decode_attention: " + "; ".join(problems))
 
 
-def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
 def rms_norm(
     x: torch.Tensor,  # [rows, cols] fp32, rows may be strided
     weight: torch.Tensor,  # [cols]
