@@ -2,8 +2,10 @@
 
 Decode requests (one query token each) go to `engine.native.paged_decode_attention`,
 which reads keys and values from the paged cache in place instead of gathering each
-request's context into a padded copy first, and the KV write is one native call; prefill
-chunks and dtypes other than fp32 take the torch backend's paths. See
+request's context into a padded copy first; all prefill chunks of a step go to one
+`engine.native.paged_prefill_attention` call (causal, flash-style online softmax over the
+paged cache) instead of one SDPA call per request; the KV write is one native call.
+Dtypes other than fp32 take the torch backend's paths. See
 engine/native/__init__.py for how the kernels are built.
 """
 
@@ -13,7 +15,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.native import load_library, paged_decode_attention, write_kv
+from engine.native import load_library, paged_decode_attention, paged_prefill_attention, write_kv
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
@@ -44,6 +46,43 @@ class CPUAttentionBackend(TorchAttentionBackend):
     ) -> None:
         # The native write needs no padding-free fast path: it skips -1 slots itself.
         self.write_kv(key, value, kv_cache, slot_mapping)
+
+    def _attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
+        if (
+            num_decodes == num_reqs  # decodes only: the torch backend's path has no copy
+            or query.dtype != torch.float32
+            or kv_cache.dtype != torch.float32
+            or query.device.type != "cpu"
+        ):
+            return super()._attend(query, kv_cache, metadata, scale, key, value)
+        # Prefill chunks: one native call for all of them, reading the cache (this step's
+        # keys and values are already written) instead of one SDPA call per request.
+        out = query.new_empty(query.shape)
+        if num_decodes > 0:
+            out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
+        paged_prefill_attention(
+            out,
+            query,
+            kv_cache,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            num_decodes,
+            scale,
+        )
+        end = metadata.query_start_loc_cpu[num_reqs]
+        if end < query.shape[0]:
+            out[end:].zero_()  # padding rows
+        return out
 
     def _decode(
         self,

@@ -4,8 +4,9 @@ Plain torch functions with Hugging Face Llama numerics. On CUDA, RMSNorm (with i
 residual add) and SiLU-and-mul dispatch to the Triton kernels in `kernels/`, which follow
 the same numerics (tested against these functions' references); the rotation stays in torch
 there because q and k are strided views into the fused QKV output. On the CPU in fp32,
-RMSNorm and the rotation (in place) go to the native kernels of `engine.native` when they
-are built: one call each instead of several torch ops.
+RMSNorm, SiLU-and-mul and the rotation (in place) go to the native kernels of
+`engine.native` when they are built: one call each instead of several torch ops (and one
+pass over the activations instead of several).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels import silu_and_mul as triton_silu_and_mul
 
         return triton_silu_and_mul(x)
+    if _use_native(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0:
+        return native.silu_and_mul(x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 

@@ -40,7 +40,17 @@ KERNEL_CACHE_DIR_ENV = "PAGEDSERVE_KERNEL_CACHE_DIR"
 # "0" turns the native kernels off (pure torch everywhere), e.g. to compare the two.
 NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11") + (
+# -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
+# one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+    "-ffp-contract=fast",
+) + (
     # GCC and clang default to 256-bit vectors on AVX-512 parts; the kernels' loops are
     # long enough that full-width ones win (~1.3x on the scores pass).
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
@@ -63,6 +73,14 @@ _SIGNATURES = {
     "rotary_inplace_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # key_cache, value_cache, key, value, kv_stride, slot_mapping, rows, row
     "write_kv_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64],
+    # out, x, x_stride, rows, inter, num_threads
+    "silu_and_mul_f32": [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
+    # out, out_stride, query, query_stride, key_cache, value_cache, block_tables,
+    # block_table_stride, query_start_loc, seq_lens, first_req, num_reqs, num_heads,
+    # num_kv_heads, head_dim, block_size, scale, num_threads
+    "paged_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+    + [_i64] * 6
+    + [ctypes.c_float, ctypes.c_int],
 }
 
 
@@ -319,4 +337,75 @@ def write_kv(
         slot_mapping.data_ptr(),
         rows,
         row,
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [rows, 2 * inter] -> [rows, inter]
+    """silu(gate) * up over (gate | up) rows, one pass; rows of x may be strided."""
+    rows, width = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1 or width % 2:
+        raise ValueError(f"silu_and_mul: x {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    out = x.new_empty(rows, width // 2)
+    load_library().silu_and_mul_f32(
+        out.data_ptr(), x.data_ptr(), x.stride(0), rows, width // 2, torch.get_num_threads()
+    )
+    return out
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32, written for the prefill rows
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32, rows may be strided
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] fp32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    first_req: int,
+    scale: float,
+) -> None:
+    """Causal attention of requests first_req.. (prefill chunks, any cached context) over
+    their paged keys/values, which must already hold this step's tokens."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    _check(query, kv_cache, block_tables, seq_lens, num_reqs, num_heads, head_dim)
+    problems = []
+    if out.dtype != torch.float32 or out.shape != query.shape or out.stride(2) != 1:
+        problems.append(f"out {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    elif out.stride(1) != head_dim:
+        problems.append(f"out strides {out.stride()}")
+    if (
+        query_start_loc.dtype != torch.int32
+        or not query_start_loc.is_contiguous()
+        or query_start_loc.numel() != num_reqs + 1
+    ):
+        problems.append("query_start_loc not a contiguous int32 vector of num_reqs + 1")
+    elif int(query_start_loc[-1]) > num_tokens:
+        problems.append(f"query_start_loc ends past the {num_tokens} query rows")
+    if kv_cache.shape[4] != head_dim or num_heads % kv_cache.shape[3]:
+        problems.append(f"query heads {num_heads}x{head_dim} vs cache {tuple(kv_cache.shape)}")
+    if not 0 <= first_req <= num_reqs:
+        problems.append(f"first_req {first_req} of {num_reqs}")
+    if problems:
+        raise ValueError("paged_prefill_attention: " + "; ".join(problems))
+    if first_req == num_reqs:
+        return
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    load_library().paged_prefill_attention(
+        out.data_ptr(),
+        out.stride(0),
+        query.data_ptr(),
+        query.stride(0),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        first_req,
+        num_reqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
     )

@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
@@ -60,6 +61,15 @@ INLINE void axpy(float *restrict y, float alpha, const float *restrict x, int64_
     for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+/* Asks for the cache lines of KV heads [kvh0, kvh1) of one token row: the same row of the
+ * next block, while this block is worked on. Blocks are scattered over the pool, so the
+ * hardware prefetcher, which follows sequential streams, cannot guess the next one. */
+INLINE void prefetch_row(const float *row, int64_t kvh0, int64_t kvh1, int64_t head_dim) {
+    const char *first = (const char *)(row + kvh0 * head_dim);
+    const char *last = (const char *)(row + kvh1 * head_dim);
+    for (const char *p = first; p < last; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 /* One request, KV heads [kvh0, kvh1): the scores of their query heads over seq_len keys.
  * Blocks are the outer loop, so a block's rows (all KV heads) are read front to back. */
 INLINE void scores_one(float *restrict row, const float *restrict q, const float *key_cache,
@@ -69,8 +79,12 @@ INLINE void scores_one(float *restrict row, const float *restrict q, const float
     for (int64_t start = 0; start < seq_len; start += block_size) {
         const float *block = key_cache + (int64_t)table[start / block_size] * block_size * token_stride;
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
+        const float *next = start + block_size < seq_len
+                                ? key_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
+                                : NULL;
         for (int64_t t = start; t < end; ++t) {
             const float *k = block + (t - start) * token_stride;
+            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
             for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t h = kvh * group + g;
@@ -92,8 +106,12 @@ INLINE void values_one(float *restrict o, const float *restrict p, const float *
         const float *block =
             value_cache + (int64_t)table[start / block_size] * block_size * token_stride;
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
+        const float *next = start + block_size < seq_len
+                                ? value_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
+                                : NULL;
         for (int64_t t = start; t < end; ++t) {
             const float *v = block + (t - start) * token_stride;
+            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
             for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t h = kvh * group + g;
@@ -256,4 +274,365 @@ void write_kv_f32(float *key_cache, float *value_cache, const float *key, const 
             vc[i] = v[i];
         }
     }
+}
+
+/* ---- Vectorised exp, SiLU-and-mul --------------------------------------------------------
+ *
+ * GCC/clang vector extensions (portable: on targets with narrower registers the compiler
+ * splits them), so the exp below vectorises without -ffast-math or a vector math library. */
+
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+INLINE vfloat vload(const float *p) {
+    vfloat v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void vstore(float *p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* mask lanes (-1) take a, the others b. */
+INLINE vfloat vselect(vint mask, vfloat a, vfloat b) {
+    return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
+}
+
+/* Horizontal max and sum as trees over halves (a few vector ops, not LANES scalar ones). */
+typedef float vhalf __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef int32_t vhalf_int __attribute__((vector_size(LANES / 2 * sizeof(int32_t))));
+typedef float vquarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
+typedef int32_t vquarter_int __attribute__((vector_size(LANES / 4 * sizeof(int32_t))));
+
+INLINE float vmax_lanes(vfloat v) {
+    vhalf a, b;
+    __builtin_memcpy(&a, &v, sizeof a);
+    __builtin_memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    const vhalf_int a_wins = a > b;
+    a = (vhalf)(((vhalf_int)a & a_wins) | ((vhalf_int)b & ~a_wins));
+    vquarter c, d;
+    __builtin_memcpy(&c, &a, sizeof c);
+    __builtin_memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    const vquarter_int c_wins = c > d;
+    c = (vquarter)(((vquarter_int)c & c_wins) | ((vquarter_int)d & ~c_wins));
+    float m = c[0];
+    for (int l = 1; l < LANES / 4; ++l) m = c[l] > m ? c[l] : m;
+    return m;
+}
+
+INLINE float vsum_lanes(vfloat v) {
+    vhalf a, b;
+    __builtin_memcpy(&a, &v, sizeof a);
+    __builtin_memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+    a += b;
+    vquarter c, d;
+    __builtin_memcpy(&c, &a, sizeof c);
+    __builtin_memcpy(&d, (const char *)&a + sizeof c, sizeof d);
+    c += d;
+    float sum = 0.0f;
+    for (int l = 0; l < LANES / 4; ++l) sum += c[l];
+    return sum;
+}
+
+/* e^x per lane, within ~2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
+ * expf polynomial, 2^n built in the exponent bits. Above 88.37 the result is +inf, below
+ * -87.33 (where expf turns subnormal) it is 0, as torch's exp flushes; NaN stays NaN (the
+ * comparisons are false for it). */
+INLINE vfloat vexp(vfloat in) {
+    const vfloat hi = (vfloat){0} + 88.3762626647949f, lo = (vfloat){0} + -87.3365478515625f;
+    const vint overflow = in > hi, underflow = in < lo;
+    vfloat x = vselect(overflow, hi, in);
+    x = vselect(underflow, lo, x);
+    /* n = round(x / ln2): adding 1.5 * 2^23 rounds to an integer in the low mantissa bits. */
+    const vfloat shifter = (vfloat){0} + 12582912.0f;
+    const vfloat t = x * 1.44269504088896341f + shifter;
+    const vfloat n = t - shifter;
+    const vint ni = (vint)t - (vint)shifter;
+    vfloat r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vfloat p = (vfloat){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const vfloat result = p * (vfloat)((ni + 127) << 23);
+    return vselect(underflow, (vfloat){0}, vselect(overflow, (vfloat){0} + INFINITY, result));
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, inter + i] with silu(g) = g / (1 + e^-g) (torch's
+ * formula); x rows (gate | up) at x_stride, out rows contiguous. */
+void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t rows, int64_t inter,
+                      int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * inter >= MIN_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = x + r * x_stride;
+        const float *up = gate + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + LANES <= inter; i += LANES) {
+            const vfloat g = vload(gate + i);
+            vstore(o + i, g / (1.0f + vexp(-g)) * vload(up + i));
+        }
+        for (; i < inter; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* ---- Paged prefill attention --------------------------------------------------------------
+ *
+ * Causal attention for prefill chunks (any number of query tokens per request, after any
+ * cached context), reading keys and values from the paged cache (the step's own keys are
+ * written there first). Query token i of a request whose chunk has q_len tokens sits at
+ * position seq_len - q_len + i and sees keys 0 ..= that position.
+ *
+ * One work item = (request, KV head, tile of PREFILL_ROWS query tokens): every query head
+ * of the KV head's group for those tokens, so each key/value read from the cache serves
+ * PREFILL_ROWS * group query rows. Keys go in segments of up to PREFILL_SEGMENT: a segment's
+ * keys are transposed once per item into [LANES-key chunk][head_dim][LANES], so a query's
+ * scores for LANES keys are head_dim vector FMAs (no horizontal sums). Each query row
+ * scores the whole segment, then exponentiates it against the running max, and the
+ * softmax is carried across segments online (rescaling the running sum and output, as
+ * flash attention does): no [q_len, seq_len] score matrix, and the per-row bookkeeping
+ * is once per segment, not once per key chunk. */
+
+#define PREFILL_ROWS 16
+#define PREFILL_SEGMENT 256
+
+/* a = a * rescale + sum_j p[j] * values[j] over n value rows. With head_dim a multiple of
+ * LANES (up to 8 LANES) the row stays in registers, in two interleaved sets of partial
+ * sums (even and odd keys) so the FMA chains overlap. */
+INLINE void accumulate_values(float *restrict a, float rescale, const float *restrict p,
+                              const float *const *values, int64_t n, int64_t head_dim) {
+    if (head_dim % LANES == 0 && head_dim <= 8 * LANES) {
+        const int64_t vectors = head_dim / LANES;
+        vfloat even[8], odd[8];
+        for (int64_t v = 0; v < vectors; ++v) {
+            even[v] = vload(a + v * LANES) * rescale;
+            odd[v] = (vfloat){0};
+        }
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2) {
+            const float w0 = p[j], w1 = p[j + 1];
+            for (int64_t v = 0; v < vectors; ++v) {
+                even[v] += w0 * vload(values[j] + v * LANES);
+                odd[v] += w1 * vload(values[j + 1] + v * LANES);
+            }
+        }
+        if (j < n)
+            for (int64_t v = 0; v < vectors; ++v) even[v] += p[j] * vload(values[j] + v * LANES);
+        for (int64_t v = 0; v < vectors; ++v) vstore(a + v * LANES, even[v] + odd[v]);
+        return;
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
+    for (int64_t j = 0; j < n; ++j) axpy(a, p[j], values[j], head_dim);
+}
+
+/* Scores of SCORE_ROWS query rows against one transposed key chunk ([head_dim][LANES]):
+ * out[m] = q[m] . keys. Each key vector loaded serves SCORE_ROWS FMAs (a small GEMM
+ * micro-kernel), so the loop is bound by FMAs, not loads. */
+#define SCORE_ROWS 8
+
+INLINE void chunk_scores(vfloat *restrict out, const float *const *q, const float *restrict keys,
+                         int64_t head_dim) {
+    vfloat acc[SCORE_ROWS];
+    for (int m = 0; m < SCORE_ROWS; ++m) acc[m] = (vfloat){0};
+    for (int64_t d = 0; d < head_dim; ++d) {
+        const vfloat k = vload(keys + d * LANES);
+        for (int m = 0; m < SCORE_ROWS; ++m) acc[m] += q[m][d] * k;
+    }
+    for (int m = 0; m < SCORE_ROWS; ++m) out[m] = acc[m];
+}
+
+/* accumulate_values for two rows sharing the value rows: each value vector loaded serves
+ * both (head_dim a multiple of LANES, up to 8 LANES). */
+INLINE void accumulate_values2(float *restrict a0, float *restrict a1, float rescale0,
+                               float rescale1, const float *restrict p0, const float *restrict p1,
+                               const float *const *values, int64_t n, int64_t head_dim) {
+    const int64_t vectors = head_dim / LANES;
+    vfloat r0[8], r1[8];
+    for (int64_t v = 0; v < vectors; ++v) {
+        r0[v] = vload(a0 + v * LANES) * rescale0;
+        r1[v] = vload(a1 + v * LANES) * rescale1;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float w0 = p0[j], w1 = p1[j];
+        for (int64_t v = 0; v < vectors; ++v) {
+            const vfloat x = vload(values[j] + v * LANES);
+            r0[v] += w0 * x;
+            r1[v] += w1 * x;
+        }
+    }
+    for (int64_t v = 0; v < vectors; ++v) {
+        vstore(a0 + v * LANES, r0[v]);
+        vstore(a1 + v * LANES, r1[v]);
+    }
+}
+
+INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
+                         int64_t query_stride, const float *key_cache, const float *value_cache,
+                         const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
+                         int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
+                         int64_t token_stride, float scale, float *scratch) {
+    const int64_t num_rows = (row1 - row0) * group;
+    float *keys = scratch;                          /* [PREFILL_SEGMENT / LANES][head_dim][LANES] */
+    float *probs = keys + PREFILL_SEGMENT * head_dim; /* [SCORE_ROWS][PREFILL_SEGMENT] */
+    float *acc = probs + SCORE_ROWS * PREFILL_SEGMENT; /* [num_rows][head_dim] */
+    float *run_max = acc + num_rows * head_dim;
+    float *run_sum = run_max + num_rows;
+    const float *values[PREFILL_SEGMENT];
+    for (int64_t i = 0; i < num_rows * head_dim; ++i) acc[i] = 0.0f;
+    for (int64_t i = 0; i < num_rows; ++i) {
+        run_max[i] = -INFINITY;
+        run_sum[i] = 0.0f;
+    }
+    vint lane;
+    for (int l = 0; l < LANES; ++l) lane[l] = l;
+    const int64_t num_keys = num_cached + row1; /* what the tile's last row sees */
+    for (int64_t s0 = 0; s0 < num_keys; s0 += PREFILL_SEGMENT) {
+        const int64_t seg = num_keys - s0 < PREFILL_SEGMENT ? num_keys - s0 : PREFILL_SEGMENT;
+        const int64_t padded = (seg + LANES - 1) / LANES * LANES;
+        for (int64_t j = 0; j < padded; ++j) {
+            float *column = keys + (j / LANES) * head_dim * LANES + j % LANES;
+            if (j < seg) {
+                const int64_t t = s0 + j;
+                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                const float *k = key_cache + slot * token_stride + kvh * head_dim;
+                values[j] = value_cache + slot * token_stride + kvh * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) column[d * LANES] = k[d];
+            } else {
+                for (int64_t d = 0; d < head_dim; ++d) column[d * LANES] = 0.0f;
+            }
+        }
+        /* Query rows (token i, head g) numbered row = (i - row0) * group + g, in blocks of
+         * SCORE_ROWS (the last block repeats its final row to fill up; those extra scores
+         * are ignored). */
+        for (int64_t b0 = 0; b0 < num_rows; b0 += SCORE_ROWS) {
+            const float *q[SCORE_ROWS];
+            int64_t visible[SCORE_ROWS], most = 0;
+            for (int m = 0; m < SCORE_ROWS; ++m) {
+                const int64_t row = b0 + m < num_rows ? b0 + m : num_rows - 1;
+                const int64_t i = row0 + row / group, h = kvh * group + row % group;
+                q[m] = query + i * query_stride + h * head_dim;
+                /* Keys of this segment the row sees: up to its own position. */
+                const int64_t v = num_cached + i + 1 - s0;
+                visible[m] = v < 0 ? 0 : (v < seg ? v : seg);
+                most = visible[m] > most ? visible[m] : most;
+            }
+            if (most == 0) continue;
+            const int64_t chunks = (most + LANES - 1) / LANES;
+            const int64_t stride = PREFILL_SEGMENT; /* probs row stride */
+            vfloat best[SCORE_ROWS];
+            for (int m = 0; m < SCORE_ROWS; ++m) best[m] = (vfloat){0} - INFINITY;
+            for (int64_t c = 0; c < chunks; ++c) {
+                vfloat sc[SCORE_ROWS];
+                chunk_scores(sc, q, keys + c * head_dim * LANES, head_dim);
+                for (int m = 0; m < SCORE_ROWS; ++m) {
+                    const vint seen = lane < (int32_t)(visible[m] - c * LANES);
+                    const vfloat x = vselect(seen, sc[m] * scale, (vfloat){0} - INFINITY);
+                    vstore(probs + m * stride + c * LANES, x);
+                    best[m] = vselect(x > best[m], x, best[m]);
+                }
+            }
+            float rescale[SCORE_ROWS];
+            const int rows_here = num_rows - b0 < SCORE_ROWS ? (int)(num_rows - b0) : SCORE_ROWS;
+            for (int m = 0; m < rows_here; ++m) {
+                if (visible[m] == 0) continue;
+                const int64_t row = b0 + m;
+                const float new_max = fmaxf(run_max[row], vmax_lanes(best[m]));
+                rescale[m] = expf(run_max[row] - new_max); /* 0 on the first segment */
+                vfloat total = (vfloat){0};
+                float *pm = probs + m * stride;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    /* exp(-inf - max) is 0 for masked keys: vexp flushes to 0. */
+                    const vfloat pc = vexp(vload(pm + c * LANES) - new_max);
+                    vstore(pm + c * LANES, pc);
+                    total += pc;
+                }
+                run_sum[row] = run_sum[row] * rescale[m] + vsum_lanes(total);
+                run_max[row] = new_max;
+            }
+            /* probs are 0 past each row's visible keys (up to `most`), so rows of a pair can
+             * share the pass over the value rows. */
+            int m = 0;
+            if (head_dim % LANES == 0 && head_dim <= 8 * LANES)
+                for (; m + 1 < rows_here; m += 2) {
+                    if (visible[m] == 0 || visible[m + 1] == 0) break;
+                    accumulate_values2(acc + (b0 + m) * head_dim, acc + (b0 + m + 1) * head_dim,
+                                       rescale[m], rescale[m + 1], probs + m * stride,
+                                       probs + (m + 1) * stride, values,
+                                       visible[m] > visible[m + 1] ? visible[m] : visible[m + 1],
+                                       head_dim);
+                }
+            for (; m < rows_here; ++m)
+                if (visible[m] > 0)
+                    accumulate_values(acc + (b0 + m) * head_dim, rescale[m], probs + m * stride,
+                                      values, visible[m], head_dim);
+        }
+    }
+    for (int64_t i = row0; i < row1; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t row = (i - row0) * group + g;
+            const float inv = 1.0f / run_sum[row];
+            float *o = out + i * out_stride + (kvh * group + g) * head_dim;
+            const float *a = acc + row * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
+        }
+}
+
+/* Requests [first_req, num_reqs) of the batch; their query rows are
+ * query_start_loc[r] .. query_start_loc[r + 1] of query/out (row strides query_stride and
+ * out_stride, heads contiguous within a row). Other rows of out are not touched. */
+void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
+                             int64_t query_stride, const float *key_cache,
+                             const float *value_cache, const int32_t *block_tables,
+                             int64_t block_table_stride, const int32_t *query_start_loc,
+                             const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    /* Items are numbered request by request: item_start[r - first_req] is r's first. */
+    const int64_t count = num_reqs - first_req;
+    int64_t *item_start = malloc((size_t)(count + 1) * sizeof(int64_t));
+    if (item_start == NULL) abort();
+    item_start[0] = 0;
+    for (int64_t r = first_req; r < num_reqs; ++r) {
+        const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+        const int64_t tiles = (q_len + PREFILL_ROWS - 1) / PREFILL_ROWS;
+        item_start[r - first_req + 1] = item_start[r - first_req] + tiles * num_kv_heads;
+    }
+    const int64_t num_items = item_start[count];
+    const size_t scratch_floats =
+        (size_t)(PREFILL_SEGMENT * (head_dim + SCORE_ROWS) + PREFILL_ROWS * group * (head_dim + 2));
+#pragma omp parallel num_threads(num_threads) if (num_items > 1)
+    {
+        float *scratch = malloc(scratch_floats * sizeof(float));
+        if (scratch == NULL) abort();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            int64_t lo = 0, hi = count; /* the request: item_start[lo] <= item < [lo + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (item_start[mid] <= item) lo = mid;
+                else hi = mid;
+            }
+            const int64_t r = first_req + lo, local = item - item_start[lo];
+            const int64_t tile = local / num_kv_heads, kvh = local % num_kv_heads;
+            const int64_t start = query_start_loc[r];
+            const int64_t q_len = query_start_loc[r + 1] - start;
+            const int64_t row0 = tile * PREFILL_ROWS;
+            const int64_t row1 = row0 + PREFILL_ROWS < q_len ? row0 + PREFILL_ROWS : q_len;
+            const int32_t *table = block_tables + r * block_table_stride;
+            DISPATCH_HEAD_DIM(
+                prefill_item(out + start * out_stride, out_stride, query + start * query_stride,
+                             query_stride, key_cache, value_cache, table, seq_lens[r] - q_len,
+                             row0, row1, kvh, group, D, block_size, token_stride, scale, scratch),
+                head_dim)
+        }
+        free(scratch);
+    }
+    free(item_start);
 }

@@ -80,6 +80,85 @@ def test_paged_decode_attention_rejects_bad_layouts():
         native.paged_decode_attention(torch.zeros(1, 3, 8), kv_cache, tables, seq_lens, 3, 1.0)
 
 
+# --- paged prefill attention ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [
+        (9, 3, 64, 16),  # the default model's shape
+        (4, 4, 128, 8),  # MHA, the other specialised head size
+        (8, 1, 80, 5),  # MQA, head_dim off the specialised sizes, odd block size
+        (6, 2, 20, 1),  # head_dim not a multiple of the vector width
+    ],
+)
+def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim)
+    # (num_computed, query_len): two decodes the kernel must skip, then prefill chunks with
+    # and without cached context, and contexts longer than one key segment (256) so the
+    # softmax is carried across segments.
+    shapes = [(9, 1), (30, 1), (0, 37), (5, 7), (250, 40), (0, 300), (3, 16), (40, 2)]
+    num_blocks = sum(-(-(n + q) // block_size) for n, q in shapes) + 3
+    tables = allocate_block_tables([n + q for n, q in shapes], block_size, num_blocks, seed=2)
+    metadata = build_attn_metadata(
+        [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size, num_padding=3
+    )
+    num_tokens = metadata.slot_mapping.shape[0]
+    qkv = torch.randn(num_tokens, num_heads + 2, head_dim, generator=gen)
+    query = qkv[:, :num_heads]  # strided rows, as the model passes them
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out = torch.full((num_tokens, num_heads, head_dim), 7.0)
+    native.paged_prefill_attention(
+        out,
+        query,
+        kv_cache,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.num_decodes,
+        scale,
+    )
+    expected = ref_paged_attention(
+        query.contiguous(),
+        kv_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        scale,
+    )
+    first = metadata.query_start_loc_cpu[metadata.num_decodes]
+    end = metadata.query_start_loc_cpu[-1]
+    torch.testing.assert_close(out[first:end], expected[first:end], atol=2e-6, rtol=1e-5)
+    # Decode rows and padding rows are not the kernel's: left as they were.
+    assert (out[:first] == 7.0).all() and (out[end:] == 7.0).all()
+
+
+def test_paged_prefill_attention_rejects_bad_layouts():
+    kv_cache = torch.zeros(2, 4, 4, 2, 8)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    seq_lens = torch.tensor([3], dtype=torch.int32)
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    query = torch.zeros(3, 4, 8)
+    out = torch.zeros(3, 4, 8)
+    args = (kv_cache, tables, starts, seq_lens, 0, 1.0)
+    native.paged_prefill_attention(out, query, *args)  # the valid call
+    with pytest.raises(ValueError, match="out"):
+        native.paged_prefill_attention(out[:2], query, *args)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        native.paged_prefill_attention(
+            out, query, kv_cache, tables, starts.long(), seq_lens, 0, 1.0
+        )
+    with pytest.raises(ValueError, match="ends past"):
+        native.paged_prefill_attention(
+            out[:2], query[:2], kv_cache, tables, starts, seq_lens, 0, 1.0
+        )
+    with pytest.raises(ValueError, match="first_req"):
+        native.paged_prefill_attention(out, query, kv_cache, tables, starts, seq_lens, 2, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        native.paged_prefill_attention(out, query.double(), *args)
+
+
 # --- elementwise kernels ----------------------------------------------------------------------
 
 
@@ -98,6 +177,20 @@ def test_rms_norm_kernel_matches_torch(rows, cols):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="residual"):
         native.rms_norm(x, weight, 1e-5, residual[:, :-1])
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 100), (64, 1536)])  # 64 x 1536: threaded
+def test_silu_and_mul_kernel_matches_torch(rows, inter):
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * inter + 3, generator=gen) * 4
+    wide[0, :6] = torch.tensor([-200.0, -88.0, -30.0, 0.0, 30.0, 200.0])  # exp's edges
+    x = wide[:, : 2 * inter]  # strided rows
+    expected = F.silu(x[:, :inter]) * x[:, inter:]
+    out = native.silu_and_mul(x)
+    assert out.shape == (rows, inter) and out.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        native.silu_and_mul(x[:, :-1])  # odd width
 
 
 @pytest.mark.parametrize("rows,num_heads,head_dim", [(3, 5, 64), (700, 12, 32)])
@@ -135,9 +228,10 @@ def test_write_kv_kernel_matches_torch_backend():
 def test_cpu_backend_matches_torch_backend(num_heads, num_kv_heads):
     block_size, head_dim, scale = 4, 16, 0.25
     gen = torch.Generator().manual_seed(num_heads)
-    # (num_computed, query_len): ten decodes (enough for per-request work), two prefills.
-    shapes = [(9, 1), (0, 1), (30, 1), (39, 1), (17, 1)] * 2 + [(0, 12), (5, 7)]
-    num_blocks = 160
+    # (num_computed, query_len): ten decodes (enough for per-request work), three prefills.
+    # The last prefill runs past one key segment (256) of the native prefill kernel.
+    shapes = [(9, 1), (0, 1), (30, 1), (39, 1), (17, 1)] * 2 + [(0, 12), (5, 7), (250, 30)]
+    num_blocks = 240
     tables = allocate_block_tables([n + q for n, q in shapes], block_size, num_blocks, seed=3)
     metadata = build_attn_metadata(
         [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size, num_padding=2
