@@ -7,7 +7,10 @@ Random prompts of `--input-len` token ids, `--output-len` tokens each with `igno
 submitted at once to `LLM.generate`. With `--hf-baseline` the same prompts run through Hugging
 Face `generate` (static batches of `--hf-batch-size`, left-padded, greedy, exactly
 `--output-len` new tokens) in this process, and the ratio is printed. `--single-stream` also
-times one request alone (batch 1) on both. Peak resident memory is reported after each phase.
+times one request alone (batch 1) on both. `--repeats N` runs every measurement N times,
+ours and the baseline alternating, and reports medians (shared machines drift by 10-15 %
+between minutes). Peak resident memory is reported for our engine alone (after its first
+run, before the baseline model loads) and for the whole process at the end.
 `--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
 its draft acceptance is printed.
 """
@@ -18,6 +21,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +43,10 @@ def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[l
 
 def run_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # Every run starts cold: a repeat (or the batch-1 run) would otherwise find its prompts
+    # in the prefix cache and skip their prefill, which the baseline cannot.
+    if not llm.llm_engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset (requests still running)")
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -97,6 +105,13 @@ def main() -> int:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--single-stream", action="store_true", help="also time batch 1")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every measurement this many times (ours and the baseline alternating) and "
+        "report medians",
+    )
+    parser.add_argument(
         "--speculative-ngram",
         type=int,
         default=0,
@@ -121,45 +136,59 @@ def main() -> int:
     )
     config = llm.llm_engine.get_model_config()
     prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
-    run_engine(llm, prompts[:2], 4)  # warm-up
-    results = [
-        report(
-            "pagedserve",
-            run_engine(llm, prompts, args.output_len),
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-        )
-    ]
-    if args.single_stream:
-        elapsed = run_engine(llm, prompts[:1], args.output_len)
-        results.append(report("pagedserve batch 1", elapsed, 1, args.input_len, args.output_len))
+    warm_up = make_prompts(2, args.input_len, config.vocab_size, args.seed + 1)
+    run_engine(llm, warm_up, 4)
+    hf = None
+    pad_id = next(iter(config.eos_token_ids), 0)
 
+    def baseline():  # loaded after our first run, so that run's peak RSS is ours alone
+        nonlocal hf
+        if hf is None:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(
+                config.model_dir, dtype=getattr(torch, config.dtype)
+            ).eval()
+            run_hf(hf, warm_up, 4, 2, pad_id)
+        return hf
+
+    # Each measurement runs `--repeats` times, ours and the baseline alternating so slow
+    # phases of a shared machine hit both; the median of each is reported.
+    hf_name = f"transformers bs {args.hf_batch_size}"
+    times: dict[str, list[float]] = {}
+    our_peak_rss_mib = 0.0
+    for _ in range(args.repeats):
+        times.setdefault("pagedserve", []).append(run_engine(llm, prompts, args.output_len))
+        our_peak_rss_mib = our_peak_rss_mib or peak_rss_mib()
+        if args.hf_baseline:
+            elapsed = run_hf(baseline(), prompts, args.output_len, args.hf_batch_size, pad_id)
+            times.setdefault(hf_name, []).append(elapsed)
+        if args.single_stream:
+            elapsed = run_engine(llm, prompts[:1], args.output_len)
+            times.setdefault("pagedserve batch 1", []).append(elapsed)
+            elapsed = run_hf(baseline(), prompts[:1], args.output_len, 1, pad_id)
+            times.setdefault("transformers batch 1", []).append(elapsed)
+
+    results = []
+    for name, runs in times.items():
+        num = 1 if "batch 1" in name else args.num_prompts
+        result = report(name, statistics.median(runs), num, args.input_len, args.output_len)
+        result["runs_s"] = [round(t, 3) for t in runs]
+        results.append(result)
+    print(f"peak RSS after our first run (our engine alone): {our_peak_rss_mib:.0f} MiB")
+    results[0]["engine_peak_rss_mib"] = round(our_peak_rss_mib, 1)
+    median = {name: statistics.median(runs) for name, runs in times.items()}
+    if args.hf_baseline:
+        ratio = median[hf_name] / median["pagedserve"]
+        print(f"throughput vs transformers: {ratio:.2f}x")
+    if args.single_stream:
+        ratio = median["transformers batch 1"] / median["pagedserve batch 1"]
+        print(f"batch-1 speed vs transformers: {ratio:.2f}x")
     if args.speculative_ngram:
         scheduler = llm.llm_engine.scheduler
         drafted, accepted = scheduler.num_draft_tokens, scheduler.num_accepted_draft_tokens
         rate = 100.0 * accepted / drafted if drafted else 0.0
         print(f"speculative drafts: {accepted}/{drafted} accepted ({rate:.1f}%)")
-    if args.hf_baseline or args.single_stream:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(
-            config.model_dir, dtype=getattr(torch, config.dtype)
-        ).eval()
-        pad_id = next(iter(config.eos_token_ids), 0)
-        run_hf(hf, prompts[:2], 4, 2, pad_id)  # warm-up
-        if args.hf_baseline:
-            elapsed = run_hf(hf, prompts, args.output_len, args.hf_batch_size, pad_id)
-            name = f"transformers bs {args.hf_batch_size}"
-            results.append(report(name, elapsed, args.num_prompts, args.input_len, args.output_len))
-            print(f"throughput vs transformers: {elapsed / results[0]['elapsed_s']:.2f}x")
-        if args.single_stream:
-            ours = next(r for r in results if r["name"] == "pagedserve batch 1")
-            elapsed = run_hf(hf, prompts[:1], args.output_len, 1, pad_id)
-            results.append(
-                report("transformers batch 1", elapsed, 1, args.input_len, args.output_len)
-            )
-            print(f"batch-1 speed vs transformers: {elapsed / ours['elapsed_s']:.2f}x")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
     return 0

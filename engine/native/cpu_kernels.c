@@ -195,7 +195,7 @@ void paged_decode_values(float *out, const float *probs, const float *value_cach
 /* ---- Elementwise ops of a decoder layer, fp32, one pass each ------------------------- */
 
 /* Below this many elements an op runs on one thread (waking the pool costs more). */
-#define MIN_PARALLEL_ELEMENTS 65536
+#define MIN_PARALLEL_ELEMENTS 8192
 
 /* out = rms_norm(x + residual) * weight and residual_out = x + residual (residual may be
  * NULL: then just rms_norm(x) * weight). Rows of `cols` floats; x rows at x_stride. The
