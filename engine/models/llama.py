@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import native
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.models.linear import Linear, linear, pack_linear_weights, pack_weight
 from engine.models.ops import RotaryEmbedding, apply_rotary_emb_, rms_norm, silu_and_mul
@@ -160,6 +161,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(hf_config, attn_backend) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self._native_config = {"intermediate_size": hf_config.intermediate_size}
+        self._layer_table: tuple[Any, ...] | None = None  # see _native_layer_table
         rope = _rope_parameters(hf_config)
         self.rotary_emb = RotaryEmbedding(
             get_head_dim(hf_config),
@@ -177,11 +180,97 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_dim] each
+        if self._takes_native_decode(hidden, attn_metadata):
+            return self._native_decode(hidden, cos, sin, kv_caches, attn_metadata)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _takes_native_decode(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Batch-1 decode on the CPU in fp32 with the `cpu` attention backend (so the cache
+        layout is the native kernels'): all layers in one native call (see below)."""
+        return (
+            hidden.shape[0] == 1
+            and metadata.num_decodes == 1
+            and len(metadata.seq_lens_cpu) == 1
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and self.layers[0].self_attn.attn_backend.name == "cpu"
+        )
+
+    def _native_decode(
+        self,
+        hidden: torch.Tensor,  # [1, hidden_size], the embedding
+        cos: torch.Tensor,  # [1, 1, head_dim]
+        sin: torch.Tensor,  # [1, 1, head_dim]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [1, hidden_size]
+        """One decode token through every layer in one native call (engine.native
+        `decode_token`). A batch-1 step is bound by streaming the weights; per layer the
+        modules' dozen ops (each a Python call, a dispatch and a thread-pool wake-up) cost
+        about as much again, and that is what this path removes. Same math as the modules
+        (GEMVs on the unpacked weights, summed in a different order)."""
+        attn = self.layers[0].self_attn
+        config = self._native_config
+        hidden = hidden.reshape(-1).clone()  # [hidden_size], overwritten in place
+        residual = native.decode_token(
+            hidden,
+            self._native_layer_table(kv_caches),
+            cos.reshape(-1),
+            sin.reshape(-1),
+            metadata.block_tables[0],
+            metadata.seq_lens_cpu[0],
+            int(metadata.slot_mapping[0]),
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            config["intermediate_size"],
+            kv_caches[0].shape[2],
+            self.norm.eps,
+            attn.scale,
+        )
+        hidden, _ = self.norm(hidden[None], residual[None])
+        return hidden
+
+    def _native_layer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """[num_layers, fields] int64 addresses of each layer's weights and caches, built
+        once per set of caches (the weights do not move after loading)."""
+        key = (len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        if self._layer_table is not None and self._layer_table[0] == key:
+            return self._layer_table[1]
+
+        def address(t: torch.Tensor | None) -> int:
+            if t is None:
+                return 0
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("native decode needs contiguous fp32 CPU weights and caches")
+            return t.data_ptr()
+
+        rows = []
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            fields = {
+                "input_norm": layer.input_layernorm.weight,
+                "qkv_weight": attn.qkv_proj.weight,
+                "qkv_bias": attn.qkv_proj.bias,
+                "o_weight": attn.o_proj.weight,
+                "o_bias": attn.o_proj.bias,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "gate_up_weight": mlp.gate_up_proj.weight,
+                "gate_up_bias": mlp.gate_up_proj.bias,
+                "down_weight": mlp.down_proj.weight,
+                "down_bias": mlp.down_proj.bias,
+                "key_cache": cache[0],
+                "value_cache": cache[1],
+            }
+            rows.append([address(fields[name]) for name in native.DECODE_LAYER_FIELDS])
+        table = torch.tensor(rows, dtype=torch.int64)
+        # The table holds raw addresses: keep the caches it points into alive with it.
+        self._layer_table = (key, table, list(kv_caches))
+        return table
 
 
 class LlamaForCausalLM(nn.Module):

@@ -81,7 +81,28 @@ _SIGNATURES = {
     "paged_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
     + [_i64] * 6
     + [ctypes.c_float, ctypes.c_int],
+    # hidden, residual, layers, num_layers, scratch, cos, sin, table, seq_len, slot,
+    # hidden_size, num_heads, num_kv_heads, head_dim, inter, block_size, eps, scale, threads
+    "decode_token_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+    + [_i64] * 8
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
 }
+
+# Fields per layer of `decode_token`'s layer table (the enum in cpu_kernels.c).
+DECODE_LAYER_FIELDS = (
+    "input_norm",
+    "qkv_weight",
+    "qkv_bias",
+    "o_weight",
+    "o_bias",
+    "post_norm",
+    "gate_up_weight",
+    "gate_up_bias",
+    "down_weight",
+    "down_bias",
+    "key_cache",
+    "value_cache",
+)
 
 
 class NativeKernelError(RuntimeError):
@@ -409,3 +430,81 @@ def paged_prefill_attention(
         scale,
         torch.get_num_threads(),
     )
+
+
+def decode_scratch_floats(
+    hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, inter: int, seq_len: int
+) -> int:
+    """Floats of scratch `decode_token` needs (see decode_token_f32 in cpu_kernels.c)."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    return hidden_size + 2 * q_size + 2 * kv_size + 3 * inter + num_heads * seq_len
+
+
+def decode_token(
+    hidden: torch.Tensor,  # [hidden_size] fp32: the embedding in, the last MLP output out
+    layers: torch.Tensor,  # [num_layers, len(DECODE_LAYER_FIELDS)] int64 addresses
+    cos: torch.Tensor,  # [head_dim] (cos | cos) of the token's position
+    sin: torch.Tensor,  # [head_dim] (-sin | sin)
+    block_table: torch.Tensor,  # [>= ceil(seq_len / block_size)] int32
+    seq_len: int,  # context length including this token
+    slot: int,  # this token's cache slot
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    block_size: int,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:  # [hidden_size]: the residual stream before the last MLP
+    """All decoder layers for one decode token, in place on `hidden` (cpu_kernels.c).
+
+    The caller guarantees what the addresses in `layers` point at: fp32 contiguous weights
+    [out, in] of the sizes given, and caches [num_blocks, block_size, Hkv, D] holding `slot`
+    and the blocks of `block_table`. The shapes passed here are checked."""
+    hidden_size = hidden.shape[0]
+    problems = []
+    for name, t in (("hidden", hidden), ("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            problems.append(f"{name} not a contiguous fp32 CPU tensor")
+    if cos.numel() != head_dim or sin.numel() != head_dim or head_dim % 2:
+        problems.append(f"cos/sin of {cos.numel()}/{sin.numel()} for head_dim {head_dim}")
+    if layers.dtype != torch.int64 or layers.dim() != 2 or not layers.is_contiguous():
+        problems.append("layers not a contiguous int64 table")
+    elif layers.shape[1] != len(DECODE_LAYER_FIELDS):
+        problems.append(f"layers has {layers.shape[1]} fields")
+    if block_table.dtype != torch.int32 or not block_table.is_contiguous():
+        problems.append("block_table not contiguous int32")
+    elif block_table.numel() * block_size < seq_len or seq_len <= 0:
+        problems.append(f"block_table of {block_table.numel()} blocks for {seq_len} tokens")
+    if num_heads % num_kv_heads:
+        problems.append(f"{num_heads} heads for {num_kv_heads} KV heads")
+    if problems:
+        raise ValueError("decode_token: " + "; ".join(problems))
+    residual = torch.empty_like(hidden)
+    scratch = hidden.new_empty(
+        decode_scratch_floats(
+            hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, seq_len
+        )
+    )
+    load_library().decode_token_f32(
+        hidden.data_ptr(),
+        residual.data_ptr(),
+        layers.data_ptr(),
+        layers.shape[0],
+        scratch.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        block_table.data_ptr(),
+        seq_len,
+        slot,
+        hidden_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size,
+        block_size,
+        eps,
+        scale,
+        torch.get_num_threads(),
+    )
+    return residual

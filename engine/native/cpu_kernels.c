@@ -636,3 +636,189 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
     }
     free(item_start);
 }
+
+/* ---- One decode token through every decoder layer ------------------------------------------
+ *
+ * Batch-1 decode reads every weight once per token and is bound by memory bandwidth, so
+ * what a step costs beyond streaming the weights is per-op overhead: a dozen ops per layer,
+ * each a Python call, a dispatch and an OpenMP fork/join. decode_token_f32 runs all the
+ * decoder layers of one token in a single call and a single parallel region: the
+ * matrix-vector products are split over the threads by output rows, the small steps in
+ * between run on one thread. Per layer, as LlamaDecoderLayer does it (neox rotary, GQA):
+ *
+ *   x = hidden (layer 0) or hidden + residual;  residual = x;  h = rms_norm(x) * w_in
+ *   q | k | v = W_qkv h (+ b);  rotate q, k;  write k, v to the cache at `slot`
+ *   a = softmax(q k^T * scale) v over the seq_len cached tokens (this one included)
+ *   x = W_o a (+ b) + residual;  residual = x;  h = rms_norm(x) * w_post
+ *   hidden = W_down (silu(gate) * up) (+ b),  gate | up = W_gate_up h (+ b)
+ *
+ * The caller applies the final norm to hidden + residual. `layers` holds, per layer,
+ * DECODE_LAYER_FIELDS addresses in the order of the enum below (0 for an absent bias). */
+
+enum {
+    F_INPUT_NORM,
+    F_QKV_WEIGHT,
+    F_QKV_BIAS,
+    F_O_WEIGHT,
+    F_O_BIAS,
+    F_POST_NORM,
+    F_GATE_UP_WEIGHT,
+    F_GATE_UP_BIAS,
+    F_DOWN_WEIGHT,
+    F_DOWN_BIAS,
+    F_KEY_CACHE,
+    F_VALUE_CACHE,
+    DECODE_LAYER_FIELDS
+};
+
+/* One row of RMSNorm as rms_norm_f32 computes it (residual_out/residual may be NULL). */
+INLINE void rms_row(float *restrict o, float *residual_out, const float *x, const float *residual,
+                    const float *restrict weight, int64_t cols, float eps) {
+    const float *h = x;
+    if (residual != NULL) {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) residual_out[c] = x[c] + residual[c];
+        h = residual_out;
+    }
+    float acc[LANES] = {0.0f};
+    int64_t c = 0;
+    for (; c + LANES <= cols; c += LANES) {
+#pragma omp simd
+        for (int l = 0; l < LANES; ++l) acc[l] += h[c + l] * h[c + l];
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; ++l) sum += acc[l];
+    for (; c < cols; ++c) sum += h[c] * h[c];
+    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) o[i] = weight[i] * (h[i] * inv);
+}
+
+/* y = W x (+ b) for W [n, k] row-major; the calling team splits the rows (orphaned `for`). */
+INLINE void gemv_rows(float *restrict y, const float *restrict w, const float *restrict bias,
+                      const float *restrict x, int64_t n, int64_t k) {
+#pragma omp for schedule(static)
+    for (int64_t r0 = 0; r0 < n; r0 += 4) {
+        const int64_t rows = n - r0 < 4 ? n - r0 : 4;
+        if (rows == 4 && k % LANES == 0) {
+            const float *w0 = w + r0 * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            vfloat a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < k; i += LANES) {
+                const vfloat xv = vload(x + i);
+                a0 += vload(w0 + i) * xv;
+                a1 += vload(w1 + i) * xv;
+                a2 += vload(w2 + i) * xv;
+                a3 += vload(w3 + i) * xv;
+            }
+            y[r0] = vsum_lanes(a0);
+            y[r0 + 1] = vsum_lanes(a1);
+            y[r0 + 2] = vsum_lanes(a2);
+            y[r0 + 3] = vsum_lanes(a3);
+        } else {
+            for (int64_t r = r0; r < r0 + rows; ++r) y[r] = dot(w + r * k, x, k);
+        }
+        if (bias != NULL)
+            for (int64_t r = r0; r < r0 + rows; ++r) y[r] += bias[r];
+    }
+}
+
+/* Attention of one query token, head h, over seq_len paged keys/values. */
+INLINE void decode_head(float *restrict out, const float *restrict q, float *restrict scores,
+                        const float *key_cache, const float *value_cache, const int32_t *table,
+                        int64_t seq_len, int64_t kvh, int64_t head_dim, int64_t block_size,
+                        int64_t token_stride, float scale) {
+    float best = -INFINITY;
+    for (int64_t t = 0; t < seq_len; ++t) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float s = scale * dot(q, key_cache + slot * token_stride + kvh * head_dim, head_dim);
+        scores[t] = s;
+        best = s > best ? s : best;
+    }
+    float total = 0.0f;
+    int64_t t = 0;
+    for (; t + LANES <= seq_len; t += LANES) {
+        const vfloat p = vexp(vload(scores + t) - best);
+        vstore(scores + t, p);
+        total += vsum_lanes(p);
+    }
+    for (; t < seq_len; ++t) {
+        scores[t] = expf(scores[t] - best);
+        total += scores[t];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
+    for (t = 0; t < seq_len; ++t) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        axpy(out, scores[t], value_cache + slot * token_stride + kvh * head_dim, head_dim);
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] *= inv;
+}
+
+void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int64_t num_layers,
+                      float *scratch, const float *cos, const float *sin, const int32_t *table,
+                      int64_t seq_len, int64_t slot, int64_t hidden_size, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,
+                      float eps, float scale, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads, half = head_dim / 2;
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int64_t token_stride = kv_size;
+    float *normed = scratch;                    /* [hidden_size] */
+    float *qkv = normed + hidden_size;          /* [q_size + 2 kv_size] */
+    float *attn = qkv + q_size + 2 * kv_size;   /* [q_size] */
+    float *gate_up = attn + q_size;             /* [2 inter] */
+    float *act = gate_up + 2 * inter;           /* [inter] */
+    float *scores = act + inter;                /* [num_heads][seq_len] */
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const int64_t *f = layers + l * DECODE_LAYER_FIELDS;
+#define FIELD(i) ((const float *)(intptr_t)f[i])
+        float *key_cache = (float *)(intptr_t)f[F_KEY_CACHE];
+        float *value_cache = (float *)(intptr_t)f[F_VALUE_CACHE];
+#pragma omp single
+        rms_row(normed, residual, hidden, l == 0 ? NULL : residual, FIELD(F_INPUT_NORM),
+                hidden_size, eps);
+        /* rms_row with no residual leaves `residual` alone: layer 0 sets it here. */
+#pragma omp single
+        if (l == 0)
+            for (int64_t c = 0; c < hidden_size; ++c) residual[c] = hidden[c];
+        gemv_rows(qkv, FIELD(F_QKV_WEIGHT), FIELD(F_QKV_BIAS), normed, q_size + 2 * kv_size,
+                  hidden_size);
+#pragma omp single
+        {
+            for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) { /* q and k heads */
+                float *x1 = qkv + h * head_dim, *x2 = x1 + half;
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = x1[i], b = x2[i];
+                    x1[i] = a * cos[i] + b * sin[i];
+                    x2[i] = b * cos[half + i] + a * sin[half + i];
+                }
+            }
+            float *kc = key_cache + slot * token_stride, *vc = value_cache + slot * token_stride;
+            for (int64_t i = 0; i < kv_size; ++i) {
+                kc[i] = qkv[q_size + i];
+                vc[i] = qkv[q_size + kv_size + i];
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < num_heads; ++h)
+            decode_head(attn + h * head_dim, qkv + h * head_dim, scores + h * seq_len, key_cache,
+                        value_cache, table, seq_len, h / group, head_dim, block_size,
+                        token_stride, scale);
+        gemv_rows(hidden, FIELD(F_O_WEIGHT), FIELD(F_O_BIAS), attn, hidden_size, q_size);
+#pragma omp single
+        rms_row(normed, residual, hidden, residual, FIELD(F_POST_NORM), hidden_size, eps);
+        gemv_rows(gate_up, FIELD(F_GATE_UP_WEIGHT), FIELD(F_GATE_UP_BIAS), normed, 2 * inter,
+                  hidden_size);
+#pragma omp single
+        {
+            int64_t i = 0;
+            for (; i + LANES <= inter; i += LANES) {
+                const vfloat g = vload(gate_up + i);
+                vstore(act + i, g / (1.0f + vexp(-g)) * vload(gate_up + inter + i));
+            }
+            for (; i < inter; ++i) act[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[inter + i];
+        }
+        gemv_rows(hidden, FIELD(F_DOWN_WEIGHT), FIELD(F_DOWN_BIAS), act, hidden_size, inter);
+#undef FIELD
+    }
+}

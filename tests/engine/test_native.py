@@ -20,6 +20,7 @@ from engine.models.linear import Linear, linear, pack_weight, packing_available
 from engine.models.loader import load_hf_config, load_model
 from engine.models.ops import apply_rotary_emb
 from kernels.reference import ref_paged_attention
+from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 from tests.model_utils import allocate_block_tables, build_attn_metadata, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -349,3 +350,87 @@ def test_packing_skipped_when_the_check_fails(tmp_path, monkeypatch, caplog):
         )
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
     assert "disagrees" in caplog.text
+
+
+# --- batch-1 decode: all layers in one native call ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(hidden_size=96, num_heads=6, num_kv_heads=2, num_layers=3),
+        # MQA, head_dim off the vector width, biases on every projection.
+        dict(
+            hidden_size=40,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=10,
+            num_layers=2,
+            attention_bias=True,
+            mlp_bias=True,
+            intermediate_size=37,
+        ),
+    ],
+    ids=["gqa", "mqa-biases"],
+)
+def test_native_decode_matches_the_layer_path(tmp_path, monkeypatch, shape):
+    path = make_tiny_llama(tmp_path / "m", **shape)
+    config = load_hf_config(path)
+    model = load_model(path, config, torch.float32, torch.device("cpu"), CPUAttentionBackend())
+    inner = model.model
+    block_size, num_blocks = 4, 24
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_heads"]
+    cache_shape = (2, num_blocks, block_size, shape["num_kv_heads"], head_dim)
+    caches = [torch.zeros(cache_shape) for _ in range(shape["num_layers"])]
+    table = [7, 2, 19, 11, 5]
+    gen = torch.Generator().manual_seed(0)
+    prompt_len = 13
+    prompt = torch.randint(3, config.vocab_size, (prompt_len,), generator=gen)
+    with torch.inference_mode():
+        prefill = build_attn_metadata([(0, prompt_len, table)], block_size=block_size)
+        model(prompt, torch.arange(prompt_len), caches, prefill)
+        decode = build_attn_metadata([(prompt_len, 1, table)], block_size=block_size)
+        token, position = torch.tensor([42]), torch.tensor([prompt_len])
+        layer_caches = [c.clone() for c in caches]
+        assert inner._takes_native_decode(inner.embed_tokens(token), decode)
+        fast = model(token, position, caches, decode)
+        monkeypatch.setattr(type(inner), "_takes_native_decode", lambda *args: False)
+        expected = model(token, position, layer_caches, decode)
+    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(caches, layer_caches):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    slot = table[prompt_len // block_size] * block_size + prompt_len % block_size
+    assert caches[0][0].flatten(0, 1)[slot].abs().sum() > 0  # the token's key was written
+
+
+def test_native_decode_engine_matches_transformers(tmp_path):
+    # One request: every decode step takes the native all-layers path.
+    path = make_tiny_llama(
+        tmp_path / "m",
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    prompts = [[5, 9, 2, 33, 17, 4, 8], [3]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(path), block_size=4)
+    ours = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+    assert_close_to_reference(hf_greedy(path, prompts, 20), ours_greedy(ours))
+
+
+def test_native_decode_rejects_bad_inputs():
+    hidden = torch.zeros(8)
+    layers = torch.zeros(1, len(native.DECODE_LAYER_FIELDS), dtype=torch.int64)
+    cos = sin = torch.zeros(4)
+    table = torch.zeros(2, dtype=torch.int32)
+    args = (2, 1, 4, 16, 4, 1e-5, 0.5)
+    with pytest.raises(ValueError, match="hidden"):
+        native.decode_token(hidden.double(), layers, cos, sin, table, 3, 0, *args)
+    with pytest.raises(ValueError, match="fields"):
+        native.decode_token(hidden, layers[:, :-1], cos, sin, table, 3, 0, *args)
+    with pytest.raises(ValueError, match="blocks for 9 tokens"):
+        native.decode_token(hidden, layers, cos, sin, table, 9, 0, *args)
+    with pytest.raises(ValueError, match="cos/sin"):
+        native.decode_token(hidden, layers, cos[:3], sin, table, 3, 0, *args)
