@@ -822,3 +822,39 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
 #undef FIELD
     }
 }
+
+/* ---- Greedy sampling ------------------------------------------------------------------------
+ *
+ * out[r] = the index of the largest value of row r (rows of `cols` floats at row_stride), the
+ * first one on ties, and the first NaN if the row has one: torch.argmax's contract. A
+ * vectorised max pass, then a scan for the first index holding it; rows split over threads. */
+void argmax_rows_f32(int64_t *out, const float *x, int64_t row_stride, int64_t rows, int64_t cols,
+                     int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * cols >= MIN_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * row_stride;
+        vfloat best = (vfloat){0} - INFINITY;
+        vint nan = {0};
+        int64_t c = 0;
+        for (; c + LANES <= cols; c += LANES) {
+            const vfloat v = vload(row + c);
+            nan |= v != v;
+            best = vselect(v > best, v, best);
+        }
+        float top = vmax_lanes(best);
+        int has_nan = 0;
+        for (int l = 0; l < LANES; ++l) has_nan |= nan[l] != 0;
+        for (; c < cols; ++c) {
+            has_nan |= row[c] != row[c];
+            top = row[c] > top ? row[c] : top;
+        }
+        int64_t index = 0;
+        for (c = 0; c < cols; ++c)
+            if (has_nan ? row[c] != row[c] : row[c] == top) {
+                index = c;
+                break;
+            }
+        out[r] = index;
+    }
+}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import native
 from engine.sample.filters import apply_min_p, apply_top_k_top_p
 from engine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from engine.sample.metadata import SamplingMetadata
@@ -60,13 +61,24 @@ class Sampler:
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None
         if not metadata.all_random:
-            greedy = logits.argmax(dim=-1)  # [B]; ties -> lowest id
+            greedy = _argmax(logits)  # [B]; ties -> lowest id
             if metadata.all_greedy:
                 return greedy
         sampled = sample_random(logits, metadata)  # [B]
         if greedy is None:
             return sampled
         return torch.where(metadata.temperature == 0.0, greedy, sampled)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and native.native_kernels_available()
+    ):
+        return native.argmax(logits)  # threaded; torch's CPU argmax is single-threaded
+    return logits.argmax(dim=-1)
 
 
 def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -194,6 +194,24 @@ def test_silu_and_mul_kernel_matches_torch(rows, inter):
         native.silu_and_mul(x[:, :-1])  # odd width
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (64, 1000), (3, 17), (2, 1)])
+def test_argmax_kernel_matches_torch(rows, cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(rows, cols + 3, generator=gen)[:, :cols]  # strided rows
+    assert torch.equal(native.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_kernel_ties_nan_and_inf_as_torch():
+    x = torch.zeros(4, 40)
+    x[0, 5] = x[0, 30] = 1.0  # tie: the first
+    x[1, 7] = x[1, 2] = float("nan")  # NaN wins, the first one
+    x[2] = -float("inf")  # all -inf: index 0
+    x[3, 39] = float("inf")
+    assert native.argmax(x).tolist() == x.argmax(dim=-1).tolist() == [5, 2, 0, 39]
+    with pytest.raises(ValueError, match="argmax"):
+        native.argmax(x.double())
+
+
 @pytest.mark.parametrize("rows,num_heads,head_dim", [(3, 5, 64), (700, 12, 32)])
 def test_rotary_kernel_matches_torch(rows, num_heads, head_dim):
     gen = torch.Generator().manual_seed(rows)
