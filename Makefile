@@ -37,7 +37,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) benchmarks/throughput.py --hf-baseline
+	$(PY) benchmarks/throughput.py --hf-baseline --single-stream --repeats 3
 
 bench-grpc: $(STAMP)
 	$(PY) benchmarks/grpc_overhead.py
