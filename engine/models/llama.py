@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(hf_config, attn_backend) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self._native_config = {"intermediate_size": hf_config.intermediate_size}
+        self._intermediate_size = hf_config.intermediate_size  # for _native_decode
         self._layer_table: tuple[Any, ...] | None = None  # see _native_layer_table
         rope = _rope_parameters(hf_config)
         self.rotary_emb = RotaryEmbedding(
@@ -214,7 +214,6 @@ class LlamaModel(nn.Module):
         about as much again, and that is what this path removes. Same math as the modules
         (GEMVs on the unpacked weights, summed in a different order)."""
         attn = self.layers[0].self_attn
-        config = self._native_config
         hidden = hidden.reshape(-1).clone()  # [hidden_size], overwritten in place
         residual = native.decode_token(
             hidden,
@@ -227,7 +226,7 @@ class LlamaModel(nn.Module):
             attn.num_heads,
             attn.num_kv_heads,
             attn.head_dim,
-            config["intermediate_size"],
+            self._intermediate_size,
             kv_caches[0].shape[2],
             self.norm.eps,
             attn.scale,

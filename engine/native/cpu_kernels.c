@@ -1,5 +1,7 @@
 /*
- * Native fp32 CPU kernels: paged decode attention and the small per-layer elementwise ops.
+ * Native fp32 CPU kernels, in the order of this file: paged decode attention, the small
+ * per-layer elementwise ops (RMSNorm, rotary, KV write), a vectorised exp and SiLU-and-mul,
+ * paged prefill attention, one decode token through all layers (batch-1 decode), argmax.
  *
  * Paged decode attention (one query token per request, read straight from the paged KV
  * cache, no gathered copy of the context) is two passes with a softmax in between (done by
@@ -24,7 +26,7 @@
  *
  * The elementwise ops (RMSNorm with the residual add, rotary embedding in place, the KV
  * write) each replace several torch ops: on a decode step's small tensors the per-op cost,
- * not the arithmetic, is what they save.
+ * not the arithmetic, is what they save. The later sections carry their own comments.
  *
  * Built and loaded at run time by engine/native/__init__.py, whose wrappers check shapes,
  * dtypes and strides before calling.
