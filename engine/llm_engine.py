@@ -10,7 +10,6 @@ step():
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -29,6 +28,7 @@ from engine.config import (
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.input_processor import InputProcessor, PromptType
 from engine.metrics import EngineMetrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -44,8 +44,6 @@ from engine.tracing import (
 )
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | Mapping[str, Any]
 
 
 @dataclass
@@ -99,6 +97,7 @@ class LLMEngine:
         )
         self._last_logged_drafts = (0, 0)  # (scheduled, accepted) at the last stats line
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(config, self.get_tokenizer)
         self.log_stats = log_stats
         self.stat_logger = StatLogger()
         self._seed_rng = random.Random(model_config.seed)
@@ -171,8 +170,7 @@ class LLMEngine:
             )
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
-        text, prompt_token_ids = self._process_prompt(prompt)
-        self._validate(prompt_token_ids, params)
+        text, prompt_token_ids = self.input_processor.process(prompt, params)
 
         salt = None
         if not self.config.cache_config.enable_prefix_caching:
@@ -231,64 +229,6 @@ class LLMEngine:
         recorded when the caller sent trace context or a tracer provider is configured."""
         traced = contains_trace_headers(headers) or self.tracing_enabled
         self._live[request_id] = _LiveRequest(params, headers, samples, traced)
-
-    def _process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty.")
-            return prompt, self._encode(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list | tuple) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise TypeError("prompt_token_ids must be a list of ints.")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt:
-                return self._process_prompt(prompt["prompt"])
-            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'.")
-        raise TypeError(
-            f"prompt must be a str or a dict with 'prompt_token_ids', got {type(prompt).__name__}."
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.get_tokenizer()(text).input_ids)
-
-    def _validate(
-        self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
-    ) -> None:
-        num = len(prompt_token_ids)
-        model_config = self.config.model_config
-        if num == 0:
-            raise ValueError("prompt must not be empty (0 prompt tokens).")
-        vocab = model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}."
-            )
-        if num > model_config.max_model_len:
-            raise ValueError(
-                f"The prompt (length {num}) is longer than the maximum model length "
-                f"of {model_config.max_model_len} (max_model_len)."
-            )
-        block_size = self.config.cache_config.block_size
-        num_blocks = self.config.cache_config.num_blocks
-        if math.ceil(num / block_size) > num_blocks:
-            raise ValueError(
-                f"The prompt (length {num}) needs {math.ceil(num / block_size)} KV-cache "
-                f"blocks of {block_size} tokens, but the whole cache has {num_blocks} blocks "
-                f"({num_blocks * block_size} tokens): it could never be scheduled."
-            )
-        if isinstance(params, PoolingParams):
-            return
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > model_config.max_logprobs:
-                raise ValueError(
-                    f"{name}={value} exceeds max_logprobs={model_config.max_logprobs}."
-                )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (unknown or finished ids are ignored); frees their blocks now.

@@ -6,7 +6,7 @@ request's context into a padded copy first; all prefill chunks of a step go to o
 `engine.native.paged_prefill_attention` call (causal, flash-style online softmax over the
 paged cache) instead of one SDPA call per request; the KV write is one native call.
 Dtypes other than fp32 take the torch backend's paths. See
-engine/native/__init__.py for how the kernels are built.
+engine/native/build.py for how the kernels are built.
 """
 
 from __future__ import annotations
@@ -47,28 +47,21 @@ class CPUAttentionBackend(TorchAttentionBackend):
         # The native write needs no padding-free fast path: it skips -1 slots itself.
         self.write_kv(key, value, kv_cache, slot_mapping)
 
-    def _attend(
+    def _prefill(
         self,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], the prefill rows written
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
-        if (
-            num_decodes == num_reqs  # decodes only: the torch backend's path has no copy
-            or query.dtype != torch.float32
-            or kv_cache.dtype != torch.float32
-            or query.device.type != "cpu"
-        ):
-            return super()._attend(query, kv_cache, metadata, scale, key, value)
-        # Prefill chunks: one native call for all of them, reading the cache (this step's
-        # keys and values are already written) instead of one SDPA call per request.
-        out = query.new_empty(query.shape)
-        if num_decodes > 0:
-            out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
+    ) -> None:
+        if query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            super()._prefill(out, query, kv_cache, metadata, scale, key, value)
+            return
+        # One native call for all prefill chunks, reading the cache (this step's keys and
+        # values are already written) instead of one SDPA call per request.
         paged_prefill_attention(
             out,
             query,
@@ -76,13 +69,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
             metadata.block_tables,
             metadata.query_start_loc,
             metadata.seq_lens,
-            num_decodes,
+            metadata.num_decodes,
             scale,
         )
-        end = metadata.query_start_loc_cpu[num_reqs]
-        if end < query.shape[0]:
-            out[end:].zero_()  # padding rows
-        return out
 
     def _decode(
         self,

@@ -92,24 +92,36 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decodes
         num_reqs = metadata.num_reqs
         query_start_loc = metadata.query_start_loc_cpu
-        if num_reqs == 1 and num_tokens == query_start_loc[1]:
-            # One request filling the whole batch (batch-1 decode, a lone prefill): no copy.
-            if num_decodes == 1:
-                return self._decode(query, kv_cache, metadata, scale)
-            return _prefill_one(query, kv_cache, metadata, scale, 0, key, value, self._workspace)
+        if num_reqs == 1 and num_decodes == 1 and num_tokens == 1:
+            return self._decode(query, kv_cache, metadata, scale)  # batch-1 decode: no copy
 
         out = query.new_empty(query.shape)  # [num_tokens, num_heads, head_dim]
         if num_decodes > 0:
             decode_query = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
             out[:num_decodes] = self._decode(decode_query, kv_cache, metadata, scale)
-        for i in range(num_decodes, num_reqs):
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            out[start:end] = _prefill_one(
-                query[start:end], kv_cache, metadata, scale, i, key, value, self._workspace
-            )
+        if num_reqs > num_decodes:
+            self._prefill(out, query, kv_cache, metadata, scale, key, value)
         if query_start_loc[num_reqs] < num_tokens:
             out[query_start_loc[num_reqs] :].zero_()  # padding rows
         return out
+
+    def _prefill(
+        self,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], the prefill rows written
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], this step's keys
+        value: torch.Tensor | None,
+    ) -> None:
+        """The prefill chunks (requests num_decodes.. of the batch), one SDPA call each."""
+        starts = metadata.query_start_loc_cpu
+        for i in range(metadata.num_decodes, metadata.num_reqs):
+            start, end = starts[i], starts[i + 1]
+            out[start:end] = _prefill_one(
+                query[start:end], kv_cache, metadata, scale, i, key, value, self._workspace
+            )
 
     def _decode(
         self,

@@ -28,8 +28,8 @@
  * write) each replace several torch ops: on a decode step's small tensors the per-op cost,
  * not the arithmetic, is what they save. The later sections carry their own comments.
  *
- * Built and loaded at run time by engine/native/__init__.py, whose wrappers check shapes,
- * dtypes and strides before calling.
+ * Built and loaded at run time by engine/native/build.py; the Python wrappers in
+ * engine/native/ check shapes, dtypes and strides before calling.
  */
 #include <math.h>
 #include <stddef.h>
@@ -199,6 +199,29 @@ void paged_decode_values(float *out, const float *probs, const float *value_cach
 /* Below this many elements an op runs on one thread (waking the pool costs more). */
 #define MIN_PARALLEL_ELEMENTS 8192
 
+/* One row of rms_norm_f32 (residual_out and residual NULL: no residual add). */
+INLINE void rms_row(float *restrict o, float *residual_out, const float *x, const float *residual,
+                    const float *restrict weight, int64_t cols, float eps) {
+    const float *h = x;
+    if (residual != NULL) {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) residual_out[c] = x[c] + residual[c];
+        h = residual_out;
+    }
+    float acc[LANES] = {0.0f};
+    int64_t c = 0;
+    for (; c + LANES <= cols; c += LANES) {
+#pragma omp simd
+        for (int l = 0; l < LANES; ++l) acc[l] += h[c + l] * h[c + l];
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; ++l) sum += acc[l];
+    for (; c < cols; ++c) sum += h[c] * h[c];
+    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < cols; ++i) o[i] = weight[i] * (h[i] * inv);
+}
+
 /* out = rms_norm(x + residual) * weight and residual_out = x + residual (residual may be
  * NULL: then just rms_norm(x) * weight). Rows of `cols` floats; x rows at x_stride. The
  * statistics are in fp32 as in transformers: x * rsqrt(mean(x^2) + eps), then * weight. */
@@ -207,29 +230,20 @@ void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_str
                   float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (rows * cols >= MIN_PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *xr = x + r * x_stride;
-        float *o = out + r * cols;
-        const float *h = xr;
-        if (residual != NULL) {
-            float *res = residual_out + r * cols;
-            const float *rr = residual + r * cols;
+    for (int64_t r = 0; r < rows; ++r)
+        rms_row(out + r * cols, residual == NULL ? NULL : residual_out + r * cols,
+                x + r * x_stride, residual == NULL ? NULL : residual + r * cols, weight, cols, eps);
+}
+
+/* One head (x1 | x2) rotated in place by one token's cos/sin rows (see below). */
+INLINE void rotate_head(float *restrict x, const float *restrict c, const float *restrict s,
+                        int64_t half) {
+    float *x2 = x + half;
 #pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) res[c] = xr[c] + rr[c];
-            h = res;
-        }
-        float acc[LANES] = {0.0f};
-        int64_t c = 0;
-        for (; c + LANES <= cols; c += LANES) {
-#pragma omp simd
-            for (int l = 0; l < LANES; ++l) acc[l] += h[c + l] * h[c + l];
-        }
-        float sum = 0.0f;
-        for (int l = 0; l < LANES; ++l) sum += acc[l];
-        for (; c < cols; ++c) sum += h[c] * h[c];
-        const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < cols; ++i) o[i] = weight[i] * (h[i] * inv);
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x2[i];
+        x[i] = a * c[i] + b * s[i];
+        x2[i] = b * c[half + i] + a * s[half + i];
     }
 }
 
@@ -243,20 +257,10 @@ void rotary_inplace_f32(float *x, int64_t x_stride, const float *cos, const floa
     const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (rows * num_heads * head_dim >= MIN_PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *c = cos + r * head_dim;
-        const float *s = sin + r * head_dim;
-        for (int64_t h = 0; h < num_heads; ++h) {
-            float *x1 = x + r * x_stride + h * head_dim;
-            float *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] + b * s[i];
-                x2[i] = b * c[half + i] + a * s[half + i];
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < num_heads; ++h)
+            rotate_head(x + r * x_stride + h * head_dim, cos + r * head_dim, sin + r * head_dim,
+                        half);
 }
 
 /* Scatters rows of keys and values (row stride kv_stride, `row` floats each: all KV heads)
@@ -362,23 +366,24 @@ INLINE vfloat vexp(vfloat in) {
     return vselect(underflow, (vfloat){0}, vselect(overflow, (vfloat){0} + INFINITY, result));
 }
 
+/* o[i] = silu(gate[i]) * gate[inter + i]: one row of silu_and_mul_f32. */
+INLINE void silu_mul_row(float *restrict o, const float *restrict gate, int64_t inter) {
+    const float *up = gate + inter;
+    int64_t i = 0;
+    for (; i + LANES <= inter; i += LANES) {
+        const vfloat g = vload(gate + i);
+        vstore(o + i, g / (1.0f + vexp(-g)) * vload(up + i));
+    }
+    for (; i < inter; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* out[r, i] = silu(x[r, i]) * x[r, inter + i] with silu(g) = g / (1 + e^-g) (torch's
  * formula); x rows (gate | up) at x_stride, out rows contiguous. */
 void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t rows, int64_t inter,
                       int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (rows * inter >= MIN_PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *gate = x + r * x_stride;
-        const float *up = gate + inter;
-        float *o = out + r * inter;
-        int64_t i = 0;
-        for (; i + LANES <= inter; i += LANES) {
-            const vfloat g = vload(gate + i);
-            vstore(o + i, g / (1.0f + vexp(-g)) * vload(up + i));
-        }
-        for (; i < inter; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(out + r * inter, x + r * x_stride, inter);
 }
 
 /* ---- Paged prefill attention --------------------------------------------------------------
@@ -673,29 +678,6 @@ enum {
     DECODE_LAYER_FIELDS
 };
 
-/* One row of RMSNorm as rms_norm_f32 computes it (residual_out/residual may be NULL). */
-INLINE void rms_row(float *restrict o, float *residual_out, const float *x, const float *residual,
-                    const float *restrict weight, int64_t cols, float eps) {
-    const float *h = x;
-    if (residual != NULL) {
-#pragma omp simd
-        for (int64_t c = 0; c < cols; ++c) residual_out[c] = x[c] + residual[c];
-        h = residual_out;
-    }
-    float acc[LANES] = {0.0f};
-    int64_t c = 0;
-    for (; c + LANES <= cols; c += LANES) {
-#pragma omp simd
-        for (int l = 0; l < LANES; ++l) acc[l] += h[c + l] * h[c + l];
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; ++l) sum += acc[l];
-    for (; c < cols; ++c) sum += h[c] * h[c];
-    const float inv = 1.0f / sqrtf(sum / (float)cols + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < cols; ++i) o[i] = weight[i] * (h[i] * inv);
-}
-
 /* y = W x (+ b) for W [n, k] row-major; the calling team splits the rows (orphaned `for`). */
 INLINE void gemv_rows(float *restrict y, const float *restrict w, const float *restrict bias,
                       const float *restrict x, int64_t n, int64_t k) {
@@ -777,24 +759,18 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
         float *key_cache = (float *)(intptr_t)f[F_KEY_CACHE];
         float *value_cache = (float *)(intptr_t)f[F_VALUE_CACHE];
 #pragma omp single
-        rms_row(normed, residual, hidden, l == 0 ? NULL : residual, FIELD(F_INPUT_NORM),
-                hidden_size, eps);
-        /* rms_row with no residual leaves `residual` alone: layer 0 sets it here. */
-#pragma omp single
-        if (l == 0)
+        if (l == 0) { /* no residual yet: it starts as the embedding */
+            rms_row(normed, NULL, hidden, NULL, FIELD(F_INPUT_NORM), hidden_size, eps);
             for (int64_t c = 0; c < hidden_size; ++c) residual[c] = hidden[c];
+        } else {
+            rms_row(normed, residual, hidden, residual, FIELD(F_INPUT_NORM), hidden_size, eps);
+        }
         gemv_rows(qkv, FIELD(F_QKV_WEIGHT), FIELD(F_QKV_BIAS), normed, q_size + 2 * kv_size,
                   hidden_size);
 #pragma omp single
         {
-            for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) { /* q and k heads */
-                float *x1 = qkv + h * head_dim, *x2 = x1 + half;
-                for (int64_t i = 0; i < half; ++i) {
-                    const float a = x1[i], b = x2[i];
-                    x1[i] = a * cos[i] + b * sin[i];
-                    x2[i] = b * cos[half + i] + a * sin[half + i];
-                }
-            }
+            for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) /* q and k heads */
+                rotate_head(qkv + h * head_dim, cos, sin, half);
             float *kc = key_cache + slot * token_stride, *vc = value_cache + slot * token_stride;
             for (int64_t i = 0; i < kv_size; ++i) {
                 kc[i] = qkv[q_size + i];
@@ -812,14 +788,7 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
         gemv_rows(gate_up, FIELD(F_GATE_UP_WEIGHT), FIELD(F_GATE_UP_BIAS), normed, 2 * inter,
                   hidden_size);
 #pragma omp single
-        {
-            int64_t i = 0;
-            for (; i + LANES <= inter; i += LANES) {
-                const vfloat g = vload(gate_up + i);
-                vstore(act + i, g / (1.0f + vexp(-g)) * vload(gate_up + inter + i));
-            }
-            for (; i < inter; ++i) act[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[inter + i];
-        }
+        silu_mul_row(act, gate_up, inter);
         gemv_rows(hidden, FIELD(F_DOWN_WEIGHT), FIELD(F_DOWN_BIAS), act, hidden_size, inter);
 #undef FIELD
     }
