@@ -25,6 +25,7 @@ from engine.engine_thread import (
     OutputStream,
     raise_if_dead,
 )
+from engine.kv_event_publisher import KVEventBatch, KVEventSubscription
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -100,6 +101,29 @@ class AsyncLLMEngine:
         """Logs (and returns) the engine's stats line (`LLMEngine.do_log_stats`), computed
         on the engine thread, which owns the counters it reads and resets."""
         return await self._loop_thread.call(lambda engine: engine.do_log_stats())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's name); False while any block is in use."""
+        return await self._loop_thread.call(lambda engine: engine.reset_prefix_cache())
+
+    async def subscribe_kv_events(
+        self, max_queued_batches: int = 1024
+    ) -> AsyncGenerator[KVEventBatch, None]:
+        """The prefix cache's events (engine/core/kv_events.py), one batch per step that
+        changed it, after a first batch listing every block cached at subscription. Ends
+        when the engine stops, or when the subscriber falls `max_queued_batches` behind."""
+        publisher = self._loop_thread.kv_events
+        subscription = KVEventSubscription(asyncio.get_running_loop(), max_queued_batches)
+        await self._loop_thread.call(lambda engine: publisher.add_subscriber(subscription))
+        try:
+            while not self.errored:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    batch = await asyncio.wait_for(subscription.queue.get(), 1.0)
+                    if batch is None:
+                        return
+                    yield batch
+        finally:
+            publisher.remove_subscriber(subscription)
 
     def num_running(self) -> int:
         return self.get_stats().num_running

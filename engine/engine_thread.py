@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.kv_event_publisher import KVEventPublisher
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -140,6 +141,8 @@ class EngineThread:
         self._streams: dict[str, OutputStream] = {}
         self._aborted: list[OutputStream] = []
         self._num_applied = 0
+        # Prefix-cache events for routers; recording is off until someone subscribes.
+        self.kv_events = KVEventPublisher(engine.kv_cache_manager.block_pool)
         self.stats = self._snapshot()  # replaced, never mutated: safe to read anywhere
 
     # ---- any thread -------------------------------------------------------------------------
@@ -209,6 +212,7 @@ class EngineThread:
                     self._apply(commands.popleft())
                 self._deliver(self.engine.step())
                 self._end_aborted_streams()
+                self.kv_events.publish()
                 self.stats = self._snapshot()
         except BaseException as exc:
             logger.exception("The engine loop died; every request fails from now on.")

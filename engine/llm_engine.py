@@ -109,6 +109,9 @@ class LLMEngine:
         self.tracing_enabled = tracing_is_configured()
         self.request_tracer = RequestTracer(model_config.served_model_name)
         self.metrics = EngineMetrics(model_config.served_model_name)
+        self.metrics.set_cache_config_info(
+            config.cache_config.block_size, self.kv_cache_manager.num_blocks
+        )
         self._live: dict[str, _LiveRequest] = {}  # until the final output is returned
 
     @classmethod
@@ -245,6 +248,7 @@ class LLMEngine:
                 self._pending_outputs.append(final)
             else:  # an aborted pooling request ends without an output
                 self._live.pop(rid, None)
+        self._update_gauges()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -266,7 +270,16 @@ class LLMEngine:
                 outputs.extend(step_outputs)
                 self._record_stats(scheduler_output, runner_output)
         self._finish_outputs(outputs)
+        self._update_gauges()
         return outputs
+
+    def _update_gauges(self) -> None:
+        """The gauges routers read (waiting, running, KV usage), after every step and
+        every abort, so they are right even when an abort leaves nothing to step."""
+        m = self.metrics
+        m.num_requests_running.set(len(self.scheduler.running))
+        m.num_requests_waiting.set(len(self.scheduler.waiting))
+        m.kv_cache_usage.set(self.kv_cache_manager.usage)
 
     def _finish_outputs(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Metrics and the `llm_request` span of each request that finished this step."""
@@ -303,9 +316,6 @@ class LLMEngine:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         self.stat_logger.record_prefix_cache(prefix.queries, prefix.hits)
         m = self.metrics
-        m.num_requests_running.set(len(self.scheduler.running))
-        m.num_requests_waiting.set(len(self.scheduler.waiting))
-        m.kv_cache_usage.set(self.kv_cache_manager.usage)
         m.num_preemptions.inc(len(scheduler_output.preempted_request_ids))
         m.prefix_cache_queries.inc(prefix.queries)
         m.prefix_cache_hits.inc(prefix.hits)

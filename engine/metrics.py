@@ -87,6 +87,16 @@ class EngineMetrics:
         )
         self.model_name = model_name
 
+    def set_cache_config_info(self, block_size: int, num_gpu_blocks: int) -> None:
+        """vLLM's `cache_config_info` info gauge (value 1, the config in labels): what the
+        Kubernetes inference gateway's endpoint picker reads to size a replica's cache."""
+        Gauge(
+            "pagedserve:cache_config_info",
+            "Information of the KV cache config (value 1).",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=self.registry,
+        ).labels(self.model_name, str(block_size), str(num_gpu_blocks)).set(1)
+
     def record_finished(
         self,
         finish_reasons: list[str],

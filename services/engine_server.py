@@ -6,6 +6,10 @@ Token ids in, token-id deltas out; it never sees text (the engine runs with
     EngineGenerateRequest ──▶ engine.generate(..., output_kind=DELTA, detokenize=False)
     EngineGenerateResponse ◀── one message per changed output index per engine step
 
+The same port serves vLLM's engine protocol, `vllm.grpc.engine.VllmEngine`
+(`services/vllm_servicer.py`), for gateways such as smg and llm-d; both APIs share the
+engine, the in-flight request table, health and reflection.
+
 When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
 engine's generator then aborts the request, which frees its KV blocks at once.
 
@@ -26,6 +30,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from engine import (
     AsyncLLMEngine,
@@ -48,6 +53,7 @@ from services.grpc_server import (
 )
 from services.limits import RequestRegistry
 from services.metrics import EngineServiceMetrics, MetricsEndpoint
+from services.vllm_servicer import VLLM_ENGINE_SERVICE, VllmEngineServicer
 
 logger = logging.getLogger("services.engine")
 
@@ -234,11 +240,15 @@ class EngineServer:
     def __init__(self, config: EngineServerConfig) -> None:
         self.config = config
         self.server = create_server(config.max_message_bytes)
-        self.health = HealthReporter(self.server, [ENGINE_SERVICE])
+        services = [ENGINE_SERVICE, VLLM_ENGINE_SERVICE]
+        self.health = HealthReporter(self.server, services)
         self.metrics = EngineServiceMetrics()
         self.servicer = EngineServicer(self.health, config.max_inflight_requests, self.metrics)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
-        enable_reflection(self.server, [ENGINE_SERVICE])
+        # vLLM's engine protocol on the same port, sharing the in-flight request table.
+        self.vllm_servicer = VllmEngineServicer(self.servicer.requests, self.metrics)
+        vllm_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self.server)
+        enable_reflection(self.server, services)
         self.port = 0
         self.metrics_endpoint: MetricsEndpoint | None = None
         if config.metrics_address is not None:
@@ -267,6 +277,7 @@ class EngineServer:
         self.servicer.model_info = model_info_from_config(config)
         self.servicer.model_name = config.model_config.served_model_name
         self.servicer.engine = engine
+        self.vllm_servicer.attach(engine, config)
         self.metrics.attach_engine(engine.metrics_registry)
         await self.health.set_serving(not engine.errored, "engine ready")
         self._tasks.append(asyncio.create_task(self._watch_engine(engine)))

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.v1 import engine_pb2, generation_pb2
+from services.reflection import enable_reflection  # noqa: F401  (both servers import it here)
 
 logger = logging.getLogger("services.server")
 
@@ -52,12 +52,6 @@ def bind(server: grpc.aio.Server, address: str) -> int:
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     return port
-
-
-def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
-    """Reflection lists our services, the health service and reflection itself."""
-    names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
 
 
 class HealthReporter:

@@ -32,6 +32,8 @@ from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -184,6 +186,8 @@ class BlockPool:
         self.cached_blocks: dict[int, dict[int, KVCacheBlock]] = {}
         self._cache_ids = itertools.count()
         self.prefix_cache_stats = PrefixCacheStats()
+        # Prefix-cache events for routers (engine/core/kv_events.py); None: nobody listens.
+        self.kv_event_recorder: KVEventRecorder | None = None
 
     def get_num_free_blocks(self) -> int:
         """Blocks with ref_cnt 0, cached or not (a cached free block is evictable)."""
@@ -278,10 +282,16 @@ class BlockPool:
         block.cache_id = next(self._cache_ids)
         block.parent_cache_id = None if parent is None else parent.cache_id
         self.cached_blocks.setdefault(block_hash, {})[block.block_id] = block
+        if self.kv_event_recorder is not None:
+            parent_hash = None if parent is None else parent.block_hash
+            self.kv_event_recorder.record(BlockStored(block_hash, parent_hash, block.token_ids))
 
-    def uncache_block(self, block: KVCacheBlock) -> None:
-        """Remove a block from the prefix cache (its contents stay, unreachable)."""
+    def uncache_block(self, block: KVCacheBlock, *, record: bool = True) -> None:
+        """Remove a block from the prefix cache (its contents stay, unreachable);
+        `record=False` when the caller reports the removal otherwise (a reset)."""
         assert block.block_hash is not None, f"block {block.block_id} is not cached"
+        if record and self.kv_event_recorder is not None:
+            self.kv_event_recorder.record(BlockRemoved(block.block_hash))
         bucket = self.cached_blocks[block.block_hash]
         del bucket[block.block_id]
         if not bucket:
@@ -298,8 +308,10 @@ class BlockPool:
             return False
         for bucket in list(self.cached_blocks.values()):
             for block in list(bucket.values()):
-                self.uncache_block(block)
+                self.uncache_block(block, record=False)
         assert not self.cached_blocks
+        if self.kv_event_recorder is not None:
+            self.kv_event_recorder.record(AllBlocksCleared())
         return True
 
     def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:

@@ -3,6 +3,7 @@
 import pytest
 
 from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
+from engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 
 
 def ids(blocks) -> list[int]:
@@ -172,3 +173,25 @@ def test_prefix_cache_stats_reset_on_read():
     assert (stats.requests, stats.queries, stats.hits) == (2, 40, 16)
     assert stats.hit_rate == pytest.approx(0.4)
     assert pool.take_prefix_cache_stats().queries == 0
+
+
+def test_kv_events_follow_caching_eviction_and_reset():
+    """Stored / removed / cleared events, with the pool's own hashes, only while recording."""
+    pool = BlockPool(num_blocks=3)
+    recorder = KVEventRecorder()
+    pool.kv_event_recorder = recorder
+    (b0,) = pool.get_new_blocks(1)
+    pool.cache_full_block(b0, 11, (1, 2))
+    assert recorder.take() == ()  # not active: nothing buffered
+    recorder.set_active(True)
+    b1, b2 = pool.get_new_blocks(2)
+    pool.cache_full_block(b1, 22, (3, 4), parent=b0)
+    assert list(recorder.take()) == [BlockStored(22, 11, (3, 4))]
+    pool.free_blocks([b2, b1, b0])  # b2 (uncached) first in the queue, then b1
+    pool.get_new_blocks(2)  # evicts b1
+    assert list(recorder.take()) == [BlockRemoved(22)]
+    pool.free_blocks([b2, b1])
+    assert pool.reset_prefix_cache()
+    assert list(recorder.take()) == [AllBlocksCleared()]
+    recorder.set_active(False)
+    assert recorder.take() == ()

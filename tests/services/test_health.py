@@ -8,10 +8,11 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from pagedserve.v1 import common_pb2
 from services.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
+from services.vllm_servicer import VLLM_ENGINE_SERVICE
 from tests.services.helpers import gather, request, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -38,24 +39,37 @@ def test_standard_health_checks(stack):
     assert reply.details["engine_reachable"] == "true"
 
 
-def test_reflection_lists_the_services(stack):
-    for channel, service in (
-        (stack.public_channel, TEXT_GENERATION_SERVICE),
-        (stack.engine_channel, ENGINE_SERVICE),
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_the_services(stack, version):
+    """Both reflection protocols answer (current grpcurl asks v1 first). The messages are the
+    same in both, so v1 is called here with the v1alpha classes on v1's method path."""
+    for channel, services in (
+        (stack.public_channel, {TEXT_GENERATION_SERVICE}),
+        (stack.engine_channel, {ENGINE_SERVICE, VLLM_ENGINE_SERVICE}),
     ):
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        service = sorted(services)[0]
         requests = [
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol=service),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="grpc.reflection.v1.ServerReflection"
+            ),
         ]
-        listed, described = list(stub.ServerReflectionInfo(iter(requests), timeout=5))
+        listed, described, v1 = list(call(iter(requests), timeout=5))
         names = {s.name for s in listed.list_services_response.service}
         assert names == {
-            service,
+            *services,
             "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection",
         }
         assert described.file_descriptor_response.file_descriptor_proto  # grpcurl can describe it
+        assert v1.file_descriptor_response.file_descriptor_proto, v1.error_response
 
 
 def test_engine_down_then_back(stack):
