@@ -1,0 +1,67 @@
+"""Engine services as real processes on loopback ports, for the scale-out tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from services.supervisor import wait_until_serving
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_CACHE_BYTES = 16 << 20  # ~2k blocks of the tiny model: plenty, and cheap
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto")])
+    env.update(extra)
+    return env
+
+
+class EngineProcess:
+    """`pagedserve engine` on `127.0.0.1:port` (a free port unless given)."""
+
+    def __init__(self, model_dir: Path, port: int | None = None, *extra_args: str) -> None:
+        self.model_dir = model_dir
+        self.port = port or free_port()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> EngineProcess:
+        argv = [sys.executable, "-m", "services", "engine", "--model", str(self.model_dir)]
+        argv += ["--engine-addr", self.address, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+        argv += ["--log-level", "WARNING", *self.extra_args]
+        self.proc = subprocess.Popen(argv, env=child_env(), cwd=ROOT)
+        return self
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        assert self.proc is not None
+        assert wait_until_serving(self.address, [self.proc], timeout), f"{self.address} down"
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to anyone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
