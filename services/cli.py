@@ -100,7 +100,11 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-addr",
         default=_env("PAGEDSERVE_ENGINE_ADDR", DEFAULT_ENGINE_ADDR),
-        help=f"the engine service's address ($PAGEDSERVE_ENGINE_ADDR; {DEFAULT_ENGINE_ADDR})",
+        help=(
+            f"the engine service's address ($PAGEDSERVE_ENGINE_ADDR; {DEFAULT_ENGINE_ADDR}); "
+            "for `tokenizer`, a comma-separated list of host:port and dns:///name:port "
+            "engine replicas"
+        ),
     )
 
 

@@ -1,9 +1,11 @@
-"""The tokenizer service's link to its engine service: one channel, a background health
-poll, the engine's `ModelInfo`, and the translation of the engine's errors.
+"""The tokenizer service's link to one engine replica: one channel, a background poll of
+its health and load, its `ModelInfo`, and the translation of its errors.
 
-Reachability drives the tokenizer service's own health: NOT_SERVING as soon as a call or a
-poll finds the engine unreachable, SERVING again once a poll finds it SERVING. The channel
+A replica is available while its standard health check says SERVING (and, among several
+replicas, while it serves the same model as the others). A call that finds it unreachable
+marks it down at once; the next poll that finds it SERVING brings it back. The channel
 reconnects with a short backoff, so a restarted engine is found within about a second.
+`services/engine_pool.py` holds the replicas and routes among them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,9 +28,43 @@ logger = logging.getLogger("services.engine_client")
 _CHECK_TIMEOUT_S = 1.0
 
 OnHealthChange = Callable[[bool, str], Awaitable[None]]
+ChannelOption = tuple[str, int | str]
+
+
+def open_engine_channel(
+    address: str,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    options: Sequence[ChannelOption] = (),
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> grpc.aio.Channel:
+    """The one place a channel to an engine replica is opened: insecure unless
+    `credentials` are given; `options` are added to (and override) the defaults."""
+    merged: dict[str, int | str] = {
+        "grpc.max_send_message_length": max_message_bytes,
+        "grpc.max_receive_message_length": max_message_bytes,
+        "grpc.initial_reconnect_backoff_ms": 100,
+        "grpc.min_reconnect_backoff_ms": 100,
+        "grpc.max_reconnect_backoff_ms": 1000,
+    }
+    merged.update(dict(options))
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=list(merged.items()))
+    return grpc.aio.secure_channel(address, credentials, options=list(merged.items()))
+
+
+@dataclass
+class ReplicaLoad:
+    """What the replica's own Health RPC reported at the latest poll."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
 
 
 class EngineBackend:
+    """One engine replica."""
+
     def __init__(
         self,
         address: str,
@@ -35,22 +72,25 @@ class EngineBackend:
         *,
         poll_interval_s: float = 1.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[ChannelOption] = (),
     ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = open_engine_channel(
             address,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
+            credentials=credentials,
+            options=channel_options,
+            max_message_bytes=max_message_bytes,
         )
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
+        self.load = ReplicaLoad()
+        self.num_inflight = 0  # this service's calls open on the replica
+        self.num_pending = 0  # ... of which no message has come back yet (queued, for us)
+        # Set by the pool: whether `model_info` may serve (None: accept anything).
+        self.accepts_model: Callable[[EngineBackend], bool] | None = None
         self._on_health_change = on_health_change
         self._poll_interval_s = poll_interval_s
         self._poke = asyncio.Event()
@@ -64,7 +104,17 @@ class EngineBackend:
             self._poll_task.cancel()
         await self.channel.close()
 
+    @property
+    def num_waiting(self) -> int:
+        """The replica's queue as this service sees it: the engine's own count from the
+        last poll, or the calls sent since that have not started, whichever is larger."""
+        return max(self.load.num_waiting, self.num_pending)
+
     # ---- health ---------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Poll now rather than at the next interval."""
+        self._poke.set()
 
     async def _poll_loop(self) -> None:
         while True:
@@ -86,15 +136,30 @@ class EngineBackend:
                 self.model_info = await self.stub.GetModelInfo(
                     common_pb2.GetModelInfoRequest(), timeout=_CHECK_TIMEOUT_S
                 )
+            if serving:
+                await self._read_load()
+            if serving and self.accepts_model is not None and not self.accepts_model(self):
+                serving, reason = False, "serves another model than the other replicas"
         except grpc.aio.AioRpcError as exc:
             serving, reason = False, f"{exc.code().name}: {exc.details()}"
         await self._set_available(serving, reason)
+
+    async def _read_load(self) -> None:
+        reply = await self.stub.Health(common_pb2.HealthRequest(), timeout=_CHECK_TIMEOUT_S)
+        details = reply.details
+        with contextlib.suppress(KeyError, ValueError):
+            self.load = ReplicaLoad(
+                num_waiting=int(details["num_waiting_requests"]),
+                num_running=int(details["num_running_requests"]),
+                kv_cache_usage=float(details["kv_cache_usage"]),
+            )
 
     async def _set_available(self, available: bool, reason: str) -> None:
         if available == self.available:
             return
         self.available = available
-        logger.info(
+        log = logger.warning if "another model" in reason else logger.info
+        log(
             "engine backend %s",
             "reachable" if available else "unreachable",
             extra={"engine_address": self.address, "reason": reason},
@@ -112,10 +177,13 @@ class EngineBackend:
 
     # ---- errors ---------------------------------------------------------------------------
 
+    async def mark_down(self, exc: grpc.aio.AioRpcError) -> None:
+        """An unreachable replica is taken out of routing at once (the poll brings it back)."""
+        await self._set_available(False, f"{exc.code().name}: {exc.details()}")
+        self._poke.set()
+
     async def translate(self, exc: grpc.aio.AioRpcError) -> ServiceError:
-        """The error for our client; an unreachable engine also turns our health
-        NOT_SERVING at once (the poll turns it back)."""
+        """The error for our client; an unreachable engine is also marked down."""
         if engine_unreachable(exc):
-            await self._set_available(False, f"{exc.code().name}: {exc.details()}")
-            self._poke.set()
+            await self.mark_down(exc)
         return engine_call_error(exc, self.address)

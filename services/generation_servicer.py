@@ -34,7 +34,14 @@ from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
 from services.engine_client import EngineBackend
-from services.errors import ServiceError, invalid_argument, rpc_method, status_for
+from services.engine_pool import EnginePool, tracked
+from services.errors import (
+    ServiceError,
+    engine_unreachable,
+    invalid_argument,
+    rpc_method,
+    status_for,
+)
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENGINE_SERVICE,
@@ -63,6 +70,11 @@ class TokenizerServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
     engine_poll_interval_s: float = 1.0
+    # Several engine replicas (services/engine_pool.py): `engine_address` is a comma list
+    # of host:port and dns:///name:port entries; names are re-resolved this often.
+    engine_dns_refresh_s: float = 5.0
+    route_prefix_blocks: int = 4  # affinity key: the prompt's first (up to) N full blocks
+    route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
 
 
@@ -72,6 +84,7 @@ class _Live:
 
     calls: list[grpc.aio.Call] = field(default_factory=list)
     aborted: bool = False
+    replica: EngineBackend | None = None  # where the request runs (Abort goes there)
 
     def cancel(self) -> None:
         for call in self.calls:
@@ -85,7 +98,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
     SERVICE_NAME = TEXT_GENERATION_SERVICE
 
     def __init__(
-        self, files: TextModelFiles, backend: EngineBackend, config: TokenizerServerConfig
+        self, files: TextModelFiles, backend: EnginePool, config: TokenizerServerConfig
     ) -> None:
         self.tokenizer = files.tokenizer
         self.files = files
@@ -186,29 +199,67 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         try:
             headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
             engine_request.trace_headers.update(headers)
-            call = self.backend.stub.Generate(
-                engine_request,
-                timeout=context.time_remaining(),
-                metadata=trace_metadata(headers),
-            )
-            live.calls.append(call)
-            try:
-                with tracing.internal_span("detokenize"):
-                    await self._relay(call, live, stream, context)
-            finally:
-                call.cancel()  # a no-op once the call is done; else the engine aborts
+            tried: list[EngineBackend] = []
+            while True:
+                replica = self.backend.choose(engine_request.prompt_token_ids, exclude=tried)
+                tried.append(replica)
+                live.replica = replica
+                try:
+                    with tracing.internal_span("detokenize"):
+                        await self._call_replica(
+                            replica, engine_request, headers, live, stream, context
+                        )
+                    return
+                except _FailedBeforeFirstToken as failed:
+                    # Invisible to the client: mark the replica down, retry once elsewhere.
+                    if len(tried) > 1 or not self.backend.up(exclude=tried):
+                        raise await replica.translate(failed.error) from None
+                    await replica.mark_down(failed.error)
+                    logger.info(
+                        "engine replica failed before the first token; retrying elsewhere",
+                        extra={
+                            "request_id": engine_request.request_id,
+                            "engine_address": replica.address,
+                        },
+                    )
         except (Exception, asyncio.CancelledError) as exc:
             tracing.set_error(client_span, *status_for(exc))
             raise
         finally:
             client_span.end()
 
+    async def _call_replica(
+        self,
+        replica: EngineBackend,
+        engine_request: engine_pb2.EngineGenerateRequest,
+        headers: dict[str, str],
+        live: _Live,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        with tracked(replica) as tracking:
+            call = replica.stub.Generate(
+                engine_request, timeout=context.time_remaining(), metadata=trace_metadata(headers)
+            )
+            live.calls.append(call)
+            try:
+                await self._relay(call, replica, tracking, live, stream, context)
+            finally:
+                call.cancel()  # a no-op once the call is done; else the engine aborts
+
     async def _relay(
-        self, call: Any, live: _Live, stream: TextStream, context: grpc.aio.ServicerContext
+        self,
+        call: Any,
+        replica: EngineBackend,
+        tracking: Any,
+        live: _Live,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
     ) -> None:
         """Engine messages → client messages until every output has ended."""
         try:
             async for msg in call:
+                tracking.started()
                 response = stream.process(msg)
                 if response is not None:
                     await context.write(response)
@@ -219,7 +270,9 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 raise  # our client went away (an Abort cancels only the engine call)
         except grpc.aio.AioRpcError as exc:
             if not live.aborted:
-                raise await self.backend.translate(exc) from None
+                if engine_unreachable(exc) and tracking.pending:
+                    raise _FailedBeforeFirstToken(exc) from None
+                raise await replica.translate(exc) from None
         # The engine stream ended (or an Abort cancelled it) with outputs left open.
         for response in stream.abort_unfinished():
             await context.write(response)
@@ -239,13 +292,18 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         for entry in live.values():
             entry.aborted = True
         engine_aborted: set[str] = set()
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            reply = await self.backend.stub.Abort(
-                common_pb2.AbortRequest(request_ids=list(live)),
-                timeout=_ENGINE_RPC_TIMEOUT_S,
-                metadata=_outgoing_metadata(context),
-            )
-            engine_aborted = set(reply.aborted_request_ids)
+        by_replica: dict[EngineBackend, list[str]] = {}
+        for rid, entry in live.items():
+            if entry.replica is not None:
+                by_replica.setdefault(entry.replica, []).append(rid)
+        for replica, request_ids in by_replica.items():  # each request where it runs
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await replica.stub.Abort(
+                    common_pb2.AbortRequest(request_ids=request_ids),
+                    timeout=_ENGINE_RPC_TIMEOUT_S,
+                    metadata=_outgoing_metadata(context),
+                )
+                engine_aborted.update(reply.aborted_request_ids)
         # The engine ends the streams it aborted with finish_reason ABORT; the others (not
         # yet at the engine, or the engine unreachable) end here.
         for rid, entry in live.items():
@@ -281,8 +339,9 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         # The engine calls' parent is this call's span.
         headers = tracing.outgoing_trace_headers(trace_headers(request.trace_headers, context))
         with self.requests.admit(request_id, _Live()) as live:
+            live.replica = replica = self.backend.least_loaded()
             live.calls = [
-                self.backend.stub.Encode(
+                replica.stub.Encode(
                     engine_pb2.EngineEncodeRequest(
                         request_id=f"{request_id}/{i}",
                         prompt_token_ids=ids,
@@ -297,7 +356,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             try:
                 replies = await asyncio.gather(*live.calls)
             except grpc.aio.AioRpcError as exc:
-                raise await self.backend.translate(exc) from None
+                raise await replica.translate(exc) from None
             except asyncio.CancelledError:
                 if live.aborted:
                     raise ServiceError(grpc.StatusCode.ABORTED, "the request was aborted") from None
@@ -356,10 +415,13 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             "num_inflight_requests": str(len(self.requests)),
             "tokenizer": self.files.source,
         }
+        if len(self.backend.replicas) != 1 or self.backend.names:
+            details.update(self.backend.describe())  # several (or named) replicas: each one
         engine_healthy = False
-        if self.backend.available:
+        replica = self.backend.any_replica()
+        if self.backend.available and replica is not None:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await self.backend.stub.Health(
+                reply = await replica.stub.Health(
                     common_pb2.HealthRequest(),
                     timeout=_ENGINE_RPC_TIMEOUT_S,
                     metadata=_outgoing_metadata(context),
@@ -369,6 +431,14 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         healthy = self.serving and engine_healthy
         status = "SERVING" if healthy else "NOT_SERVING"
         return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)
+
+
+class _FailedBeforeFirstToken(Exception):
+    """The replica became unreachable before it sent anything back: safe to retry."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _outgoing_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:

@@ -1,6 +1,7 @@
 """The tokenizer service's gRPC server: the public API (`services.generation_servicer`),
-standard health (NOT_SERVING until its engine answers), reflection, `/metrics`, and a
-graceful stop that aborts streams still running after the grace period.
+standard health (NOT_SERVING until an engine replica answers, and while none does),
+reflection, `/metrics`, and a graceful stop that aborts streams still running after the
+grace period. Its engine replicas and the routing among them: `services/engine_pool.py`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 import logging
 
 from pagedserve.v1 import generation_pb2_grpc
-from services.engine_client import EngineBackend
+from services.engine_pool import EnginePool, Resolver, resolve_all
 from services.generation_servicer import TextGenerationServicer, TokenizerServerConfig
 from services.grpc_server import (
     TEXT_GENERATION_SERVICE,
@@ -25,17 +26,27 @@ logger = logging.getLogger("services.tokenizer")
 
 
 class TokenizerServer:
-    """The tokenizer service's server: NOT_SERVING until its engine answers."""
+    """The tokenizer service's server, in front of one or more engine replicas."""
 
-    def __init__(self, config: TokenizerServerConfig, files: TextModelFiles) -> None:
+    def __init__(
+        self,
+        config: TokenizerServerConfig,
+        files: TextModelFiles,
+        resolver: Resolver = resolve_all,
+    ) -> None:
+        """`resolver` looks up `dns:///` engine names (the system resolver by default)."""
         self.config = config
         self.server = create_server(config.max_message_bytes)
         self.health = HealthReporter(self.server, [TEXT_GENERATION_SERVICE])
-        self.backend = EngineBackend(
+        self.backend = EnginePool(
             config.engine_address,
             self._on_engine_health,
             poll_interval_s=config.engine_poll_interval_s,
             max_message_bytes=config.max_message_bytes,
+            dns_refresh_s=config.engine_dns_refresh_s,
+            prefix_blocks=config.route_prefix_blocks,
+            max_queue_imbalance=config.route_max_queue_imbalance,
+            resolver=resolver,
         )
         self.servicer = TextGenerationServicer(files, self.backend, config)
         generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)

@@ -6,7 +6,10 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.supervisor import wait_until_serving
 
@@ -30,20 +33,44 @@ def child_env(**extra: str) -> dict[str, str]:
 class EngineProcess:
     """`pagedserve engine` on `127.0.0.1:port` (a free port unless given)."""
 
-    def __init__(self, model_dir: Path, port: int | None = None, *extra_args: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int | None = None,
+        *extra_args: str,
+        host: str = "127.0.0.1",
+        metrics_port: int | None = None,
+    ) -> None:
         self.model_dir = model_dir
+        self.host = host
         self.port = port or free_port()
         self.extra_args = extra_args
+        self.metrics_port = metrics_port
         self.proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's /metrics samples, by name (labels dropped: one model per engine)."""
+        assert self.metrics_port is not None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        url = f"http://{host}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+        return samples
 
     def start(self) -> EngineProcess:
         argv = [sys.executable, "-m", "services", "engine", "--model", str(self.model_dir)]
         argv += ["--engine-addr", self.address, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
         argv += ["--log-level", "WARNING", *self.extra_args]
+        if self.metrics_port is not None:
+            argv += ["--metrics-port", str(self.metrics_port)]
         self.proc = subprocess.Popen(argv, env=child_env(), cwd=ROOT)
         return self
 
