@@ -3,6 +3,7 @@ prefix affinity, load reaching both, failover on SIGKILL, rejoin, the `dns:///` 
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -12,11 +13,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from engine import AsyncLLMEngine, EngineArgs
 from pagedserve.v1 import common_pb2, generation_pb2_grpc
 from services import routing
 from services.engine_pool import format_address
+from services.engine_server import EngineServer, EngineServerConfig
 from services.model_files import load_text_model_files
 from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
+from tests.model_utils import make_tiny_llama
 from tests.services.conftest import LoopThread
 from tests.services.helpers import gather, request, wait_for
 from tests.services.processes import EngineProcess, free_port
@@ -214,3 +218,33 @@ def test_dns_names_resolve_to_every_replica_and_follow_changes(cluster):
         answer.remove("::1")
         wait_for(lambda: list(replicas()) == [f"replica.127.0.0.1:{port}"])
         assert generate(public, [8, 9, 10])[0].token_ids
+
+
+def test_a_replica_serving_another_model_is_excluded(cluster, tmp_path, caplog):
+    other_dir = make_tiny_llama(tmp_path / "other", hidden_size=32, with_tokenizer=True)
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=str(other_dir), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+    )
+
+    async def serve() -> EngineServer:
+        server = EngineServer(EngineServerConfig(address="127.0.0.1:0"))
+        await server.start()
+        await server.attach_engine(engine)
+        return server
+
+    other = cluster.loop.run(serve())
+    try:
+        with caplog.at_level(logging.WARNING, logger="services.engine_pool"):
+            addresses = f"{cluster.engines[0].address},127.0.0.1:{other.port}"
+            server = cluster.start_server(addresses)
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                public = generation_pb2_grpc.TextGenerationServiceStub(channel)
+                for i in range(4):  # every request goes to the right model
+                    assert generate(public, [5 + i, 6, 7])[0].token_ids
+                details = public.Health(common_pb2.HealthRequest(), timeout=10).details
+        assert details[f"replica.127.0.0.1:{other.port}"].startswith("down")
+        assert details[f"replica.{cluster.engines[0].address}"].startswith("up")
+        assert any("another model" in r.getMessage() for r in caplog.records)
+    finally:
+        cluster.loop.run(other.stop(0))
+        engine.shutdown()
