@@ -215,6 +215,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                     if len(tried) > 1 or not self.backend.up(exclude=tried):
                         raise await replica.translate(failed.error) from None
                     await replica.mark_down(failed.error)
+                    self.rpc_metrics.engine_failovers.inc()
                     logger.info(
                         "engine replica failed before the first token; retrying elsewhere",
                         extra={

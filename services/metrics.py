@@ -2,6 +2,9 @@
 
     tokenizer service  /metrics: pagedserve:rpc_requests_total{method,code},
                        pagedserve:tokenization_seconds, pagedserve:engine_backend_up,
+                       pagedserve:engine_replica_{up,num_requests_waiting,
+                       num_requests_running,kv_cache_usage_perc,num_inflight_requests}
+                       {engine_address}, pagedserve:engine_failovers_total,
                        pagedserve:num_inflight_requests, pagedserve:streamed_tokens_total,
                        pagedserve:streamed_text_chars_total
     engine service     /metrics: pagedserve:rpc_requests_total{method,code} and the engine's
@@ -21,6 +24,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 logger = logging.getLogger("services.metrics")
 
@@ -72,6 +76,49 @@ class TokenizerMetrics(RpcMetrics):
             "Characters of output text streamed to clients.",
             registry=r,
         )
+        self.engine_failovers = Counter(
+            "pagedserve:engine_failovers",
+            "Generate calls retried on another replica after failing before the first token.",
+            registry=r,
+        )
+
+    def attach_replicas(self, replicas: Callable[[], Iterable[Any]]) -> None:
+        """Per-replica gauges, read from the pool at scrape time (so a replica that leaves
+        the pool leaves the metrics): up, waiting, running, KV usage, calls in flight."""
+        self.registry.register(_ReplicaCollector(replicas))
+
+
+class _ReplicaCollector:
+    """`pagedserve:engine_replica_*{engine_address}` from each `EngineBackend`."""
+
+    def __init__(self, replicas: Callable[[], Iterable[Any]]) -> None:
+        self._replicas = replicas
+
+    def describe(self) -> Iterable[Any]:
+        return ()  # unchecked collector: its series change with the pool
+
+    def collect(self) -> Iterable[Any]:
+        docs = {
+            "up": "1 while the replica serves (the same model) and answers, else 0.",
+            "num_requests_waiting": "The replica's waiting queue, as last polled.",
+            "num_requests_running": "The replica's running batch, as last polled.",
+            "kv_cache_usage_perc": "The replica's KV-cache usage (0 to 1), as last polled.",
+            "num_inflight_requests": "This service's calls open on the replica.",
+        }
+        out = {
+            name: GaugeMetricFamily(
+                f"pagedserve:engine_replica_{name}", doc, labels=["engine_address"]
+            )
+            for name, doc in docs.items()
+        }
+        for replica in self._replicas():
+            address = [replica.address]
+            out["up"].add_metric(address, 1.0 if replica.available else 0.0)
+            out["num_requests_waiting"].add_metric(address, replica.load.num_waiting)
+            out["num_requests_running"].add_metric(address, replica.load.num_running)
+            out["kv_cache_usage_perc"].add_metric(address, replica.load.kv_cache_usage)
+            out["num_inflight_requests"].add_metric(address, replica.num_inflight)
+        return out.values()
 
 
 class EngineServiceMetrics(RpcMetrics):

@@ -49,6 +49,7 @@ class TokenizerServer:
             resolver=resolver,
         )
         self.servicer = TextGenerationServicer(files, self.backend, config)
+        self.servicer.rpc_metrics.attach_replicas(lambda: list(self.backend.replicas.values()))
         generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
         enable_reflection(self.server, [TEXT_GENERATION_SERVICE])
         self.port = 0

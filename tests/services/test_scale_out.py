@@ -150,6 +150,10 @@ def test_sigkill_mid_load_fails_over_and_the_replica_rejoins(cluster):
         prompt = cluster.prompts_owned_by(victim, 1, seed=6)[0]
         assert generate(public, prompt, max_tokens=3)[0].token_ids  # retried, invisibly
         assert not unaware.backend.replicas[victim.address].available
+        registry = unaware.servicer.rpc_metrics.registry
+        assert registry.get_sample_value("pagedserve:engine_failovers_total") == 1
+        up = {"engine_address": victim.address}
+        assert registry.get_sample_value("pagedserve:engine_replica_up", up) == 0
     # Requests not yet started: no client error, even those whose affinity is the victim.
     for prompt in cluster.prompts_owned_by(victim, 3, seed=4):
         out = generate(cluster.public, prompt, max_tokens=3)[0]
