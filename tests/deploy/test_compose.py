@@ -28,6 +28,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.cli import build_parser
+from services.engine_pool import parse_engine_addresses
 from services.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,10 +165,27 @@ def test_engine_is_internal(services: dict[str, Any]) -> None:
     assert _flag(command, "--engine-addr") == "0.0.0.0:50052"
 
 
-def test_tokenizer_points_at_the_engine(services: dict[str, Any]) -> None:
+def test_tokenizer_points_at_every_engine_replica(services: dict[str, Any]) -> None:
     tokenizer = services["tokenizer"]
-    assert _flag(tokenizer["command"], "--engine-addr") == "engine:50052"
+    address = _flag(tokenizer["command"], "--engine-addr")
+    assert address == "dns:///engine:50052"  # all the replicas behind the name
+    assert parse_engine_addresses(address) == ([], [("engine", 50052)])
     assert tokenizer["depends_on"]["engine"]["condition"] == "service_healthy"
+
+
+def test_engine_scales(services: dict[str, Any], tmp_path: Path) -> None:
+    """`--scale engine=N` needs replicas that clash on nothing: no fixed container name, no
+    host port. Compose checks the first itself for a scaled service (`scale: 3` is what
+    `--scale engine=3` sets); the check fails on a copy with a container name."""
+    engine = services["engine"]
+    assert "container_name" not in engine and not engine.get("ports")
+    scale = tmp_path / "scale.yml"
+    scale.write_text("services:\n  engine:\n    scale: 3\n")
+    assert _config(COMPOSE_FILE, scale)["services"]["engine"]["scale"] == 3
+    named = tmp_path / "named.yml"
+    named.write_text("services:\n  engine:\n    scale: 3\n    container_name: engine\n")
+    result = _run_compose("-f", str(COMPOSE_FILE), "-f", str(named), "config", "--quiet")
+    assert result.returncode != 0
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
