@@ -116,6 +116,13 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
         "--max-prompt-tokens", type=int, default=None, help="(default: the max_model_len)"
     )
     group.add_argument(
+        "--route-policy",
+        choices=("affinity", "round_robin"),
+        default="affinity",
+        help="how requests are spread over engine replicas: prefix affinity bounded by load "
+        "(default), or round robin",
+    )
+    group.add_argument(
         "--max-inflight-requests",
         type=int,
         default=1024,
@@ -284,6 +291,7 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             max_message_bytes=ns.max_message_bytes,
             shutdown_grace_s=ns.shutdown_grace,
             metrics_address=_metrics_address(ns.host, ns.metrics_port),
+            route_policy=ns.route_policy,
         ),
         files,
     )

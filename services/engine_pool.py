@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,6 +37,7 @@ from services.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 logger = logging.getLogger("services.engine_pool")
 
 DNS_SCHEME = "dns:///"
+POLICIES = ("affinity", "round_robin")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _MODEL_FIELDS = ("model", "architecture", "vocab_size", "max_model_len", "hidden_size")
 
@@ -80,6 +82,7 @@ class EnginePool:
         dns_refresh_s: float = 5.0,
         prefix_blocks: int = 4,
         max_queue_imbalance: int = 4,
+        policy: str = "affinity",
         resolver: Resolver = resolve_all,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[ChannelOption] = (),
@@ -89,6 +92,10 @@ class EnginePool:
         self.replicas: dict[str, EngineBackend] = {}
         self.available = False
         self.model_info: common_pb2.ModelInfo | None = None  # the model every replica serves
+        if policy not in POLICIES:
+            raise ValueError(f"route policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._round_robin = itertools.count()
         self.prefix_blocks = prefix_blocks
         self.max_queue_imbalance = max_queue_imbalance
         self._on_health_change = on_health_change
@@ -217,10 +224,14 @@ class EnginePool:
     def choose(
         self, prompt_token_ids: Sequence[int], exclude: Sequence[EngineBackend] = ()
     ) -> EngineBackend:
-        """The replica for a generation: prefix affinity bounded by load."""
+        """The replica for a generation: prefix affinity bounded by load (or, as a baseline,
+        round robin)."""
         candidates = self.up(exclude)
         if not candidates:
             raise self._none_up()
+        if self.policy == "round_robin":
+            candidates.sort(key=lambda r: r.address)
+            return candidates[next(self._round_robin) % len(candidates)]
         block_size = self.model_info.block_size if self.model_info is not None else 16
         key = routing.affinity_key(prompt_token_ids, block_size or 16, self.prefix_blocks)
         return routing.choose(key, candidates, self.max_queue_imbalance)

@@ -75,6 +75,7 @@ class TokenizerServerConfig:
     engine_dns_refresh_s: float = 5.0
     route_prefix_blocks: int = 4  # affinity key: the prompt's first (up to) N full blocks
     route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
+    route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/routing.py)
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
 
 

@@ -46,6 +46,7 @@ class TokenizerServer:
             dns_refresh_s=config.engine_dns_refresh_s,
             prefix_blocks=config.route_prefix_blocks,
             max_queue_imbalance=config.route_max_queue_imbalance,
+            policy=config.route_policy,
             resolver=resolver,
         )
         self.servicer = TextGenerationServicer(files, self.backend, config)
