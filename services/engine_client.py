@@ -91,6 +91,7 @@ class EngineBackend:
         self.num_pending = 0  # ... of which no message has come back yet (queued, for us)
         # Set by the pool: whether `model_info` may serve (None: accept anything).
         self.accepts_model: Callable[[EngineBackend], bool] | None = None
+        self.serves_another_model = False  # set by the pool's check
         self._on_health_change = on_health_change
         self._poll_interval_s = poll_interval_s
         self._poke = asyncio.Event()

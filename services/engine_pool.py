@@ -172,12 +172,14 @@ class EnginePool:
             for r in self.replicas.values()
             if r is not replica and r.available and r.model_info is not None
         ]
+        replica.serves_another_model = False
         if not others or all(getattr(info, f) == getattr(others[0], f) for f in _MODEL_FIELDS):
             # The first replica up (or one alone, restarted with a new configuration) sets
             # the model; the others must match it.
             if self.model_info is None or not others:
                 self.model_info = info
             return True
+        replica.serves_another_model = True
         expected = others[0]
         if self._mismatch_logged.get(replica.address) is not info:
             self._mismatch_logged[replica.address] = info
@@ -214,6 +216,18 @@ class EnginePool:
     def up(self, exclude: Sequence[EngineBackend] = ()) -> list[EngineBackend]:
         return [r for r in self.replicas.values() if r.available and r not in exclude]
 
+    def _candidates(self, exclude: Sequence[EngineBackend]) -> list[EngineBackend]:
+        """The available replicas; when none is, every replica once reached that serves the
+        model (the poll may lag a restart: trying beats refusing, as with one engine)."""
+        up = self.up(exclude)
+        if up:
+            return up
+        return [
+            r
+            for r in self.replicas.values()
+            if r.model_info is not None and not r.serves_another_model and r not in exclude
+        ]
+
     def _none_up(self) -> ServiceError:
         known = ", ".join(self.replicas) or "none resolved yet"
         return ServiceError(
@@ -226,7 +240,7 @@ class EnginePool:
     ) -> EngineBackend:
         """The replica for a generation: prefix affinity bounded by load (or, as a baseline,
         round robin)."""
-        candidates = self.up(exclude)
+        candidates = self._candidates(exclude)
         if not candidates:
             raise self._none_up()
         if self.policy == "round_robin":
@@ -237,7 +251,7 @@ class EnginePool:
         return routing.choose(key, candidates, self.max_queue_imbalance)
 
     def least_loaded(self, exclude: Sequence[EngineBackend] = ()) -> EngineBackend:
-        candidates = self.up(exclude)
+        candidates = self._candidates(exclude)
         if not candidates:
             raise self._none_up()
         return routing.least_loaded(candidates)

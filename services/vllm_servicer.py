@@ -32,8 +32,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from engine import AsyncLLMEngine, EngineConfig, EngineDeadError, PoolingParams
-from services import convert, vllm_convert
+from services import convert, tracing, vllm_convert
 from services.errors import ServiceError, rpc_method
+from services.grpc_server import trace_headers
 from services.limits import RequestRegistry
 
 VLLM_ENGINE_SERVICE = vllm_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -88,7 +89,10 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
         seen: set[int] = set()
         with self.requests.admit(request.request_id, None):
             stream = engine.generate(
-                convert.token_ids_prompt(prompt_token_ids), params, request.request_id
+                convert.token_ids_prompt(prompt_token_ids),
+                params,
+                request.request_id,
+                trace_headers=_trace_headers(context),
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -119,6 +123,7 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
                 convert.token_ids_prompt(request.tokenized.input_ids),
                 PoolingParams(),
                 request.request_id,
+                trace_headers=_trace_headers(context),
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -250,6 +255,12 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
                     dp_rank=0,
                 )
             )
+
+
+def _trace_headers(context: Any) -> dict[str, str] | None:
+    """W3C trace context from the call's metadata, with this call's span as the parent
+    (the protocol's messages carry none): the engine's `llm_request` span joins the trace."""
+    return tracing.outgoing_trace_headers(trace_headers({}, context)) or None
 
 
 def model_info(config: EngineConfig) -> vllm_pb2.GetModelInfoResponse:

@@ -331,3 +331,23 @@ def test_setup_from_the_environment():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["pagedserve-x", "0.25", "from-env"]
+
+
+def test_vllm_protocol_call_joins_the_callers_trace(stack, exporter):
+    """A gateway's traceparent (metadata) continues through vLLM's engine protocol: the
+    RPC span is its child, and the engine's `llm_request` span the RPC span's child."""
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    traceparent, trace_id, parent_span_id = _new_traceparent()
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(stack.engine_channel)
+    req = vllm_engine_pb2.GenerateRequest(
+        request_id="traced-vllm",
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=PROMPT),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=3),
+    )
+    list(stub.Generate(req, metadata=[("traceparent", traceparent)], timeout=60))
+    spans = _spans_of(exporter, int(trace_id, 16), expected=2)
+    rpc = spans[("vllm.grpc.engine.VllmEngine/Generate", SpanKind.SERVER)]
+    llm_request = spans[("llm_request", SpanKind.SERVER)]
+    assert format(rpc.parent.span_id, "016x") == parent_span_id
+    assert llm_request.parent.span_id == rpc.context.span_id
