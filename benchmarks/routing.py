@@ -182,6 +182,8 @@ def main() -> None:
         ):
             ports = metrics_ports[: len(used)]
             results[name] = run_config(args, name, used, ports, policy, prompts)
+            hit, ttft = results[name]
+            print(f"{name}: hit rate {hit:.1%}, mean TTFT {ttft * 1000:.0f} ms", flush=True)
     finally:
         for child in children:
             child.stop()
