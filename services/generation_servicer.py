@@ -417,8 +417,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             "num_inflight_requests": str(len(self.requests)),
             "tokenizer": self.files.source,
         }
-        if len(self.backend.replicas) != 1 or self.backend.names:
-            details.update(self.backend.describe())  # several (or named) replicas: each one
+        details.update(self.backend.describe())  # every replica: up/down and its load
         engine_healthy = False
         replica = self.backend.any_replica()
         if self.backend.available and replica is not None:

@@ -34,9 +34,12 @@ def test_standard_health_checks(stack):
         with pytest.raises(grpc.RpcError) as info:
             _check(channel, "no.such.Service")
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _check(stack.engine_channel, VLLM_ENGINE_SERVICE) == SERVING  # both engine APIs
     reply = stack.public.Health(common_pb2.HealthRequest())
     assert reply.healthy and reply.status == "SERVING"
     assert reply.details["engine_reachable"] == "true"
+    (replica,) = [v for k, v in reply.details.items() if k.startswith("replica.")]
+    assert replica.startswith("up waiting=")
 
 
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
