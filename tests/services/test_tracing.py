@@ -351,3 +351,16 @@ def test_vllm_protocol_call_joins_the_callers_trace(stack, exporter):
     llm_request = spans[("llm_request", SpanKind.SERVER)]
     assert format(rpc.parent.span_id, "016x") == parent_span_id
     assert llm_request.parent.span_id == rpc.context.span_id
+
+
+def test_load_polls_leave_no_traces(stack, exporter):
+    """The tokenizer service polls its engine's Health every 0.2 s here; those calls carry a
+    not-sampled context, so they record nothing (they would flood a trace store)."""
+    stack.wait_until_idle()
+    replica = stack.tokenizer_server.backend.replicas[f"127.0.0.1:{stack.engine_port}"]
+    polls = stack.engine_server.metrics.rpc_requests.labels("Health", "OK")
+    before = polls._value.get()
+    wait_for(lambda: polls._value.get() >= before + 3)
+    assert replica.available
+    names = {s.name for s in exporter.get_finished_spans()}
+    assert "pagedserve.v1.EngineService/Health" not in names
