@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,18 +36,24 @@ class EngineBackend:
         *,
         poll_interval_s: float = 1.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        extra_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
+        """`credentials` (TLS / mTLS to the engine) and `extra_options` (e.g. the TLS
+        name override) come from `services.tls.EngineLinkTLS`; None: plaintext."""
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            *extra_options,
+        ]
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.model_info: common_pb2.ModelInfo | None = None

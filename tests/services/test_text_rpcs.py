@@ -14,7 +14,7 @@ def test_tokenize_and_detokenize(stack, offline_llm):
     reply = stack.public.Tokenize(generation_pb2.TokenizeRequest(text="Hello world"))
     assert list(reply.token_ids) == tokenizer("Hello world").input_ids
     assert list(reply.tokens) == tokenizer.convert_ids_to_tokens(list(reply.token_ids))
-    assert reply.count == len(reply.token_ids) and reply.max_model_len == 512
+    assert reply.count == len(reply.token_ids) and reply.max_model_len == 4096
     chat = generation_pb2.ChatInput(
         messages=[generation_pb2.ChatMessage(role="user", content="hi")]
     )
@@ -32,7 +32,7 @@ def test_tokenize_and_detokenize(stack, offline_llm):
 def test_model_info(stack):
     info = stack.public.GetModelInfo(common_pb2.GetModelInfoRequest())
     assert info == stack.engine_stub.GetModelInfo(common_pb2.GetModelInfoRequest())
-    assert (info.vocab_size, info.max_model_len, info.hidden_size) == (49152, 512, 64)
+    assert (info.vocab_size, info.max_model_len, info.hidden_size) == (49152, 4096, 64)
     assert list(info.eos_token_ids) == [2] and info.architecture == "LlamaForCausalLM"
     assert info.num_kv_blocks > 0 and info.block_size == 16
 
