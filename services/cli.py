@@ -223,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompt", default=DEMO_PROMPT, help="the demo question ('' for none)")
     serve.add_argument("--max-tokens", type=int, default=128, help="of the demo answer (128)")
     serve.add_argument(
+        "--api-key",
+        default=_env("PAGEDSERVE_API_KEY", None),
+        help="the demo's key when --api-key-file is given ($PAGEDSERVE_API_KEY)",
+    )
+    serve.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for health (900)"
     )
     add_client_commands(commands)

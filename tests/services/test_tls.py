@@ -213,3 +213,20 @@ def test_sighup_reloads_the_certificate_without_dropping_streams(tiny_model_dir,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_serve_runs_both_hops_over_mtls_from_one_set_of_flags(tiny_model_dir, pki, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("demo-key-0123456789abcdef demo\n")
+    port, engine_port = _free_port(), _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
+    env["PAGEDSERVE_API_KEY"] = "demo-key-0123456789abcdef"
+    argv = [sys.executable, "-m", "services", "serve", "--demo", "--prompt", "Hi", "--max-tokens"]
+    argv += ["4", "--model", str(tiny_model_dir), "--kv-cache-memory-bytes", str(64 << 20)]
+    argv += ["--port", str(port), "--host", "127.0.0.1"]
+    argv += ["--engine-addr", f"127.0.0.1:{engine_port}", "--api-key-file", str(keys)]
+    argv += ["--tls-cert-file", pki.cert("server"), "--tls-key-file", pki.key("server")]
+    argv += ["--tls-client-ca-file", pki.cert("ca")]
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "through the public API" in done.stderr and "[4 tokens" in done.stderr
