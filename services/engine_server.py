@@ -122,7 +122,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
             stream = engine.generate(
-                convert.token_ids_prompt(request.prompt_token_ids),
+                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
                 params,
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
@@ -160,7 +160,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         final = None
         with self.requests.admit(request_id, None):
             stream = engine.encode(
-                convert.token_ids_prompt(request.prompt_token_ids),
+                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
                 params,
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),

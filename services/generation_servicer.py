@@ -170,6 +170,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             prompt_token_ids=prompt_ids,
             sampling_params=convert.sampling_params_to_proto(params, include_stop=False),
             priority=request.priority,
+            cache_salt=current_tenant_name() or "",  # tenants never share cached blocks
         )
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
         incoming = trace_headers(request.trace_headers, context)
@@ -314,6 +315,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                         prompt_token_ids=ids,
                         pooling_params=request.pooling_params,
                         trace_headers=headers,
+                        cache_salt=current_tenant_name() or "",
                     ),
                     timeout=context.time_remaining(),
                     metadata=trace_metadata(headers),

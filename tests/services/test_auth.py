@@ -21,11 +21,11 @@ from prometheus_client import generate_latest
 
 from clients import Client
 from clients.cli import main as client_main
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services.auth import ApiKeys, fingerprint
 from services.errors import ConfigError
 from services.tenancy import UNAUTHENTICATED_MESSAGE
-from tests.services.helpers import gather, request, wait_for
+from tests.services.helpers import gather, request, token_prompts, wait_for
 from tests.services.secure import start_tokenizer_server, stop
 
 ALICE = "alice-key-0123456789abcdef"
@@ -317,3 +317,37 @@ def test_parallel_streams_of_many_tenants_do_not_leak_slots(keyed, stack):
     assert not errors
     assert all(server.guard.limits.num_streams(t) == 0 for t in ("bob", "ops"))
     stack.wait_until_idle()
+
+
+def _cached_tokens(stub, key: str, prompt: list[int]) -> int:
+    out = gather(stub.Generate(request(token_ids=prompt, max_tokens=1), metadata=_auth(key)))
+    assert out[0].usage is not None
+    return out[0].usage.cached_tokens
+
+
+def test_tenants_never_share_prefix_cache_blocks(keyed, stack):
+    _, stub, _ = keyed
+    prompt = token_prompts(1, seed=12345)[0] * 3  # at least two full blocks
+    assert len(prompt) >= 32
+    assert _cached_tokens(stub, BOB, prompt) == 0
+    assert _cached_tokens(stub, BOB, prompt) >= 32  # bob's own blocks are reused...
+    assert _cached_tokens(stub, LONELY, prompt) == 0  # ...but no other tenant sees them
+    assert _cached_tokens(stub, ALICE, prompt) == 0
+    assert _cached_tokens(stub, ALICE_2, prompt) >= 32  # the same tenant, another key
+    stack.wait_until_idle()
+
+
+def test_the_engine_keeps_cache_salts_apart(stack):
+    prompt = token_prompts(1, seed=777)[0] * 3
+
+    def cached(salt: str) -> int:
+        msg = engine_pb2.EngineGenerateRequest(
+            request_id=f"salted-{salt}-{time.monotonic_ns()}",
+            prompt_token_ids=prompt,
+            sampling_params=common_pb2.SamplingParams(max_tokens=1),
+            cache_salt=salt,
+        )
+        return list(stack.engine_stub.Generate(msg, timeout=30))[-1].usage.cached_tokens
+
+    assert cached("a") == 0 and cached("a") >= 32
+    assert cached("b") == 0 and cached("") == 0 and cached("") >= 32
