@@ -124,9 +124,9 @@ class TenantLimits:
                 retry_after_ms=int(wait * 1000) + 1,
             )
 
-    @contextmanager
-    def stream(self, tenant: str, max_streams: int | None) -> Iterator[None]:
-        """Holds one of the tenant's `max_streams` for the duration of the block."""
+    def acquire_stream(self, tenant: str, max_streams: int | None) -> None:
+        """Takes one of the tenant's `max_streams` (RateLimited when none is left); give
+        it back with `release_stream`."""
         count = self._streams.get(tenant, 0)
         if max_streams is not None and count >= max_streams:
             raise RateLimited(
@@ -135,11 +135,11 @@ class TenantLimits:
                 retry_after_ms=STREAM_RETRY_AFTER_MS,
             )
         self._streams[tenant] = count + 1
-        try:
-            yield
-        finally:
-            remaining = self._streams[tenant] - 1
-            if remaining:
-                self._streams[tenant] = remaining
-            else:
-                del self._streams[tenant]
+
+    def release_stream(self, tenant: str) -> None:
+        remaining = self._streams[tenant] - 1
+        assert remaining >= 0, f"tenant {tenant!r}: a stream released twice"
+        if remaining:
+            self._streams[tenant] = remaining
+        else:
+            del self._streams[tenant]

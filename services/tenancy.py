@@ -140,8 +140,7 @@ class TenantGuard(grpc.aio.ServerInterceptor):
         tenant = principal.tenant
         max_streams = tenant.max_streams if method in STREAM_METHODS else None
         try:
-            slot = self.limits.stream(tenant.name, max_streams)
-            slot.__enter__()
+            self.limits.acquire_stream(tenant.name, max_streams)
         except RateLimited as exc:
             self._count(tenant.name, "max_streams", method)
             await _abort_limited(context, exc)
@@ -151,7 +150,7 @@ class TenantGuard(grpc.aio.ServerInterceptor):
             yield
         finally:
             current_principal.reset(token)
-            slot.__exit__(None, None, None)
+            self.limits.release_stream(tenant.name)
 
 
 async def _abort_limited(context: grpc.aio.ServicerContext, exc: RateLimited) -> None:
