@@ -126,26 +126,35 @@ def test_engine_link_without_a_client_certificate_is_refused(mtls, pki, stack):
         stop(stack, tokenizer)
 
 
-def test_engine_refuses_plaintext_off_loopback(caplog):
+def _engine_server(stack, **config) -> EngineServer:
+    """Built in the servers' loop (grpc.aio servers belong to one), not started."""
+
+    async def build() -> EngineServer:
+        return EngineServer(EngineServerConfig(**config))
+
+    return stack.loop.run(build())
+
+
+def test_engine_refuses_plaintext_off_loopback(stack, caplog):
     with pytest.raises(ConfigError, match="--allow-insecure-engine"):
-        EngineServer(EngineServerConfig(address="0.0.0.0:0"))
+        _engine_server(stack, address="0.0.0.0:0")
     with caplog.at_level(logging.WARNING, logger="services.engine"):
-        EngineServer(EngineServerConfig(address="0.0.0.0:0", allow_insecure=True))
+        _engine_server(stack, address="0.0.0.0:0", allow_insecure=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "services.engine"]
     assert lines == [
         "engine API listening without TLS on a non-loopback address (--allow-insecure-engine)"
     ]
-    EngineServer(EngineServerConfig(address="127.0.0.1:0"))  # loopback: plaintext is fine
-    EngineServer(EngineServerConfig(address="[::1]:0"))
+    _engine_server(stack, address="127.0.0.1:0")  # loopback: plaintext is fine
+    _engine_server(stack, address="[::1]:0")
 
 
-def test_bad_tls_flags_are_config_errors(pki, tmp_path):
+def test_bad_tls_flags_are_config_errors(stack, pki, tmp_path):
     with pytest.raises(ConfigError, match="go together"):
         ServerTLSConfig.from_flags(pki.cert("server"), None, None)
     not_pem = tmp_path / "x.pem"
     not_pem.write_text("hello")
     with pytest.raises(ConfigError, match="not a PEM file"):
-        EngineServer(EngineServerConfig(tls=ServerTLSConfig(str(not_pem), pki.key("server"))))
+        _engine_server(stack, tls=ServerTLSConfig(str(not_pem), pki.key("server")))
 
 
 # ---- SIGHUP reload, in a real engine process ------------------------------------------------
