@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -48,8 +49,9 @@ class RateLimitedWarning:
 
 
 class WireGuard(grpc.aio.ServerInterceptor):
-    """Parses unary requests itself so that bytes that are not the message end the call
-    with INVALID_ARGUMENT (request-streaming methods, i.e. reflection, are left alone)."""
+    """Parses requests itself so that bytes that are not the message end the call with
+    INVALID_ARGUMENT: a unary request before the handler runs, each message of a request
+    stream (reflection) as the handler reads it."""
 
     def __init__(self, warn_interval_s: float = _DEFAULT_WARN_INTERVAL_S) -> None:
         self.warning = RateLimitedWarning(warn_interval_s)
@@ -60,29 +62,66 @@ class WireGuard(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
+        if handler.request_streaming:
+            return self._parsing_stream(handler, handler_call_details.method)
         return self._parsing(handler, handler_call_details.method)
+
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, method: str, num_bytes: int, error: str
+    ) -> None:
+        self.warning.warn(
+            "malformed request bytes rejected", method=method, num_bytes=num_bytes, error=error
+        )
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid message for {method} "
+            f"({num_bytes} bytes that do not parse)",
+        )
+
+    def _parsing_stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """gRPC parses each streamed message as the handler reads it: a parser that returns
+        a `_Malformed` marker instead of raising, and a request iterator that ends the call
+        when it meets one."""
+        deserialize = handler.request_deserializer
+
+        def tolerant(raw: bytes) -> Any:
+            try:
+                return deserialize(raw)
+            except Exception as exc:
+                return _Malformed(len(raw), type(exc).__name__)
+
+        async def checked(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for message in requests:
+                if isinstance(message, _Malformed):
+                    await self._reject(context, method, message.num_bytes, message.error)
+                yield message
+
+        def feed(raw_requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return checked(raw_requests, context)
+
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.stream_unary_rpc_method_handler
+        )
+        behaviour = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        wrapped = _streaming if handler.response_streaming else _unary
+        return make(
+            wrapped(behaviour, _as_async(feed)),
+            request_deserializer=tolerant,
+            response_serializer=handler.response_serializer,
+        )
 
     def _parsing(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         deserialize = handler.request_deserializer
-        warning = self.warning
 
         async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
                 return deserialize(raw)
             except Exception as exc:  # DecodeError, or whatever a custom parser raises
-                warning.warn(
-                    "malformed request bytes rejected",
-                    method=method,
-                    num_bytes=len(raw),
-                    error=type(exc).__name__,
-                )
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"the request is not a valid message for {method} "
-                    f"({len(raw)} bytes that do not parse)",
-                )
+                await self._reject(context, method, len(raw), type(exc).__name__)
 
         if not handler.response_streaming:
             return grpc.unary_unary_rpc_method_handler(
@@ -95,7 +134,22 @@ class WireGuard(grpc.aio.ServerInterceptor):
         )
 
 
-Parse = Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """What the tolerant parser of a request stream yields for bytes that do not parse."""
+
+    num_bytes: int
+    error: str
+
+
+Parse = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _as_async(function: Callable[..., Any]) -> Parse:
+    async def call(value: Any, context: grpc.aio.ServicerContext) -> Any:
+        return function(value, context)
+
+    return call
 
 
 def _unary(behaviour: Callable[..., Any], parse: Parse) -> Callable[..., Awaitable[Any]]:

@@ -8,6 +8,7 @@ import logging
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2
 
 from pagedserve.v1 import common_pb2, engine_pb2
 from services.wire import RateLimitedWarning
@@ -87,3 +88,22 @@ def test_the_client_deadline_reaches_the_engine_which_frees_the_blocks(stack):
         gather(stack.public.Generate(long_public, timeout=0.7))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stack.wait_until_idle()
+
+
+def test_malformed_bytes_in_a_request_stream_reflection(stack, caplog):
+    path = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    with caplog.at_level(logging.DEBUG):
+        for channel in (stack.public_channel, stack.engine_channel):
+            call = channel.stream_stream(path)(iter([b"\x0f\x01"]), timeout=10)
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert path in info.value.details()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "an ERROR was logged"
+    # A well-formed stream still works.
+    ask = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    (reply,) = stack.public_channel.stream_stream(path)(iter([ask]), timeout=10)
+    listed = reflection_pb2.ServerReflectionResponse.FromString(reply)
+    assert "pagedserve.v1.TextGenerationService" in {
+        s.name for s in listed.list_services_response.service
+    }
