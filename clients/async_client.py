@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from clients import requests
+from clients.auth import API_KEY_ENV
 from clients.channel import (
     DEFAULT_ADDRESS,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -155,6 +157,7 @@ class AsyncClient:
         root_certificates: Pem | None = None,
         private_key: Pem | None = None,
         certificate_chain: Pem | None = None,
+        api_key: str | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -166,6 +169,7 @@ class AsyncClient:
             root_certificates=root_certificates,
             private_key=private_key,
             certificate_chain=certificate_chain,
+            api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None,
             max_message_bytes=max_message_bytes,
             options=tuple(options),
         )

@@ -1,4 +1,5 @@
-"""Channels (plaintext or TLS), deadlines and the retry policy, shared by both clients.
+"""Channels (plaintext, TLS or mutual TLS; with an API key or without), deadlines and the
+retry policy, shared by both clients.
 
 Retry: a call that fails with UNAVAILABLE (server not up yet, engine still loading, a
 restart) is tried again after a backoff, up to `RetryPolicy.max_attempts` times and never
@@ -11,10 +12,12 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
+from clients.auth import ApiKeyInterceptor, aio_interceptors
 
 DEFAULT_ADDRESS = "localhost:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the servers' default limit
@@ -93,6 +96,7 @@ class ChannelConfig:
     certificate_chain: Pem | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     options: tuple[tuple[str, Any], ...] = ()  # extra grpc channel arguments
+    api_key: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer`
 
     @property
     def secure(self) -> bool:
@@ -118,10 +122,19 @@ class ChannelConfig:
 
     def sync_channel(self) -> grpc.Channel:
         if self.secure:
-            return grpc.secure_channel(self.address, self.credentials(), self.channel_options())
-        return grpc.insecure_channel(self.address, self.channel_options())
+            channel = grpc.secure_channel(self.address, self.credentials(), self.channel_options())
+        else:
+            channel = grpc.insecure_channel(self.address, self.channel_options())
+        if self.api_key:
+            return grpc.intercept_channel(channel, ApiKeyInterceptor(self.api_key))
+        return channel
 
     def aio_channel(self) -> grpc.aio.Channel:
+        interceptors = aio_interceptors(self.api_key) if self.api_key else None
         if self.secure:
-            return grpc.aio.secure_channel(self.address, self.credentials(), self.channel_options())
-        return grpc.aio.insecure_channel(self.address, self.channel_options())
+            return grpc.aio.secure_channel(
+                self.address, self.credentials(), self.channel_options(), interceptors=interceptors
+            )
+        return grpc.aio.insecure_channel(
+            self.address, self.channel_options(), interceptors=interceptors
+        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from clients.client import Client
 
@@ -28,14 +28,18 @@ def stream_chat(
     temperature: float = 0.0,
     out: TextIO | None = sys.stdout,
     timeout: float | None = None,
+    **client: Any,
 ) -> ChatAnswer:
-    """Sends `prompt` as one user message; writes each text delta to `out` as it streams."""
+    """Sends `prompt` as one user message; writes each text delta to `out` as it streams.
+    `client`: more `Client` arguments (TLS, `api_key`)."""
     parts: list[str] = []
     num_tokens = 0
     finish_reason: str | None = None
     messages = [{"role": "user", "content": prompt}]
-    with Client(address, timeout=timeout) as client:
-        stream = client.generate(messages=messages, max_tokens=max_tokens, temperature=temperature)
+    with Client(address, timeout=timeout, **client) as connection:
+        stream = connection.generate(
+            messages=messages, max_tokens=max_tokens, temperature=temperature
+        )
         for delta in stream:
             parts.append(delta.text)
             num_tokens += len(delta.token_ids)

@@ -21,6 +21,11 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--root-certificates", metavar="PEM", help="CA file to verify the server")
     group.add_argument("--private-key", metavar="PEM", help="client key (mutual TLS)")
     group.add_argument("--certificate-chain", metavar="PEM", help="client certificate (mTLS)")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY") or None,
+        help="sent as 'authorization: Bearer <key>' ($PAGEDSERVE_API_KEY)",
+    )
 
 
 def connection_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -31,6 +36,7 @@ def connection_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "root_certificates": ns.root_certificates,
         "private_key": ns.private_key,
         "certificate_chain": ns.certificate_chain,
+        "api_key": ns.api_key,
     }
 
 

@@ -13,6 +13,7 @@ aborts the request and frees its KV cache. Failures raise `clients.errors` excep
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from clients import requests
+from clients.auth import API_KEY_ENV
 from clients.channel import (
     DEFAULT_ADDRESS,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -143,7 +145,9 @@ class Client:
     `timeout` is every call's default deadline in seconds (None: none); each method takes
     its own `timeout=`. `retry` decides how UNAVAILABLE is retried (`NO_RETRY` turns it off).
     TLS: `tls=True` (system roots) or any of `root_certificates`, `private_key`,
-    `certificate_chain` (PEM bytes or file paths)."""
+    `certificate_chain` (PEM bytes or file paths; the last two make it mutual TLS).
+    `api_key` (default `$PAGEDSERVE_API_KEY`) goes with every call as
+    `authorization: Bearer <key>`."""
 
     def __init__(
         self,
@@ -153,6 +157,7 @@ class Client:
         root_certificates: Pem | None = None,
         private_key: Pem | None = None,
         certificate_chain: Pem | None = None,
+        api_key: str | None = None,
         timeout: float | None = None,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -164,6 +169,7 @@ class Client:
             root_certificates=root_certificates,
             private_key=private_key,
             certificate_chain=certificate_chain,
+            api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None,
             max_message_bytes=max_message_bytes,
             options=tuple(options),
         )

@@ -162,6 +162,9 @@ class ModelInfo:
     block_size: int
     num_kv_blocks: int
     hidden_size: int  # the size of the embeddings `encode` returns
+    # The longest request (prompt + output) the KV cache can hold: at most max_model_len.
+    effective_max_model_len: int = 0
+    max_logprobs: int = 0  # the most logprobs / prompt_logprobs may ask for
 
 
 @dataclass(slots=True)
@@ -230,6 +233,8 @@ def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
         block_size=msg.block_size,
         num_kv_blocks=msg.num_kv_blocks,
         hidden_size=msg.hidden_size,
+        effective_max_model_len=msg.effective_max_model_len,
+        max_logprobs=msg.max_logprobs,
     )
 
 

@@ -7,6 +7,10 @@ server) and exits 0 only when the answer is SERVING; 1 on NOT_SERVING, UNKNOWN, 
 or a timeout; 2 on bad usage. One line on stdout (or stderr) says why. The timeout is
 $HEALTHCHECK_TIMEOUT seconds (default 3); keep it below the container's health-check timeout.
 
+TLS: $HEALTHCHECK_CA_FILE (the CA that signed the server's certificate) turns it on;
+$HEALTHCHECK_CERT_FILE / $HEALTHCHECK_KEY_FILE add a client certificate (a server with
+mutual TLS); $HEALTHCHECK_SERVER_NAME overrides the name checked (default: ADDRESS's host).
+
 It needs only grpcio and grpcio-health-checking (dependencies of pagedserve), so it also works
 from any machine with those installed.
 """
@@ -20,12 +24,33 @@ from collections.abc import Sequence
 USAGE = "usage: healthcheck.py ADDRESS [SERVICE]  (exit 0 only when SERVING)"
 
 
+def _read(variable: str) -> bytes | None:
+    path = os.environ.get(variable)
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _channel(grpc, address: str):
+    """Plaintext, or TLS when $HEALTHCHECK_CA_FILE is set (see the module docstring)."""
+    ca = _read("HEALTHCHECK_CA_FILE")
+    if ca is None:
+        return grpc.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(
+        ca, _read("HEALTHCHECK_KEY_FILE"), _read("HEALTHCHECK_CERT_FILE")
+    )
+    name = os.environ.get("HEALTHCHECK_SERVER_NAME")
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(address, credentials, options)
+
+
 def probe(address: str, service: str = "", timeout: float = 3.0) -> tuple[bool, str]:
     """(serving, a one-line explanation) for `service` at `address`."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(grpc, address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

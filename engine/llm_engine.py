@@ -175,11 +175,16 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         text, prompt_token_ids = self.input_processor.process(prompt, params)
 
-        salt = None
+        # vLLM's `cache_salt` in the prompt dict: prompts with different salts never share
+        # prefix-cache blocks (the services salt by tenant).
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}.")
+        salt = salt or None  # "" is no salt
         if not self.config.cache_config.enable_prefix_caching:
             # Without prefix caching only the n samples of this prompt share blocks.
             self._salt_counter += 1
-            salt = f"{request_id}/{self._salt_counter}"
+            salt = f"{salt or ''}/{request_id}/{self._salt_counter}"
         arrival = arrival_time if arrival_time is not None else time.time()
         headers = dict(trace_headers) if trace_headers else None
         if isinstance(params, PoolingParams):

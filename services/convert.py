@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from engine import Logprob, RequestOutput, SamplingParams
 from pagedserve.v1 import common_pb2, engine_pb2
@@ -145,6 +146,10 @@ class EngineResponseBuilder:
         return responses
 
 
-def token_ids_prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
-    """The engine's prompt form for pre-tokenized input."""
-    return {"prompt_token_ids": list(token_ids)}
+def token_ids_prompt(token_ids: Sequence[int], cache_salt: str = "") -> dict[str, Any]:
+    """The engine's prompt form for pre-tokenized input (vLLM's `TokensPrompt`), with the
+    request's `cache_salt` when it has one."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+    if cache_salt:
+        prompt["cache_salt"] = cache_salt
+    return prompt

@@ -76,6 +76,8 @@ class EngineBackend:
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[ChannelOption] = (),
     ) -> None:
+        """`credentials` (TLS / mTLS to the engine) and `extra_options` (e.g. the TLS
+        name override) come from `services.tls.EngineLinkTLS`; None: plaintext."""
         self.address = address
         self.channel = open_engine_channel(
             address,

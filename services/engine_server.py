@@ -41,7 +41,7 @@ from engine import (
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import convert, tracing
-from services.errors import ServiceError, invalid_argument, rpc_method
+from services.errors import ConfigError, ServiceError, invalid_argument, rpc_method
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENGINE_SERVICE,
@@ -53,7 +53,9 @@ from services.grpc_server import (
 )
 from services.limits import RequestRegistry
 from services.metrics import EngineServiceMetrics, MetricsEndpoint
+from services.tls import ServerTLS, ServerTLSConfig, is_loopback
 from services.vllm_servicer import VLLM_ENGINE_SERVICE, VllmEngineServicer
+from services.wire import WireGuard
 
 logger = logging.getLogger("services.engine")
 
@@ -68,6 +70,8 @@ class EngineServerConfig:
     shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
     log_stats_interval_s: float = 10.0  # the engine's stats line every so often; 0: never
+    tls: ServerTLSConfig | None = None  # None: plaintext (loopback only, or allow_insecure)
+    allow_insecure: bool = False  # plaintext on a non-loopback address (--allow-insecure-engine)
 
 
 def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
@@ -83,6 +87,8 @@ def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
         block_size=cache.block_size,
         num_kv_blocks=cache.num_blocks,
         hidden_size=int(hf.hidden_size),
+        effective_max_model_len=min(model.max_model_len, cache.num_blocks * cache.block_size),
+        max_logprobs=model.max_logprobs,
     )
 
 
@@ -122,7 +128,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
             stream = engine.generate(
-                convert.token_ids_prompt(request.prompt_token_ids),
+                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
                 params,
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
@@ -160,7 +166,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         final = None
         with self.requests.admit(request_id, None):
             stream = engine.encode(
-                convert.token_ids_prompt(request.prompt_token_ids),
+                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
                 params,
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
@@ -233,13 +239,32 @@ def _check_request_id(request_id: str) -> str:
     return request_id
 
 
+def _check_transport(config: EngineServerConfig) -> None:
+    """The engine API carries every prompt's token ids and takes no API keys: off this
+    machine it needs TLS (better mTLS), unless the operator says otherwise."""
+    if config.tls is not None or is_loopback(config.address):
+        return
+    if not config.allow_insecure:
+        raise ConfigError(
+            f"the engine API would listen on {config.address} without TLS: give "
+            "--tls-cert-file/--tls-key-file (and --tls-client-ca-file), bind a loopback "
+            "address, or pass --allow-insecure-engine"
+        )
+    logger.warning(
+        "engine API listening without TLS on a non-loopback address (--allow-insecure-engine)",
+        extra={"address": config.address},
+    )
+
+
 class EngineServer:
     """One gRPC server for one engine. `start()` answers health (NOT_SERVING) at once;
     `attach_engine()` makes it serve, so a model can load while probes get answers."""
 
     def __init__(self, config: EngineServerConfig) -> None:
         self.config = config
-        self.server = create_server(config.max_message_bytes)
+        self.tls = ServerTLS(config.tls) if config.tls is not None else None
+        _check_transport(config)
+        self.server = create_server(config.max_message_bytes, [WireGuard()])
         services = [ENGINE_SERVICE, VLLM_ENGINE_SERVICE]
         self.health = HealthReporter(self.server, services)
         self.metrics = EngineServiceMetrics()
@@ -262,15 +287,26 @@ class EngineServer:
 
     async def start(self) -> int:
         """Starts listening; returns the bound port."""
-        self.port = bind(self.server, self.config.address)
+        credentials = self.tls.credentials() if self.tls is not None else None
+        self.port = bind(self.server, self.config.address, credentials)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.start()
         await self.health.set_serving(False, "loading")
         await self.server.start()
         logger.info(
-            "engine service listening", extra={"address": self.config.address, "port": self.port}
+            "engine service listening",
+            extra={
+                "address": self.config.address,
+                "port": self.port,
+                "tls": "mtls" if self.tls and self.tls.mutual else "tls" if self.tls else "off",
+            },
         )
         return self.port
+
+    def reload(self) -> None:
+        """SIGHUP: the TLS certificate again (live streams keep going)."""
+        if self.tls is not None:
+            self.tls.reload()
 
     async def attach_engine(self, engine: AsyncLLMEngine) -> None:
         config = await engine.get_engine_config()

@@ -46,6 +46,11 @@ class ServiceError(Exception):
         self.message = message
 
 
+class ConfigError(ValueError):
+    """A server cannot start as configured (a TLS or key file, an insecure bind): the
+    command prints the message, without a traceback."""
+
+
 def invalid_argument(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 

@@ -33,6 +33,7 @@ from opentelemetry import trace
 from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
+from services.caller import current_tenant_name, scoped_request_id
 from services.engine_client import EngineBackend
 from services.engine_pool import EnginePool, tracked
 from services.errors import (
@@ -53,7 +54,9 @@ from services.limits import RequestRegistry
 from services.metrics import TokenizerMetrics
 from services.model_files import TextModelFiles
 from services.preprocess import Preprocessor
+from services.request_limits import RequestChecker, RequestLimits
 from services.text_stream import TextStream, TokenTexts
+from services.tls import EngineLinkTLS, ServerTLSConfig
 
 logger = logging.getLogger("services.tokenizer")
 
@@ -77,6 +80,10 @@ class TokenizerServerConfig:
     route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
     route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/routing.py)
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
+    tls: ServerTLSConfig | None = None  # the public API's TLS / mTLS; None: plaintext
+    engine_tls: EngineLinkTLS = field(default_factory=EngineLinkTLS)  # to the engine
+    api_key_file: str | None = None  # None: no keys, every caller is let in
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may cost
 
 
 @dataclass
@@ -112,6 +119,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         self.serving = False
         self._preprocessor: Preprocessor | None = None
         self._preprocessor_info: common_pb2.ModelInfo | None = None
+        self._checker: RequestChecker | None = None
 
     def preprocessor(self) -> Preprocessor:
         """Checks need the engine's vocabulary size and max_model_len, known once the engine
@@ -130,9 +138,19 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 info.max_model_len,
                 self.config.max_prompt_tokens,
             )
+            self._checker = RequestChecker(
+                self.config.limits, info.max_model_len, info.max_logprobs
+            )
             self._preprocessor_info = info
         assert self._preprocessor is not None
         return self._preprocessor
+
+    def checker(self) -> RequestChecker:
+        """What one request may cost (`services.request_limits`), checked before anything is
+        tokenized."""
+        self.preprocessor()
+        assert self._checker is not None
+        return self._checker
 
     @property
     def model_name(self) -> str:
@@ -154,21 +172,24 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest, context: Any) -> None:
         span = trace.get_current_span()  # this call's (rpc_method)
         pre = self.preprocessor()
+        self.checker().check_generate(request)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        internal_id = scoped_request_id(request_id)  # the tenant's scope, at the engine too
         with self._tokenizing():
             prompt_ids = pre.prompt_token_ids(request)
             params = pre.sampling_params(request.sampling_params)
         tracing.set_request_attributes(span, request_id, self.model_name, params)
         engine_request = engine_pb2.EngineGenerateRequest(
-            request_id=request_id,
+            request_id=internal_id,
             prompt_token_ids=prompt_ids,
             sampling_params=convert.sampling_params_to_proto(params, include_stop=False),
             priority=request.priority,
+            cache_salt=current_tenant_name() or "",  # tenants never share cached blocks
         )
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
         incoming = trace_headers(request.trace_headers, context)
         start = time.perf_counter()
-        with self.requests.admit(request_id, _Live()) as live:
+        with self.requests.admit(internal_id, _Live(), request_id) as live:
             await self._generate_at_engine(engine_request, incoming, live, stream, context)
         tracing.set_usage_attributes(
             span, len(prompt_ids), stream.num_tokens, stream.finish_reasons
@@ -179,6 +200,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             "request finished",
             extra={
                 "request_id": request_id,
+                "tenant": current_tenant_name(),
                 "prompt_tokens": len(prompt_ids),
                 "completion_tokens": stream.num_tokens,
                 "aborted": live.aborted,
@@ -284,10 +306,11 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
     @rpc_method
     async def Abort(self, request: common_pb2.AbortRequest, context: Any) -> Any:
         tracing.set_abort_attributes(trace.get_current_span(), request.request_ids)
+        # Another tenant's ids are not in this caller's scope: they are simply not found.
         live = {
             rid: entry
             for rid in dict.fromkeys(request.request_ids)
-            if (entry := self.requests.get(rid)) is not None
+            if (entry := self.requests.get(scoped_request_id(rid))) is not None
         }
         if not live:
             return common_pb2.AbortResponse()
@@ -297,7 +320,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         by_replica: dict[EngineBackend, list[str]] = {}
         for rid, entry in live.items():
             if entry.replica is not None:
-                by_replica.setdefault(entry.replica, []).append(rid)
+                by_replica.setdefault(entry.replica, []).append(scoped_request_id(rid))
         for replica, request_ids in by_replica.items():  # each request where it runs
             with contextlib.suppress(grpc.aio.AioRpcError):
                 reply = await replica.stub.Abort(
@@ -305,7 +328,9 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                     timeout=_ENGINE_RPC_TIMEOUT_S,
                     metadata=_outgoing_metadata(context),
                 )
-                engine_aborted.update(reply.aborted_request_ids)
+                engine_aborted.update(
+                    rid for rid in live if scoped_request_id(rid) in reply.aborted_request_ids
+                )
         # The engine ends the streams it aborted with finish_reason ABORT; the others (not
         # yet at the engine, or the engine unreachable) end here.
         for rid, entry in live.items():
@@ -323,6 +348,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
     @rpc_method
     async def Encode(self, request: generation_pb2.EncodeRequest, context: Any) -> Any:
         pre = self.preprocessor()
+        self.checker().check_encode(request)
         if request.texts and request.token_ids:
             raise invalid_argument("texts, token_ids: set one of them, not both")
         with self._tokenizing():
@@ -338,17 +364,19 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         if not prompts:
             raise invalid_argument("texts or token_ids must hold at least one input")
         request_id = request.request_id or f"enc-{uuid.uuid4().hex}"
+        internal_id = scoped_request_id(request_id)
         # The engine calls' parent is this call's span.
         headers = tracing.outgoing_trace_headers(trace_headers(request.trace_headers, context))
-        with self.requests.admit(request_id, _Live()) as live:
+        with self.requests.admit(internal_id, _Live(), request_id) as live:
             live.replica = replica = self.backend.least_loaded()
             live.calls = [
                 replica.stub.Encode(
                     engine_pb2.EngineEncodeRequest(
-                        request_id=f"{request_id}/{i}",
+                        request_id=f"{internal_id}/{i}",
                         prompt_token_ids=ids,
                         pooling_params=request.pooling_params,
                         trace_headers=headers,
+                        cache_salt=current_tenant_name() or "",
                     ),
                     timeout=context.time_remaining(),
                     metadata=trace_metadata(headers),
@@ -379,6 +407,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
     @rpc_method
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: Any) -> Any:
         pre = self.preprocessor()
+        self.checker().check_tokenize(request)
         kind = request.WhichOneof("input")
         if kind == "text":
             add_special = (
@@ -398,6 +427,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
 
     @rpc_method
     async def Detokenize(self, request: generation_pb2.DetokenizeRequest, context: Any) -> Any:
+        self.checker().check_token_ids(request.token_ids, "token_ids")
         ids = self.preprocessor().check_token_ids(request.token_ids, "token_ids")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return generation_pb2.DetokenizeResponse(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,24 +29,34 @@ TEXT_GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name[
 TRACE_METADATA_KEYS = ("traceparent", "tracestate")
 
 
-def create_server(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+def create_server(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> grpc.aio.Server:
     """A grpc.aio server whose messages may be up to `max_message_bytes` each way."""
     if max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}.")
     return grpc.aio.server(
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # Fail loudly when the port is taken instead of sharing it with another server.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
 
 
-def bind(server: grpc.aio.Server, address: str) -> int:
-    """Binds `address` (host:port; port 0 picks a free one) and returns the port."""
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Binds `address` (host:port; port 0 picks a free one), with TLS when `credentials`
+    are given, and returns the port."""
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpc raises RuntimeError when the bind fails
         raise OSError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
@@ -123,3 +133,11 @@ async def wait_for_signal(
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+def on_sighup(callback: Callable[[], object]) -> Callable[[], None]:
+    """Calls `callback` in the running loop on each SIGHUP (certificate reload); returns
+    the function that removes the handler."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, callback)
+    return lambda: loop.remove_signal_handler(signal.SIGHUP)

@@ -15,10 +15,12 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.channel import ChannelConfig
 from clients.chat import stream_chat
 from services.cli import flags_from, subparser
 
@@ -41,12 +43,52 @@ def _client_address(host: str, port: int) -> str:
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "") else f"{host}:{port}"
 
 
-def wait_until_serving(address: str, children: list[subprocess.Popen], timeout: float) -> bool:
+def link_tls_defaults(ns: argparse.Namespace) -> None:
+    """One set of TLS flags for both hops: with `--tls-cert-file`, the tokenizer service
+    verifies the engine against `--tls-client-ca-file` (else the certificate itself, when it
+    is self-signed) and, for mutual TLS, shows the same certificate as its client one.
+    `--engine-tls-*` flags given explicitly win."""
+    if not ns.tls_cert_file:
+        return
+    if not ns.engine_tls_ca_file:
+        ns.engine_tls_ca_file = ns.tls_client_ca_file or ns.tls_cert_file
+    if ns.tls_client_ca_file and not ns.engine_tls_cert_file:
+        ns.engine_tls_cert_file, ns.engine_tls_key_file = ns.tls_cert_file, ns.tls_key_file
+
+
+def client_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """How this command's own calls (health, the demo) reach the public API: the same
+    trust as the engine link, and the demo's API key."""
+    if not ns.tls_cert_file:
+        return {"api_key": ns.api_key}
+    kwargs: dict[str, Any] = {"root_certificates": ns.engine_tls_ca_file, "api_key": ns.api_key}
+    if ns.tls_client_ca_file:
+        kwargs.update(private_key=ns.tls_key_file, certificate_chain=ns.tls_cert_file)
+    return kwargs
+
+
+def _health_channel(address: str, tls: dict[str, Any]) -> grpc.Channel:
+    if tls.get("root_certificates") is None:
+        return grpc.insecure_channel(address)
+    return ChannelConfig(
+        address=address,
+        root_certificates=tls["root_certificates"],
+        private_key=tls.get("private_key"),
+        certificate_chain=tls.get("certificate_chain"),
+    ).sync_channel()
+
+
+def wait_until_serving(
+    address: str,
+    children: list[subprocess.Popen],
+    timeout: float,
+    tls: dict[str, Any] | None = None,
+) -> bool:
     """Polls the standard health service at `address` until SERVING; False if a child
-    exits or `timeout` passes first."""
+    exits or `timeout` passes first. `tls`: `client_kwargs` (None: plaintext)."""
     deadline = time.monotonic() + timeout
     request = health_pb2.HealthCheckRequest(service="")
-    with grpc.insecure_channel(address) as channel:
+    with _health_channel(address, tls or {}) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if any(child.poll() is not None for child in children):
@@ -61,10 +103,10 @@ def wait_until_serving(address: str, children: list[subprocess.Popen], timeout: 
     return False
 
 
-def _demo(address: str, prompt: str, max_tokens: int) -> None:
+def _demo(address: str, prompt: str, max_tokens: int, client: dict[str, Any]) -> None:
     print(f"> {prompt}\n", flush=True)
     start = time.perf_counter()
-    answer = stream_chat(address, prompt, max_tokens=max_tokens)
+    answer = stream_chat(address, prompt, max_tokens=max_tokens, **client)
     elapsed = time.perf_counter() - start
     print(
         f"\n\n[{answer.num_tokens} tokens in {elapsed:.2f}s through the public API, "
@@ -91,10 +133,12 @@ def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     children: list[subprocess.Popen] = []
     address = _client_address(ns.host, ns.port)
+    link_tls_defaults(ns)
+    client = client_kwargs(ns)
     try:
         children.append(_spawn("engine", ns, parser))
         children.append(_spawn("tokenizer", ns, parser))
-        if not wait_until_serving(address, children, ns.startup_timeout):
+        if not wait_until_serving(address, children, ns.startup_timeout, client):
             logger.error("the services did not become healthy", extra={"address": address})
             return 1
         print(
@@ -102,8 +146,10 @@ def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             file=sys.stderr,
             flush=True,
         )
-        if ns.prompt:
-            _demo(address, ns.prompt, ns.max_tokens)
+        if ns.prompt and ns.api_key_file and not ns.api_key:
+            print("[no demo: API keys are on; give --api-key]", file=sys.stderr, flush=True)
+        elif ns.prompt:
+            _demo(address, ns.prompt, ns.max_tokens, client)
         if ns.demo:
             return 0
         print(f"Serving the public API on {ns.host}:{ns.port}; Ctrl-C to stop.", file=sys.stderr)

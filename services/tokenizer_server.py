@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 from pagedserve.v1 import generation_pb2_grpc
+from services.auth import ApiKeys
 from services.engine_pool import EnginePool, Resolver, resolve_all
 from services.generation_servicer import TextGenerationServicer, TokenizerServerConfig
 from services.grpc_server import (
@@ -21,6 +22,9 @@ from services.grpc_server import (
 )
 from services.metrics import MetricsEndpoint
 from services.model_files import TextModelFiles
+from services.tenancy import TenantGuard
+from services.tls import ServerTLS
+from services.wire import WireGuard
 
 logger = logging.getLogger("services.tokenizer")
 
@@ -36,8 +40,13 @@ class TokenizerServer:
     ) -> None:
         """`resolver` looks up `dns:///` engine names (the system resolver by default)."""
         self.config = config
-        self.server = create_server(config.max_message_bytes)
+        self.tls = ServerTLS(config.tls) if config.tls is not None else None
+        keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
+        self.guard = TenantGuard(keys) if keys is not None else None
+        interceptors = [self.guard, WireGuard()] if self.guard is not None else [WireGuard()]
+        self.server = create_server(config.max_message_bytes, interceptors)
         self.health = HealthReporter(self.server, [TEXT_GENERATION_SERVICE])
+        engine_tls = config.engine_tls
         self.backend = EnginePool(
             config.engine_address,
             self._on_engine_health,
@@ -48,9 +57,13 @@ class TokenizerServer:
             max_queue_imbalance=config.route_max_queue_imbalance,
             policy=config.route_policy,
             resolver=resolver,
+            credentials=engine_tls.credentials() if engine_tls.enabled else None,
+            channel_options=engine_tls.channel_options(),
         )
         self.servicer = TextGenerationServicer(files, self.backend, config)
         self.servicer.rpc_metrics.attach_replicas(lambda: list(self.backend.replicas.values()))
+        if self.guard is not None:
+            self.guard.attach_metrics(self.servicer.rpc_metrics.registry)
         generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(self.servicer, self.server)
         enable_reflection(self.server, [TEXT_GENERATION_SERVICE])
         self.port = 0
@@ -67,7 +80,8 @@ class TokenizerServer:
 
     async def start(self) -> int:
         """Starts listening (and polling the engine); returns the bound port."""
-        self.port = bind(self.server, self.config.address)
+        credentials = self.tls.credentials() if self.tls is not None else None
+        self.port = bind(self.server, self.config.address, credentials)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.start()
         await self.health.set_serving(False, "waiting for the engine")
@@ -79,9 +93,24 @@ class TokenizerServer:
                 "address": self.config.address,
                 "port": self.port,
                 "engine_address": self.config.engine_address,
+                "tls": "mtls" if self.tls and self.tls.mutual else "tls" if self.tls else "off",
+                "api_keys": len(self.guard.keys) if self.guard is not None else 0,
             },
         )
         return self.port
+
+    def reload(self) -> None:
+        """SIGHUP: the TLS certificate and the API key file again (live streams keep going;
+        a file that cannot be read keeps what was loaded, with one error line)."""
+        if self.tls is not None:
+            self.tls.reload()
+        if self.guard is not None and self.config.api_key_file:
+            try:
+                self.guard.keys = ApiKeys.from_file(self.config.api_key_file)
+            except ValueError as exc:
+                logger.error("api key reload failed; keeping the current keys: %s", exc)
+            else:
+                logger.info("api keys reloaded", extra={"api_keys": len(self.guard.keys)})
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops taking requests; in-flight streams get `grace` seconds, then end with

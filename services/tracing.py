@@ -34,6 +34,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from engine import SamplingParams
 from engine.tracing import SpanAttributes
+from services.caller import current_tenant_name
 from services.grpc_server import trace_headers
 
 logger = logging.getLogger("services.tracing")
@@ -41,6 +42,7 @@ logger = logging.getLogger("services.tracing")
 TOKENIZER_SERVICE_NAME = "pagedserve-tokenizer"
 ENGINE_SERVICE_NAME = "pagedserve-engine"
 GRPC_STATUS_CODE = "rpc.grpc.status_code"
+TENANT_ATTRIBUTE = "pagedserve.tenant"  # the caller's tenant (API keys on), never its key
 
 # A proxy until a provider is installed (then it delegates), so importing this module early
 # is fine.
@@ -145,6 +147,9 @@ def rpc_span(name: str, request: Any, context: grpc.aio.ServicerContext) -> Iter
         record_exception=False,
         set_status_on_exception=False,
     ) as span:
+        tenant = current_tenant_name()  # set by the API-key guard; never the key
+        if tenant is not None:
+            span.set_attribute(TENANT_ATTRIBUTE, tenant)
         yield span
 
 

@@ -140,7 +140,13 @@ class ServiceStack:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("services") / "tiny", with_tokenizer=True)
+    # A long context: tests keep streams running with max_tokens in the thousands, and the
+    # public API refuses max_tokens over the model's length.
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("services") / "tiny",
+        with_tokenizer=True,
+        max_position_embeddings=4096,
+    )
 
 
 @pytest.fixture(scope="session")

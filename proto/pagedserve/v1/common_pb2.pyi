@@ -146,7 +146,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "device", "block_size", "num_kv_blocks", "hidden_size")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "device", "block_size", "num_kv_blocks", "hidden_size", "effective_max_model_len", "max_logprobs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,8 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -167,4 +169,6 @@ class ModelInfo(_message.Message):
     block_size: int
     num_kv_blocks: int
     hidden_size: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    effective_max_model_len: int
+    max_logprobs: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., effective_max_model_len: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...

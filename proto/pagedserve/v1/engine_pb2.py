@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x93\x02\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12M\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x36.pagedserve.v1.EngineGenerateRequest.TraceHeadersEntry\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfc\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.StopReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\x8d\x02\n\x13\x45ngineEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x0epooling_params\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12K\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x34.pagedserve.v1.EngineEncodeRequest.TraceHeadersEntry\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"b\n\x14\x45ngineEncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage2\x96\x03\n\rEngineService\x12Y\n\x08Generate\x12$.pagedserve.v1.EngineGenerateRequest\x1a%.pagedserve.v1.EngineGenerateResponse0\x01\x12Q\n\x06\x45ncode\x12\".pagedserve.v1.EngineEncodeRequest\x1a#.pagedserve.v1.EngineEncodeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xa7\x02\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12M\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x36.pagedserve.v1.EngineGenerateRequest.TraceHeadersEntry\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfc\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.StopReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\xa1\x02\n\x13\x45ngineEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x0epooling_params\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12K\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x34.pagedserve.v1.EngineEncodeRequest.TraceHeadersEntry\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"b\n\x14\x45ngineEncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage2\x96\x03\n\rEngineService\x12Y\n\x08Generate\x12$.pagedserve.v1.EngineGenerateRequest\x1a%.pagedserve.v1.EngineGenerateResponse0\x01\x12Q\n\x06\x45ncode\x12\".pagedserve.v1.EngineEncodeRequest\x1a#.pagedserve.v1.EngineEncodeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._loaded_options = None
   _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_options = b'8\001'
   _globals['_ENGINEGENERATEREQUEST']._serialized_start=74
-  _globals['_ENGINEGENERATEREQUEST']._serialized_end=349
-  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=298
-  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=349
-  _globals['_ENGINEGENERATERESPONSE']._serialized_start=352
-  _globals['_ENGINEGENERATERESPONSE']._serialized_end=732
-  _globals['_ENGINEENCODEREQUEST']._serialized_start=735
-  _globals['_ENGINEENCODEREQUEST']._serialized_end=1004
-  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_start=298
-  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_end=349
-  _globals['_ENGINEENCODERESPONSE']._serialized_start=1006
-  _globals['_ENGINEENCODERESPONSE']._serialized_end=1104
-  _globals['_ENGINESERVICE']._serialized_start=1107
-  _globals['_ENGINESERVICE']._serialized_end=1513
+  _globals['_ENGINEGENERATEREQUEST']._serialized_end=369
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=318
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=369
+  _globals['_ENGINEGENERATERESPONSE']._serialized_start=372
+  _globals['_ENGINEGENERATERESPONSE']._serialized_end=752
+  _globals['_ENGINEENCODEREQUEST']._serialized_start=755
+  _globals['_ENGINEENCODEREQUEST']._serialized_end=1044
+  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_start=318
+  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_end=369
+  _globals['_ENGINEENCODERESPONSE']._serialized_start=1046
+  _globals['_ENGINEENCODERESPONSE']._serialized_end=1144
+  _globals['_ENGINESERVICE']._serialized_start=1147
+  _globals['_ENGINESERVICE']._serialized_end=1553
 # @@protoc_insertion_point(module_scope)
