@@ -158,7 +158,9 @@ def test_abort_rpc_ends_the_stream(stack, vllm):
 def test_info_loads_health_and_tokenizer(stack, vllm, tiny_model_dir):
     assert vllm.HealthCheck(vllm_pb2.HealthCheckRequest(), timeout=10).healthy
     info = vllm.GetModelInfo(vllm_pb2.GetModelInfoRequest(), timeout=10)
-    assert info.vocab_size == 49152 and info.max_context_length == 512
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert info.vocab_size == config["vocab_size"]
+    assert info.max_context_length == config["max_position_embeddings"]
     assert list(info.architectures) == ["LlamaForCausalLM"] and info.is_generation
     assert 2 in info.eos_token_ids
     server = vllm.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=10)
