@@ -161,6 +161,13 @@ def test_info_loads_health_and_tokenizer(stack, vllm, tiny_model_dir):
     assert info.vocab_size == 49152 and info.max_context_length == 512
     assert list(info.architectures) == ["LlamaForCausalLM"] and info.is_generation
     assert 2 in info.eos_token_ids
+    for rpc, req in (
+        (vllm.StartProfile, smg_common_pb2.StartProfileRequest()),
+        (vllm.StopProfile, smg_common_pb2.StopProfileRequest()),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            rpc(req, timeout=10)
+        assert info.value.code() == UNIMPLEMENTED and "Profile" in info.value.details()
     server = vllm.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=10)
     assert server.block_size == 16 and server.max_num_seqs == 128
 
