@@ -24,7 +24,7 @@ import ipaddress
 import itertools
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import grpc
 
@@ -281,9 +281,9 @@ class EnginePool:
 
 
 @contextlib.contextmanager
-def tracked(replica: EngineBackend):
+def tracked(replica: EngineBackend) -> Iterator[TrackedCall]:
     """Counts a call as in flight (and pending until `started()`) on `replica`."""
-    call = _TrackedCall(replica)
+    call = TrackedCall(replica)
     try:
         yield call
     finally:
@@ -291,7 +291,9 @@ def tracked(replica: EngineBackend):
         replica.num_inflight -= 1
 
 
-class _TrackedCall:
+class TrackedCall:
+    """One call's share of its replica's load counters."""
+
     def __init__(self, replica: EngineBackend) -> None:
         self.replica = replica
         replica.num_inflight += 1

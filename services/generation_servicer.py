@@ -34,7 +34,7 @@ from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
 from services.engine_client import EngineBackend
-from services.engine_pool import EnginePool, tracked
+from services.engine_pool import EnginePool, TrackedCall, tracked
 from services.errors import (
     ServiceError,
     engine_unreachable,
@@ -253,7 +253,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         self,
         call: Any,
         replica: EngineBackend,
-        tracking: Any,
+        tracking: TrackedCall,
         live: _Live,
         stream: TextStream,
         context: grpc.aio.ServicerContext,
