@@ -106,6 +106,7 @@ def test_n_seed_and_stop_token_ids(stack, vllm, offline_llm):
         (lambda r: setattr(r, "kv_transfer_params_json", "{}"), UNIMPLEMENTED, "kv_transfer"),
         (lambda r: setattr(r, "data_parallel_rank", 1), INVALID, "data_parallel_rank"),
         (lambda r: setattr(r, "request_id", ""), INVALID, "request_id"),
+        (lambda r: r.tokenized.input_ids.append(49152), INVALID, "tokenized.input_ids"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_refused_by_name(stack, vllm, mutate, code, field):
