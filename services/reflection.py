@@ -43,7 +43,10 @@ def _register_v1_descriptor(pool: descriptor_pool.DescriptorPool) -> None:
         for method in service.method:
             method.input_type = new + method.input_type[len(old) :]
             method.output_type = new + method.output_type[len(old) :]
-    pool.Add(proto)
+    try:
+        pool.Add(proto)
+    except TypeError:  # a v1 file of another origin got there first: describing v1 uses it
+        pass
 
 
 def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
