@@ -24,7 +24,7 @@ import ipaddress
 import itertools
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import grpc
 
@@ -40,6 +40,10 @@ DNS_SCHEME = "dns:///"
 POLICIES = ("affinity", "round_robin")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _MODEL_FIELDS = ("model", "architecture", "vocab_size", "max_model_len", "hidden_size")
+
+
+def _model_key(info: common_pb2.ModelInfo) -> tuple:
+    return tuple(getattr(info, f) for f in _MODEL_FIELDS)
 
 
 def parse_engine_addresses(spec: str) -> tuple[list[str], list[tuple[str, int]]]:
@@ -165,22 +169,23 @@ class EnginePool:
     # ---- health -----------------------------------------------------------------------
 
     def _accepts_model(self, replica: EngineBackend) -> bool:
+        """Whether `replica` serves the pool's model: the model most of the reachable
+        replicas serve (this one included), ties going to the replica listed first (a
+        `dns:///` name's addresses in sorted order). Re-checked at every poll, so a replica
+        that was accepted before the others answered is excluded at its next poll."""
         info = replica.model_info
         assert info is not None
-        others = [
-            r.model_info
-            for r in self.replicas.values()
-            if r is not replica and r.available and r.model_info is not None
-        ]
-        replica.serves_another_model = False
-        if not others or all(getattr(info, f) == getattr(others[0], f) for f in _MODEL_FIELDS):
-            # The first replica up (or one alone, restarted with a new configuration) sets
-            # the model; the others must match it.
-            if self.model_info is None or not others:
+        votes: dict[tuple, list[common_pb2.ModelInfo]] = {}
+        for r in self.replicas.values():  # in the order they were listed
+            if r.model_info is not None and (r.available or r is replica):
+                votes.setdefault(_model_key(r.model_info), []).append(r.model_info)
+        winner = max(votes, key=lambda key: len(votes[key]))  # the first listed wins a tie
+        if _model_key(info) == winner:
+            replica.serves_another_model = False
+            if self.model_info is None or _model_key(self.model_info) != winner:
                 self.model_info = info
             return True
         replica.serves_another_model = True
-        expected = others[0]
         if self._mismatch_logged.get(replica.address) is not info:
             self._mismatch_logged[replica.address] = info
             logger.warning(
@@ -188,7 +193,7 @@ class EnginePool:
                 extra={
                     "engine_address": replica.address,
                     "model": info.model,
-                    "expected_model": expected.model,
+                    "expected_model": votes[winner][0].model,
                 },
             )
         return False
@@ -276,9 +281,9 @@ class EnginePool:
 
 
 @contextlib.contextmanager
-def tracked(replica: EngineBackend):
+def tracked(replica: EngineBackend) -> Iterator[TrackedCall]:
     """Counts a call as in flight (and pending until `started()`) on `replica`."""
-    call = _TrackedCall(replica)
+    call = TrackedCall(replica)
     try:
         yield call
     finally:
@@ -286,7 +291,9 @@ def tracked(replica: EngineBackend):
         replica.num_inflight -= 1
 
 
-class _TrackedCall:
+class TrackedCall:
+    """One call's share of its replica's load counters."""
+
     def __init__(self, replica: EngineBackend) -> None:
         self.replica = replica
         replica.num_inflight += 1

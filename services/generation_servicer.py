@@ -35,7 +35,7 @@ from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2
 from services import convert, tracing
 from services.caller import current_tenant_name, scoped_request_id
 from services.engine_client import EngineBackend
-from services.engine_pool import EnginePool, tracked
+from services.engine_pool import EnginePool, TrackedCall, tracked
 from services.errors import (
     ServiceError,
     engine_unreachable,
@@ -275,7 +275,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         self,
         call: Any,
         replica: EngineBackend,
-        tracking: Any,
+        tracking: TrackedCall,
         live: _Live,
         stream: TextStream,
         context: grpc.aio.ServicerContext,

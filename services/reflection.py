@@ -9,6 +9,7 @@ descriptor is added to the descriptor pool so that v1 itself can be described.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import grpc
@@ -43,7 +44,9 @@ def _register_v1_descriptor(pool: descriptor_pool.DescriptorPool) -> None:
         for method in service.method:
             method.input_type = new + method.input_type[len(old) :]
             method.output_type = new + method.output_type[len(old) :]
-    pool.Add(proto)
+    # A v1 file of another origin may have got there first: describing v1 then uses it.
+    with contextlib.suppress(TypeError):
+        pool.Add(proto)
 
 
 def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:

@@ -33,7 +33,7 @@ def _unimplemented(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.UNIMPLEMENTED, message)
 
 
-def check_generate_request(request: vllm_pb2.GenerateRequest) -> list[int]:
+def check_generate_request(request: vllm_pb2.GenerateRequest, vocab_size: int) -> list[int]:
     """The prompt's token ids; raises for every input this engine does not take."""
     if not request.request_id:
         raise invalid_argument("request_id must not be empty")
@@ -56,7 +56,21 @@ def check_generate_request(request: vllm_pb2.GenerateRequest) -> list[int]:
         raise invalid_argument(
             f"data_parallel_rank: this engine has one rank (0), got {request.data_parallel_rank}"
         )
-    return list(request.tokenized.input_ids)
+    return check_input_ids(request.tokenized.input_ids, vocab_size)
+
+
+def check_input_ids(input_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt's ids, each checked against the vocabulary (named as the protocol names
+    them; the engine would refuse them too, under its own name)."""
+    ids = list(input_ids)
+    if not ids:
+        raise invalid_argument("tokenized.input_ids must not be empty")
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise invalid_argument(
+            f"tokenized.input_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
+    return ids
 
 
 def sampling_params_from_vllm(msg: vllm_pb2.SamplingParams, *, stream: bool) -> SamplingParams:

@@ -80,9 +80,10 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
 
     @rpc_method
     async def Generate(self, request: vllm_pb2.GenerateRequest, context: Any) -> None:
-        engine, _ = self._ready()
+        engine, config = self._ready()
         self.last_receive_timestamp = time.time()
-        prompt_token_ids = vllm_convert.check_generate_request(request)
+        vocab_size = config.model_config.vocab_size
+        prompt_token_ids = vllm_convert.check_generate_request(request, vocab_size)
         params = vllm_convert.sampling_params_from_vllm(
             request.sampling_params, stream=request.stream
         )
@@ -110,17 +111,15 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
 
     @rpc_method
     async def Embed(self, request: vllm_pb2.EmbedRequest, context: Any) -> Any:
-        engine, _ = self._ready()
+        engine, config = self._ready()
         if not request.request_id:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-        if not request.tokenized.input_ids:
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids must not be empty"
-            )
+        vocab_size = config.model_config.vocab_size
+        input_ids = vllm_convert.check_input_ids(request.tokenized.input_ids, vocab_size)
         final = None
         with self.requests.admit(request.request_id, None):
             stream = engine.encode(
-                convert.token_ids_prompt(request.tokenized.input_ids),
+                convert.token_ids_prompt(input_ids),
                 PoolingParams(),
                 request.request_id,
                 trace_headers=_trace_headers(context),

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2
 from services import routing
-from services.engine_pool import format_address, parse_engine_addresses
+from services.engine_pool import EnginePool, format_address, parse_engine_addresses
 
 
 @dataclass
@@ -69,3 +71,25 @@ def test_engine_address_lists():
         with pytest.raises(ValueError, match="engine address"):
             parse_engine_addresses(bad)
     assert format_address("::1", 5) == "[::1]:5" and format_address("10.0.0.1", 5) == "10.0.0.1:5"
+
+
+def test_model_check_settles_on_the_first_listed_replicas_model():
+    """Whichever replica answers first, the pool settles on one model: the majority of
+    those reachable, a tie going to the replica listed first."""
+
+    async def noop(available: bool, reason: str) -> None:
+        pass
+
+    right = common_pb2.ModelInfo(model="m", vocab_size=10, max_model_len=64)
+    other = common_pb2.ModelInfo(model="other", vocab_size=10, max_model_len=64)
+    pool = EnginePool("a:1,b:1", noop)
+    a = SimpleNamespace(address="a:1", model_info=None, available=False)
+    b = SimpleNamespace(address="b:1", model_info=other, available=False)
+    pool.replicas = {"a:1": a, "b:1": b}
+    assert pool._accepts_model(b)  # alone so far
+    b.available = True
+    a.model_info = right
+    assert pool._accepts_model(a)  # one each: the first listed wins
+    a.available = True
+    assert not pool._accepts_model(b) and b.serves_another_model  # its next poll
+    assert pool.model_info is right

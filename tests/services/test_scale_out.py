@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from engine import AsyncLLMEngine, EngineArgs
-from pagedserve.v1 import common_pb2, generation_pb2_grpc
+from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services import routing
 from services.engine_pool import format_address
 from services.engine_server import EngineServer, EngineServerConfig
@@ -130,6 +130,31 @@ def test_shared_prefix_lands_on_one_replica_unrelated_load_on_both(cluster):
         assert engine.metrics()["pagedserve:prompt_tokens_total"] > before[engine.address]
 
 
+def test_abort_reaches_the_replica_holding_the_request_and_encode_works(cluster):
+    """A stream on the second replica ([::1]) is aborted there: the engine ends it with
+    finish reason ABORT (its own abort output) and counts an aborted request."""
+    holder = cluster.engines[1]
+    prompt = cluster.prompts_owned_by(holder, 1, seed=7)[0]
+
+    def aborted() -> float:
+        return holder.metrics().get("pagedserve:request_success_total", 0.0)
+
+    before = aborted()
+    req = request(token_ids=prompt, max_tokens=400, ignore_eos=True, request_id="abort-me")
+    call = cluster.public.Generate(req, timeout=60)
+    first = next(call)
+    reply = cluster.public.Abort(common_pb2.AbortRequest(request_ids=["abort-me"]), timeout=10)
+    assert list(reply.aborted_request_ids) == ["abort-me"]
+    out = gather([first, *call])[0]
+    assert out.finish_reason == common_pb2.FINISH_REASON_ABORT and len(out.token_ids) < 400
+    wait_for(lambda: aborted() == before + 1)
+
+    embeddings = cluster.public.Encode(
+        generation_pb2.EncodeRequest(token_ids=[common_pb2.TokenIds(ids=[5, 6, 7])]), timeout=30
+    )
+    assert len(embeddings.embeddings[0].values) == 64
+
+
 def test_sigkill_mid_load_fails_over_and_the_replica_rejoins(cluster):
     victim, survivor = cluster.engines
     # A second tokenizer service that polls too rarely to notice the kill by itself: its
@@ -243,6 +268,14 @@ def test_a_replica_serving_another_model_is_excluded(cluster, tmp_path, caplog):
             server = cluster.start_server(addresses)
             with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 public = generation_pb2_grpc.TextGenerationServiceStub(channel)
+
+                def excluded() -> bool:
+                    details = public.Health(common_pb2.HealthRequest(), timeout=10).details
+                    return details[f"replica.127.0.0.1:{other.port}"].startswith("down")
+
+                # Within a poll of both answering, whichever answered first (a tie goes to
+                # the replica listed first).
+                wait_for(excluded, timeout=10)
                 for i in range(4):  # every request goes to the right model
                     assert generate(public, [5 + i, 6, 7])[0].token_ids
                 details = public.Health(common_pb2.HealthRequest(), timeout=10).details

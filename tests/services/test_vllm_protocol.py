@@ -106,6 +106,7 @@ def test_n_seed_and_stop_token_ids(stack, vllm, offline_llm):
         (lambda r: setattr(r, "kv_transfer_params_json", "{}"), UNIMPLEMENTED, "kv_transfer"),
         (lambda r: setattr(r, "data_parallel_rank", 1), INVALID, "data_parallel_rank"),
         (lambda r: setattr(r, "request_id", ""), INVALID, "request_id"),
+        (lambda r: r.tokenized.input_ids.append(49152), INVALID, "tokenized.input_ids"),
     ],
 )  # fmt: skip
 def test_bad_fields_are_refused_by_name(stack, vllm, mutate, code, field):
@@ -163,6 +164,13 @@ def test_info_loads_health_and_tokenizer(stack, vllm, tiny_model_dir):
     assert info.max_context_length == config["max_position_embeddings"]
     assert list(info.architectures) == ["LlamaForCausalLM"] and info.is_generation
     assert 2 in info.eos_token_ids
+    for rpc, req in (
+        (vllm.StartProfile, smg_common_pb2.StartProfileRequest()),
+        (vllm.StopProfile, smg_common_pb2.StopProfileRequest()),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            rpc(req, timeout=10)
+        assert info.value.code() == UNIMPLEMENTED and "Profile" in info.value.details()
     server = vllm.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=10)
     assert server.block_size == 16 and server.max_num_seqs == 128
 
