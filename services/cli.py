@@ -30,6 +30,12 @@ from typing import Any
 
 from clients.cli import CLIENT_COMMANDS, add_client_commands
 from clients.cli import main as client_main
+from services.cli_secure import (
+    add_security_args,
+    engine_link_tls_from,
+    request_limits_from,
+    server_tls_from,
+)
 
 logger = logging.getLogger("services.cli")
 
@@ -108,37 +114,6 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_tls_args(parser: argparse.ArgumentParser, command: str) -> None:
-    """The server's own TLS (both services; `serve` gives the same files to both, and the
-    tokenizer service's engine link trusts them), and the engine link's (tokenizer)."""
-    group = parser.add_argument_group("TLS (docs/deployment.md, 'Secure deployment')")
-    for flag, help_text in (
-        ("--tls-cert-file", "the server's certificate chain (PEM): TLS on"),
-        ("--tls-key-file", "the server's private key (PEM)"),
-        ("--tls-client-ca-file", "CA for client certificates: mutual TLS, certificates required"),
-    ):
-        env = "PAGEDSERVE_" + flag[2:].replace("-", "_").upper()
-        group.add_argument(
-            flag, default=_env(env, None), metavar="PEM", help=f"{help_text} (${env})"
-        )
-    if command == "engine":
-        group.add_argument(
-            "--allow-insecure-engine",
-            action="store_true",
-            default=bool(_env("PAGEDSERVE_ALLOW_INSECURE_ENGINE", "")),
-            help="let the engine API listen without TLS on a non-loopback address",
-        )
-    if command in ("serve", "tokenizer"):
-        for flag, help_text in (
-            ("--engine-tls-ca-file", "CA to verify the engine (TLS to the engine on)"),
-            ("--engine-tls-cert-file", "our client certificate for the engine (mTLS)"),
-            ("--engine-tls-key-file", "its private key"),
-            ("--engine-tls-server-name", "the name checked in the engine's certificate"),
-        ):
-            env = "PAGEDSERVE_" + flag[2:].replace("-", "_").upper()
-            group.add_argument(flag, default=_env(env, None), help=f"{help_text} (${env})")
-
-
 def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("public API (tokenizer service)")
     group.add_argument("--host", default=_env("PAGEDSERVE_HOST", "0.0.0.0"))
@@ -159,30 +134,6 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="streams in flight; more get RESOURCE_EXHAUSTED (1024)",
     )
-    group.add_argument(
-        "--api-key-file",
-        default=_env("PAGEDSERVE_API_KEY_FILE", None),
-        help="'<key> <tenant> [admin] [max_streams=N] [rps=R]' per line; keys required "
-        "($PAGEDSERVE_API_KEY_FILE)",
-    )
-    from services.request_limits import RequestLimits
-
-    limits = RequestLimits()
-    for name, help_text in (
-        ("max_prompt_bytes", "UTF-8 bytes of a prompt text / chat"),
-        ("max_chat_messages", "messages of a chat"),
-        ("max_n", "sampling_params.n"),
-        ("max_stop_strings", "sampling_params.stop entries"),
-        ("max_stop_string_bytes", "bytes of one stop string"),
-        ("max_encode_inputs", "texts + token_ids of one Encode"),
-    ):
-        default = getattr(limits, name)
-        group.add_argument(
-            "--" + name.replace("_", "-"),
-            type=int,
-            default=default,
-            help=f"{help_text} ({default})",
-        )
 
 
 def _add_observability_args(parser: argparse.ArgumentParser, command: str) -> None:
@@ -224,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (serve, tokenizer):
         _add_tokenizer_args(sub)
     for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):
-        _add_tls_args(sub, name)
+        add_security_args(sub, name)
     for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):
         _add_observability_args(sub, name)
     # The children log warnings only, so the demo answer reads cleanly (--log-level INFO
@@ -342,8 +293,6 @@ async def run_engine(ns: argparse.Namespace) -> int:
 async def run_tokenizer(ns: argparse.Namespace) -> int:
     from services.grpc_server import on_sighup, wait_for_signal
     from services.model_files import load_text_model_files
-    from services.request_limits import RequestLimits
-    from services.tls import EngineLinkTLS
     from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
     from services.tracing import TOKENIZER_SERVICE_NAME, setup_tracing
 
@@ -360,21 +309,9 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             metrics_address=_metrics_address(ns.host, ns.metrics_port),
             route_policy=ns.route_policy,
             tls=server_tls_from(ns),
-            engine_tls=EngineLinkTLS(
-                ns.engine_tls_ca_file,
-                ns.engine_tls_cert_file,
-                ns.engine_tls_key_file,
-                ns.engine_tls_server_name,
-            ),
+            engine_tls=engine_link_tls_from(ns),
             api_key_file=ns.api_key_file,
-            limits=RequestLimits(
-                max_prompt_bytes=ns.max_prompt_bytes,
-                max_chat_messages=ns.max_chat_messages,
-                max_encode_inputs=ns.max_encode_inputs,
-                max_n=ns.max_n,
-                max_stop_strings=ns.max_stop_strings,
-                max_stop_string_bytes=ns.max_stop_string_bytes,
-            ),
+            limits=request_limits_from(ns),
         ),
         files,
     )
@@ -383,12 +320,6 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
     await wait_for_signal()
     await server.stop()
     return 0
-
-
-def server_tls_from(ns: argparse.Namespace) -> Any:
-    from services.tls import ServerTLSConfig
-
-    return ServerTLSConfig.from_flags(ns.tls_cert_file, ns.tls_key_file, ns.tls_client_ca_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
 
-from clients import Client
+from clients import AsyncClient, Client
 from clients.cli import main as client_main
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services.auth import ApiKeys, fingerprint
@@ -351,3 +352,17 @@ def test_the_engine_keeps_cache_salts_apart(stack):
 
     assert cached("a") == 0 and cached("a") >= 32
     assert cached("b") == 0 and cached("") == 0 and cached("") >= 32
+
+
+def test_async_client_sends_the_key(keyed):
+    server, _, _ = keyed
+    address = f"127.0.0.1:{server.port}"
+
+    async def main() -> tuple[int, int]:
+        async with AsyncClient(address, api_key=BOB, timeout=30) as client:
+            count = (await client.tokenize("hello")).count
+            result = await client.generate_text(token_ids=[5, 6], max_tokens=2)
+            return count, len(result.outputs[0].token_ids)
+
+    count, num_tokens = asyncio.run(main())
+    assert count > 0 and num_tokens == 2
