@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -47,6 +48,20 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+class WholeStepDecode(Protocol):
+    """A backend's fused replacement of a model's forward for the steps it `applies` to."""
+
+    def applies(self, metadata: AttentionMetadata) -> bool: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden_size], after the final norm
 
 
 class AttentionBackend(ABC):
@@ -86,6 +101,11 @@ class AttentionBackend(ABC):
         """Writes this step's keys/values, then attends (the order every backend needs)."""
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         return self.attend(query, kv_cache, metadata, scale)
+
+    def whole_step_decode(self, model: Any) -> WholeStepDecode | None:
+        """A fused path that replaces `model`'s forward for one-token decode steps, if the
+        backend has one for it (the runner asks once, after loading); None by default."""
+        return None
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:

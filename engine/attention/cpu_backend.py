@@ -11,9 +11,12 @@ engine/native/build.py for how the kernels are built.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.cpu_decode_step import CPUDecodeStep
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.native import load_library, paged_decode_attention, paged_prefill_attention, write_kv
 
@@ -24,6 +27,10 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         super().__init__()
         load_library()  # raises NativeKernelError with the reason when it cannot build
+
+    def whole_step_decode(self, model: Any) -> CPUDecodeStep | None:
+        """Batch-1 decode through all layers in one native call (cpu_decode_step.py)."""
+        return CPUDecodeStep.build(model)
 
     def write_kv(
         self,

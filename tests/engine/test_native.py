@@ -391,11 +391,13 @@ def test_packing_skipped_when_the_check_fails(tmp_path, monkeypatch, caplog):
     ],
     ids=["gqa", "mqa-biases"],
 )
-def test_native_decode_matches_the_layer_path(tmp_path, monkeypatch, shape):
+def test_native_decode_matches_the_layer_path(tmp_path, shape):
     path = make_tiny_llama(tmp_path / "m", **shape)
     config = load_hf_config(path)
-    model = load_model(path, config, torch.float32, torch.device("cpu"), CPUAttentionBackend())
-    inner = model.model
+    backend = CPUAttentionBackend()
+    model = load_model(path, config, torch.float32, torch.device("cpu"), backend)
+    decode_step = backend.whole_step_decode(model)
+    assert decode_step is not None
     block_size, num_blocks = 4, 24
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_heads"]
     cache_shape = (2, num_blocks, block_size, shape["num_kv_heads"], head_dim)
@@ -410,9 +412,8 @@ def test_native_decode_matches_the_layer_path(tmp_path, monkeypatch, shape):
         decode = build_attn_metadata([(prompt_len, 1, table)], block_size=block_size)
         token, position = torch.tensor([42]), torch.tensor([prompt_len])
         layer_caches = [c.clone() for c in caches]
-        assert inner._takes_native_decode(inner.embed_tokens(token), decode)
-        fast = model(token, position, caches, decode)
-        monkeypatch.setattr(type(inner), "_takes_native_decode", lambda *args: False)
+        assert decode_step.applies(decode)
+        fast = decode_step(token, position, caches, decode)
         expected = model(token, position, layer_caches, decode)
     torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
     for ours, theirs in zip(caches, layer_caches):
