@@ -75,7 +75,10 @@ class LLMEngine:
         cache = replace(config.cache_config, num_blocks=num_blocks)
         self.config = config = replace(config, cache_config=cache)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache.block_size, cache.enable_prefix_caching
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            sliding_window=self.runner.kv_cache_sliding_window,
         )
         # A sequence can never outgrow the whole cache: that is its length limit too.
         self.max_tokens_in_cache = num_blocks * cache.block_size

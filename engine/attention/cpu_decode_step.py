@@ -29,6 +29,7 @@ class CPUDecodeStep:
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.scale = attn.head_dim, attn.scale
         self.intermediate_size = self._model.layers[0].mlp.intermediate_size
+        self.sliding_window = attn.sliding_window  # the same in every layer (see build)
         self._table: tuple[Any, ...] | None = None
 
     @classmethod
@@ -38,7 +39,10 @@ class CPUDecodeStep:
         if getattr(model, "op_impl", None) != "native":
             return None
         layers = model.decode_layer_weights()
-        return None if layers is None else cls(model, layers)
+        windows = {layer.self_attn.sliding_window for layer in model.model.layers}
+        if layers is None or len(windows) > 1:
+            return None
+        return cls(model, layers)
 
     @staticmethod
     def applies(metadata: AttentionMetadata) -> bool:
@@ -71,6 +75,7 @@ class CPUDecodeStep:
             kv_caches[0].shape[2],
             model.norm.eps,
             self.scale,
+            self.sliding_window,
         )
         hidden, _ = model.norm(hidden[None], residual[None])
         return hidden

@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.models.layers import DecoderLayer, DecoderSpec, get_head_dim
+from engine.models.layers import (
+    DecoderLayer,
+    DecoderSpec,
+    get_head_dim,
+    layer_sliding_windows,
+)
 from engine.models.linear import Linear, linear, pack_linear_weights, pack_weight
 from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding
 from engine.models.rope import rope_parameters
@@ -29,8 +34,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, spec, attn_backend, impl)
-            for _ in range(hf_config.num_hidden_layers)
+            DecoderLayer(hf_config, spec, attn_backend, impl, window)
+            for window in layer_sliding_windows(hf_config)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, impl)
         self.rotary_emb = RotaryEmbedding.from_parameters(
@@ -65,6 +70,7 @@ class DecoderForCausalLM(nn.Module):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    model_class: ClassVar[type[nn.Module]] = DecoderModel  # the layer stack
     # Checkpoint tensors we compute instead of loading (old checkpoints store inv_freq).
     ignored_weight_suffixes: ClassVar[tuple[str, ...]] = (".rotary_emb.",)
 
@@ -77,7 +83,7 @@ class DecoderForCausalLM(nn.Module):
         self.head_dim = get_head_dim(config)
         self.op_impl = op_impl
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = DecoderModel(config, self.decoder_spec(config), attn_backend, op_impl)
+        self.model = self.model_class(config, self.decoder_spec(config), attn_backend, op_impl)
         self.lm_head = (
             None
             if self.tie_word_embeddings
@@ -92,16 +98,14 @@ class DecoderForCausalLM(nn.Module):
     @classmethod
     def check_config(cls, config: Any) -> None:
         """Raises NotImplementedError for settings the family's code does not implement."""
-        sliding_window = getattr(config, "sliding_window", None)
-        uses_window = getattr(config, "use_sliding_window", True)
-        if (
-            uses_window
-            and sliding_window is not None
-            and sliding_window < config.max_position_embeddings
-        ):
-            raise NotImplementedError(
-                f"{cls.__name__} with sliding_window={sliding_window} is not supported."
-            )
+        layer_sliding_windows(config)  # rejects unknown layer types
+
+    @classmethod
+    def kv_cache_sliding_window(cls, config: Any) -> int | None:
+        """The window the KV-cache manager may free blocks behind: set only when every
+        layer uses the same one (a full-attention layer needs every block)."""
+        windows = set(layer_sliding_windows(config))
+        return windows.pop() if len(windows) == 1 else None
 
     def forward(
         self,

@@ -22,7 +22,14 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.models.linear import Linear
-from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.models.ops import (
+    GeluTanhAndMul,
+    GemmaRMSNorm,
+    OpImpl,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+)
 
 
 def get_head_dim(hf_config: Any) -> int:
@@ -53,13 +60,43 @@ class DecoderSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before the rotation
+    gemma_norm: bool = False  # Gemma: x / rms(x) * (1 + w), in fp32
+    query_pre_attn_scalar: float | None = None  # Gemma: scale = this ** -0.5, not head_dim's
+
+
+def make_norm(hidden_size: int, eps: float, spec: DecoderSpec, impl: OpImpl) -> nn.Module:
+    """The family's RMSNorm (Gemma's (1 + w) variant is torch-only)."""
+    return GemmaRMSNorm(hidden_size, eps) if spec.gemma_norm else RMSNorm(hidden_size, eps, impl)
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), from `layer_types` where the
+    config has them (transformers 5: "sliding_attention" / "full_attention"), else the
+    config's `sliding_window` for every layer unless `use_sliding_window` is false."""
+    window = getattr(hf_config, "sliding_window", None)
+    num_layers = hf_config.num_hidden_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise NotImplementedError(f"layer_types {sorted(unknown)} are not supported.")
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    return [int(window)] * num_layers
 
 
 class Attention(nn.Module):
     def __init__(
-        self, hf_config: Any, spec: DecoderSpec, attn_backend: AttentionBackend, impl: OpImpl
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        attn_backend: AttentionBackend,
+        impl: OpImpl,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         if self.num_heads % self.num_kv_heads:
@@ -68,7 +105,7 @@ class Attention(nn.Module):
                 f"num_key_value_heads={self.num_kv_heads}."
             )
         self.head_dim = get_head_dim(hf_config)
-        self.scale = self.head_dim**-0.5
+        self.scale = (spec.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.attn_backend = attn_backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
@@ -78,11 +115,11 @@ class Attention(nn.Module):
             output_sizes=(q_size, kv_size, kv_size),
         )
         self.o_proj = Linear(q_size, hf_config.hidden_size, bias=spec.o_bias)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, impl)
-            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, impl)
+            self.q_norm = make_norm(self.head_dim, hf_config.rms_norm_eps, spec, impl)
+            self.k_norm = make_norm(self.head_dim, hf_config.rms_norm_eps, spec, impl)
 
     def forward(
         self,
@@ -108,7 +145,15 @@ class Attention(nn.Module):
             )
             qk = rotary.rotate_(qk, cos, sin)  # [T, H + Hkv, D]
         query, key = qk[:, :num_heads], qk[:, num_heads:]  # [T, H, D], [T, Hkv, D]
-        out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, self.scale)
+        out = self.attn_backend.forward(
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+        )
         return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
 
@@ -117,16 +162,20 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hf_config: Any, spec: DecoderSpec, impl: OpImpl) -> None:
         super().__init__()
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act={act!r} is not supported (silu).")
+        act = getattr(hf_config, "hidden_activation", None) or getattr(
+            hf_config, "hidden_act", "silu"
+        )
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise NotImplementedError(
+                f"hidden_act={act!r} is not supported (silu, gelu_pytorch_tanh)."
+            )
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
         self.intermediate_size = intermediate
         self.gate_up_proj = Linear(
             hidden, 2 * intermediate, bias=spec.mlp_bias, output_sizes=(intermediate,) * 2
         )
         self.down_proj = Linear(intermediate, hidden, bias=spec.mlp_bias)
-        self.act_fn = SiluAndMul(impl)
+        self.act_fn: nn.Module = SiluAndMul(impl) if act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # via [T, intermediate]
@@ -137,11 +186,16 @@ class DecoderLayer(nn.Module):
     next norm (which takes the residual stream as its second input)."""
 
     def __init__(
-        self, hf_config: Any, spec: DecoderSpec, attn_backend: AttentionBackend, impl: OpImpl
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        attn_backend: AttentionBackend,
+        impl: OpImpl,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.self_attn = Attention(hf_config, spec, attn_backend, impl)
+        self.self_attn = Attention(hf_config, spec, attn_backend, impl, sliding_window)
         self.mlp = GatedMLP(hf_config, spec, impl)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)

@@ -1,5 +1,5 @@
-"""Llama family (Llama 2/3, SmolLM2, Mistral without a sliding window): the shared decoder
-with optional attention and MLP biases."""
+"""Llama family (Llama 2/3, SmolLM2) and Mistral (with its sliding window): the shared
+decoder with optional attention and MLP biases."""
 
 from __future__ import annotations
 
@@ -26,4 +26,5 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral's layers are Llama's; its sliding window is refused by `check_config`."""
+    """Mistral's layers are Llama's; `sliding_window` (when set) limits every layer's
+    attention, enforced by the attention backends and used by the KV-cache manager."""

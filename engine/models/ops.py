@@ -139,6 +139,36 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), all in fp32 and cast back once (torch only:
+    the kernels implement the Llama numerics). `forward(x, residual)` adds first, as
+    `RMSNorm` does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU: gelu_tanh(gate) * up over (gate | up) rows (Gemma's `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, inter]
+        half = x.shape[-1] // 2
+        return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
+
+
 class SiluAndMul(nn.Module):
     """[num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]."""
 

@@ -48,7 +48,7 @@ class ModelRunner:
             torch.set_flush_denormal(True)
             _keep_freed_memory_mapped()
         self.attn_backend = get_attention_backend(
-            config.device_config.attention_backend, self.device
+            config.device_config.attention_backend, self.device, self.dtype
         )
         self.model = load_model(
             model_config.model_dir,
@@ -63,6 +63,12 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()
+
+    @property
+    def kv_cache_sliding_window(self) -> int | None:
+        """The window behind which the KV-cache manager may free a request's blocks (every
+        layer's window; None when any layer attends to the whole context)."""
+        return self.model.kv_cache_sliding_window(self.config.model_config.hf_config)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
