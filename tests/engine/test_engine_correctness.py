@@ -35,7 +35,6 @@ SHAPES = {
 
 # Other families: (architecture, transformers config kwargs), several shapes each.
 FAMILY_SHAPES = {
-    "qwen2-gqa-untied": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen2-mha-tied-linear-rope": (
         "Qwen2ForCausalLM",
         dict(
@@ -50,7 +49,6 @@ FAMILY_SHAPES = {
         dict(num_kv_heads=1, head_dim=16, tie_word_embeddings=True, attention_bias=True),
     ),
     "phi3-gqa": ("Phi3ForCausalLM", dict(num_heads=8, num_kv_heads=2)),
-    "mistral-no-window": ("MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
     # Windows shorter than most prompts: every layer (the KV-cache manager frees blocks
     # behind it), and Qwen2's "layers from max_window_layers on" (the cache keeps all).
     "mistral-window": ("MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=True)),
