@@ -19,7 +19,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, AttentionParams, SplitAttentionBackend
 from engine.attention.cpu_decode_step import CPUDecodeStep
-from engine.attention.torch_backend import TorchDecode, TorchPrefill, _Workspace, scatter_kv
+from engine.attention.torch_backend import GatherWorkspace, TorchDecode, TorchPrefill, scatter_kv
 from engine.native import load_library, paged_decode_attention, paged_prefill_attention, write_kv
 
 
@@ -93,7 +93,7 @@ class CPUAttentionBackend(SplitAttentionBackend):
         if dtype == torch.float32:
             super().__init__(native_write_kv, native_decode, native_prefill)
         else:
-            workspace = _Workspace()
+            workspace = GatherWorkspace()
             super().__init__(scatter_kv, TorchDecode(workspace), TorchPrefill(workspace))
 
     def whole_step_decode(self, model: Any) -> CPUDecodeStep | None:

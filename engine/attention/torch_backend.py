@@ -34,7 +34,7 @@ from engine.attention.backend import (
 class TorchDecode:
     """The decode requests in groups whose gathered context fits `_MAX_GATHER_BYTES`."""
 
-    def __init__(self, workspace: _Workspace) -> None:
+    def __init__(self, workspace: GatherWorkspace) -> None:
         self.workspace = workspace
 
     def __call__(
@@ -50,7 +50,7 @@ class TorchDecode:
 class TorchPrefill:
     """The prefill chunks (requests num_decodes.. of the batch), one SDPA call each."""
 
-    def __init__(self, workspace: _Workspace) -> None:
+    def __init__(self, workspace: GatherWorkspace) -> None:
         self.workspace = workspace
 
     def __call__(
@@ -75,7 +75,7 @@ class TorchAttentionBackend(SplitAttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        workspace = _Workspace()
+        workspace = GatherWorkspace()
         super().__init__(scatter_kv, TorchDecode(workspace), TorchPrefill(workspace))
 
 
@@ -91,7 +91,7 @@ _MIN_TOKENS_FOR_HEAD_LOOP = 2048
 _MAX_KV_HEADS_FOR_HEAD_LOOP = 8
 
 
-class _Workspace:
+class GatherWorkspace:
     """A reused buffer for gathered keys/values.
 
     Gathering a long context makes a large tensor every layer; a fresh one of that size is
@@ -153,7 +153,7 @@ def _decode(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     params: AttentionParams,
-    workspace: _Workspace,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """The decode requests in groups whose gathered context fits `_MAX_GATHER_BYTES`."""
     num_decodes = query.shape[0]
@@ -177,7 +177,7 @@ def _decode_group(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     params: AttentionParams,
-    workspace: _Workspace,
+    workspace: GatherWorkspace,
     start: int,
     end: int,
 ) -> torch.Tensor:  # [R, num_heads, head_dim]
@@ -237,7 +237,7 @@ def _prefill_one(
     req: int,
     key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], this step's keys
     value: torch.Tensor | None,
-    workspace: _Workspace,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """One request's prefill chunk, causal over its cached context plus the chunk."""
     query_len = query.shape[0]
