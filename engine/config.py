@@ -59,7 +59,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
-    num_blocks: int = 0  # set at start-up from the memory budget
+    # Decided once at start-up from the memory budget (ModelRunner); the engine's resolved
+    # config is a copy carrying it. 0 in a config that no engine has resolved yet.
+    num_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -15,8 +15,11 @@ PromptType = str | Mapping[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, get_tokenizer: Callable[[], Any]) -> None:
-        self.config = config  # cache_config.num_blocks is read per call: set after start-up
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, get_tokenizer: Callable[[], Any]
+    ) -> None:
+        self.config = config
+        self.num_blocks = num_blocks  # the KV-cache size, decided once by the model runner
         self._get_tokenizer = get_tokenizer
 
     def process(
@@ -66,7 +69,7 @@ class InputProcessor:
                 f"of {model_config.max_model_len} (max_model_len)."
             )
         block_size = self.config.cache_config.block_size
-        num_blocks = self.config.cache_config.num_blocks
+        num_blocks = self.num_blocks
         if math.ceil(num / block_size) > num_blocks:
             raise ValueError(
                 f"The prompt (length {num}) needs {math.ceil(num / block_size)} KV-cache "

@@ -14,7 +14,7 @@ import os
 import random
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import (
@@ -63,18 +63,25 @@ class LLMEngine:
         from engine.models.loader import load_tokenizer
         from engine.worker.model_runner import ModelRunner
 
-        self.config = config
         model_config = config.model_config
         self.tokenizer = None
         if not model_config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
         self.runner = ModelRunner(config)
-        cache = config.cache_config
+        # The KV-cache size is decided once, by the runner from the memory budget, and
+        # handed on as a value; the engine's config is a resolved copy that records it (the
+        # caller's config object is not written to).
+        num_blocks = self.runner.num_blocks
+        cache = replace(config.cache_config, num_blocks=num_blocks)
+        self.config = config = replace(config, cache_config=cache)
         self.kv_cache_manager = KVCacheManager(
-            cache.num_blocks, cache.block_size, cache.enable_prefix_caching
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            sliding_window=self.runner.kv_cache_sliding_window,
         )
         # A sequence can never outgrow the whole cache: that is its length limit too.
-        self.max_tokens_in_cache = cache.num_blocks * cache.block_size
+        self.max_tokens_in_cache = num_blocks * cache.block_size
         if self.max_tokens_in_cache < model_config.max_model_len:
             logger.warning(
                 "The KV cache holds %d tokens, fewer than max_model_len=%d: longer "
@@ -97,7 +104,7 @@ class LLMEngine:
         )
         self._last_logged_drafts = (0, 0)  # (scheduled, accepted) at the last stats line
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor = InputProcessor(config, self.get_tokenizer)
+        self.input_processor = InputProcessor(config, num_blocks, self.get_tokenizer)
         self.log_stats = log_stats
         self.stat_logger = StatLogger()
         self._seed_rng = random.Random(model_config.seed)

@@ -130,6 +130,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,  # int
     HEAD_DIM_PADDED: tl.constexpr,  # int, power of two >= HEAD_DIM
     NUM_SPLITS: tl.constexpr,  # int, 1 = no split-KV
+    SLIDING_WINDOW: tl.constexpr,  # int, each row sees its last SLIDING_WINDOW keys; 0 = all
     UPCAST: tl.constexpr,  # bool, compute the dots in fp32 (interpreter + bf16)
     DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
 ):
@@ -166,6 +167,8 @@ def _paged_attention_kernel(
     # Keys visible to the tile's last row, capped at the context length.
     kv_end = tl.minimum(context_len + q_tile * BLOCK_Q + BLOCK_Q, seq_len)
     tile_lo = 0
+    if SLIDING_WINDOW > 0:  # nothing before the tile's first row's window (no split-KV here)
+        tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // BLOCK_N
     tile_hi = tl.cdiv(kv_end, BLOCK_N)
     if NUM_SPLITS > 1:
         tile_lo = split * kv_tiles_per_split
@@ -198,6 +201,8 @@ def _paged_attention_kernel(
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_Q * GROUP, BLOCK_N]
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -298,6 +303,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's query rows over its paged context.
 
@@ -309,6 +315,9 @@ def paged_attention(
     `max_query_len` picks the tile shape (1 = decode tiles); `max_seq_len` must be >= every
     `seq_lens` entry and only balances the split-KV ranges. `num_splits=None` chooses
     split-KV by occupancy (decode-only launches on CUDA); pass an int to force it.
+    `sliding_window`: each query row sees only the keys at its last `sliding_window`
+    positions (its own included), as transformers' sliding-window mask; split-KV is not used
+    with a window (the window already bounds the walk).
     """
     if out is None:
         out = torch.empty_like(query)
@@ -321,6 +330,10 @@ def paged_attention(
 
     queries_per_kv = num_heads // num_kv_heads
     tiles = _tile_config(queries_per_kv, head_dim, max_query_len, query.dtype)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    if sliding_window is not None:
+        num_splits = 1
     if num_splits is None:
         num_splits = choose_num_splits(
             query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len
@@ -370,6 +383,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=tiles.head_dim_padded,
         NUM_SPLITS=num_splits,
+        SLIDING_WINDOW=sliding_window or 0,
         UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,

@@ -94,6 +94,85 @@ def make_tiny_llama(
     return path
 
 
+# Text-only architectures whose config class is not <Name>Config.
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+
+
+def make_tiny_model(
+    path: str | Path,
+    architecture: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    **config_kwargs: Any,
+) -> Path:
+    """Saves a random-weight transformers model of `architecture` (e.g. "Qwen2ForCausalLM"),
+    built from transformers' own config class, as fp32 safetensors in `path`.
+
+    Same conventions as `make_tiny_llama` (peaky logits, randomized norms and biases, bos/eos
+    1/2); `config_kwargs` go to the config class (head_dim, tie_word_embeddings, ...).
+    `LlamaForCausalLM` goes through `make_tiny_llama`.
+    """
+    import transformers
+
+    if architecture == "LlamaForCausalLM":
+        return make_tiny_llama(
+            path,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            vocab_size=vocab_size,
+            max_position_embeddings=max_position_embeddings,
+            seed=seed,
+            **config_kwargs,
+        )
+    path = Path(path)
+    config_name = _CONFIG_CLASSES.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, config_name)
+    model_class = getattr(transformers, architecture)
+    config = config_class(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=config_kwargs.pop("intermediate_size", 2 * hidden_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **config_kwargs,
+    )
+    _save_random(model_class(config), path, seed)
+    return path
+
+
+def _save_random(model: Any, path: Path, seed: int) -> None:
+    """Re-draws `model`'s weights from `seed` (norms near 1, small random biases) and saves it."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model.eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            else:
+                param.normal_(0.0, 0.15)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(path)
+
+
 def _copy_tokenizer(source: Path | None, dest: Path) -> None:
     if source is None:
         from engine.models.loader import resolve_model
@@ -123,11 +202,10 @@ def build_attn_metadata(
     requests: Sequence[tuple[int, int, Sequence[int]]],
     *,
     block_size: int,
-    num_padding: int = 0,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata for one step; `requests` are (num_computed, query_len, block_table) in batch
-    order (decodes, i.e. query_len == 1, first). `num_padding` tokens with slot -1 follow."""
+    order (decodes, i.e. query_len == 1, first)."""
     query_lens = [query_len for _, query_len, _ in requests]
     num_decodes = sum(1 for q in query_lens if q == 1)
     if any(q != 1 for q in query_lens[:num_decodes]):
@@ -144,7 +222,6 @@ def build_attn_metadata(
             raise ValueError("block table too short for the request's tokens")
         for pos in range(num_computed, num_computed + query_len):
             slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
-    slot_mapping += [-1] * num_padding
     max_blocks = max((len(table) for _, _, table in requests), default=1)
     block_tables = [list(table) + [0] * (max_blocks - len(table)) for _, _, table in requests]
     return AttentionMetadata(
@@ -165,12 +242,10 @@ def build_attn_metadata(
 def build_positions(
     requests: Sequence[tuple[int, int, Sequence[int]]],
     *,
-    num_padding: int = 0,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:  # [num_tokens] int64
-    """Absolute positions of each query token (padding tokens get 0)."""
+    """Absolute positions of each query token."""
     positions = []
     for num_computed, query_len, _ in requests:
         positions.extend(range(num_computed, num_computed + query_len))
-    positions += [0] * num_padding
     return torch.tensor(positions, dtype=torch.int64, device=device)

@@ -10,7 +10,7 @@ requests (one query token) come first in the batch, then prefill chunks::
     seq_lens:         17   5    33   4             130        (p1: 128 cached + 2 new)
 
 Each layer first writes the step's new keys/values into its cache by `slot_mapping`
-(slot = block_id * block_size + offset, -1 = padding, skipped) and then attends over the
+(slot = block_id * block_size + offset) and then attends over the
 cache, so a request can read blocks written by another request in the same step (prefix
 sharing between the n samples of one prompt relies on this).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -31,7 +32,7 @@ import torch
 class AttentionMetadata:
     """Per-step inputs shared by every layer's attention call."""
 
-    num_actual_tokens: int  # tokens of real requests (the batch may be padded after them)
+    num_actual_tokens: int  # tokens of the batch (no padding is produced)
     num_decodes: int  # requests with one query token; they come first
     num_decode_tokens: int  # == num_decodes
     max_query_len: int
@@ -39,7 +40,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_reqs] int32, context length incl. this step's tokens
     block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, padded with 0
-    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding tokens
+    slot_mapping: torch.Tensor  # [num_tokens] int64
     # Host copies, so a backend can loop over requests without syncing the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
@@ -47,6 +48,73 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """One layer's attention settings, passed with every call."""
+
+    scale: float
+    # Each query attends to the last `sliding_window` positions up to its own (itself
+    # included), as transformers' sliding-window mask does; None = the whole context.
+    sliding_window: int | None = None
+
+    def window_start(self, position: int) -> int:
+        """The first key position a query at `position` sees."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1)
+
+
+class DecodeImpl(Protocol):
+    """Attention of the decode requests (the first `num_decodes`, one query token each)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+    ) -> torch.Tensor: ...  # [num_decodes, num_heads, head_dim]
+
+
+class PrefillImpl(Protocol):
+    """Causal attention of the prefill chunks (requests num_decodes..), written into `out`."""
+
+    def __call__(
+        self,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], prefill rows written
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]: this step's keys
+        value: torch.Tensor | None,
+    ) -> None: ...
+
+
+class KVWriter(Protocol):
+    def __call__(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None: ...
+
+
+class WholeStepDecode(Protocol):
+    """A backend's fused replacement of a model's forward for the steps it `applies` to."""
+
+    def applies(self, metadata: AttentionMetadata) -> bool: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden_size], after the final norm
 
 
 class AttentionBackend(ABC):
@@ -71,6 +139,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each request's query tokens over its cached context."""
 
@@ -82,13 +152,86 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Writes this step's keys/values, then attends (the order every backend needs)."""
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend(query, kv_cache, metadata, scale)
+        return self.attend(query, kv_cache, metadata, scale, sliding_window=sliding_window)
+
+    def whole_step_decode(self, model: Any) -> WholeStepDecode | None:
+        """A fused path that replaces `model`'s forward for one-token decode steps, if the
+        backend has one for it (the runner asks once, after loading); None by default."""
+        return None
 
 
-def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+class SplitAttentionBackend(AttentionBackend):
+    """A backend composed of a KV writer, a decode implementation and a prefill
+    implementation: the decode rows (first in the batch) go to one, the prefill chunks to
+    the other. The `torch` and `cpu` backends are two such compositions."""
+
+    def __init__(self, writer: KVWriter, decode: DecodeImpl, prefill: PrefillImpl) -> None:
+        self.writer, self.decode, self.prefill = writer, decode, prefill
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self.writer(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        self.writer(key, value, kv_cache, metadata.slot_mapping)
+        params = AttentionParams(scale, sliding_window)
+        return self._attend(query, kv_cache, metadata, params, key, value)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        params = AttentionParams(scale, sliding_window)
+        return self._attend(query, kv_cache, metadata, params, None, None)
+
+    def _attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+        key: torch.Tensor | None,  # this step's keys/values, when the caller has them
+        value: torch.Tensor | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        num_decodes = metadata.num_decodes
+        if num_decodes == metadata.num_reqs == query.shape[0]:
+            return self.decode(query, kv_cache, metadata, params)  # all decode: no copy
+        out = query.new_empty(query.shape)  # [num_tokens, num_heads, head_dim]
+        if num_decodes > 0:
+            out[:num_decodes] = self.decode(query[:num_decodes], kv_cache, metadata, params)
+        if metadata.num_reqs > num_decodes:
+            self.prefill(out, query, kv_cache, metadata, params, key, value)
+        return out
+
+
+def get_attention_backend(
+    name: str | None, device: torch.device, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """Returns the backend by name.
 
     `None` picks `triton` on CUDA; elsewhere `cpu` (native decode kernels) on a CPU where
@@ -112,7 +255,7 @@ def get_attention_backend(name: str | None, device: torch.device) -> AttentionBa
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}.")
         from engine.attention.cpu_backend import CPUAttentionBackend
 
-        return CPUAttentionBackend()
+        return CPUAttentionBackend(dtype)
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 

@@ -24,114 +24,59 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import (
+    AttentionMetadata,
+    AttentionParams,
+    SplitAttentionBackend,
+)
 
 
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
+class TorchDecode:
+    """The decode requests in groups whose gathered context fits `_MAX_GATHER_BYTES`."""
 
-    def __init__(self) -> None:
-        self._workspace = _Workspace()
+    def __init__(self, workspace: GatherWorkspace) -> None:
+        self.workspace = workspace
 
-    def write_kv(
+    def __call__(
         self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
-    ) -> None:
-        """Scatters keys and values into the cache, skipping -1 slots."""
-        valid = slot_mapping >= 0  # [num_tokens] bool
-        index = valid.nonzero().squeeze(1)  # [num_valid]
-        _scatter_kv(key[index], value[index], kv_cache, slot_mapping[index])
-
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        # Padding tokens come after the real ones, so the valid slots are a prefix: slicing
-        # avoids the mask `write_kv` needs for an arbitrary slot_mapping.
-        n = metadata.num_actual_tokens
-        self._write_valid_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
-        return self._attend(query, kv_cache, metadata, scale, key, value)
+        params: AttentionParams,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        return _decode(query, kv_cache, metadata, params, self.workspace)
 
-    def _write_valid_kv(
-        self,
-        key: torch.Tensor,  # [n, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [n, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # [n] int64, all >= 0
-    ) -> None:
-        """The step's KV write when no slot is padding (what `forward` passes)."""
-        _scatter_kv(key, value, kv_cache, slot_mapping)
 
-    def attend(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        return self._attend(query, kv_cache, metadata, scale, None, None)
+class TorchPrefill:
+    """The prefill chunks (requests num_decodes.. of the batch), one SDPA call each."""
 
-    def _attend(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-        scale: float,
-        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], this step's keys
-        value: torch.Tensor | None,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        num_tokens = query.shape[0]
-        num_decodes = metadata.num_decodes
-        num_reqs = metadata.num_reqs
-        query_start_loc = metadata.query_start_loc_cpu
-        if num_reqs == 1 and num_decodes == 1 and num_tokens == 1:
-            return self._decode(query, kv_cache, metadata, scale)  # batch-1 decode: no copy
+    def __init__(self, workspace: GatherWorkspace) -> None:
+        self.workspace = workspace
 
-        out = query.new_empty(query.shape)  # [num_tokens, num_heads, head_dim]
-        if num_decodes > 0:
-            decode_query = query[:num_decodes]  # [num_decodes, num_heads, head_dim]
-            out[:num_decodes] = self._decode(decode_query, kv_cache, metadata, scale)
-        if num_reqs > num_decodes:
-            self._prefill(out, query, kv_cache, metadata, scale, key, value)
-        if query_start_loc[num_reqs] < num_tokens:
-            out[query_start_loc[num_reqs] :].zero_()  # padding rows
-        return out
-
-    def _prefill(
+    def __call__(
         self,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim], the prefill rows written
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
-        scale: float,
+        params: AttentionParams,
         key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], this step's keys
         value: torch.Tensor | None,
     ) -> None:
-        """The prefill chunks (requests num_decodes.. of the batch), one SDPA call each."""
         starts = metadata.query_start_loc_cpu
         for i in range(metadata.num_decodes, metadata.num_reqs):
             start, end = starts[i], starts[i + 1]
             out[start:end] = _prefill_one(
-                query[start:end], kv_cache, metadata, scale, i, key, value, self._workspace
+                query[start:end], kv_cache, metadata, params, i, key, value, self.workspace
             )
 
-    def _decode(
-        self,
-        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-        """The decode requests (the first `num_decodes` of the batch)."""
-        return _decode(query, kv_cache, metadata, scale, self._workspace)
+
+class TorchAttentionBackend(SplitAttentionBackend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        workspace = GatherWorkspace()
+        super().__init__(scatter_kv, TorchDecode(workspace), TorchPrefill(workspace))
 
 
 # Bounds the gathered keys/values of one decode group; larger batches are split. On CPU a
@@ -146,7 +91,7 @@ _MIN_TOKENS_FOR_HEAD_LOOP = 2048
 _MAX_KV_HEADS_FOR_HEAD_LOOP = 8
 
 
-class _Workspace:
+class GatherWorkspace:
     """A reused buffer for gathered keys/values.
 
     Gathering a long context makes a large tensor every layer; a fresh one of that size is
@@ -190,12 +135,13 @@ class _Workspace:
         return buffer[:numel]
 
 
-def _scatter_kv(
+def scatter_kv(
     key: torch.Tensor,  # [n, num_kv_heads, head_dim]
     value: torch.Tensor,  # [n, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [n] int64, all >= 0
+    slot_mapping: torch.Tensor,  # [n] int64
 ) -> None:
+    """Scatters keys and values into the cache slots."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
     flat[0].index_copy_(0, slot_mapping, key)
@@ -206,8 +152,8 @@ def _decode(
     query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
-    scale: float,
-    workspace: _Workspace,
+    params: AttentionParams,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """The decode requests in groups whose gathered context fits `_MAX_GATHER_BYTES`."""
     num_decodes = query.shape[0]
@@ -216,12 +162,12 @@ def _decode(
     max_bytes = _MAX_GATHER_BYTES_CPU if kv_cache.device.type == "cpu" else _MAX_GATHER_BYTES
     group = max(1, max_bytes // (max(seq_lens) * token_bytes))
     if group >= num_decodes:
-        return _decode_group(query, kv_cache, metadata, scale, workspace, 0, num_decodes)
+        return _decode_group(query, kv_cache, metadata, params, workspace, 0, num_decodes)
     out = query.new_empty(query.shape)  # [num_decodes, num_heads, head_dim]
     for start in range(0, num_decodes, group):
         end = min(start + group, num_decodes)
         out[start:end] = _decode_group(
-            query[start:end], kv_cache, metadata, scale, workspace, start, end
+            query[start:end], kv_cache, metadata, params, workspace, start, end
         )
     return out
 
@@ -230,8 +176,8 @@ def _decode_group(
     query: torch.Tensor,  # [R, num_heads, head_dim], requests start..end
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
-    scale: float,
-    workspace: _Workspace,
+    params: AttentionParams,
+    workspace: GatherWorkspace,
     start: int,
     end: int,
 ) -> torch.Tensor:  # [R, num_heads, head_dim]
@@ -247,11 +193,15 @@ def _decode_group(
     max_len = max(seq_lens)
     kv = workspace.gather_kv(kv_cache, metadata.block_tables[start:end], max_len)
     key, value = kv[0], kv[1]  # [R, max_len, Hkv, D]
-    q = (query * scale).view(num_reqs, num_kv_heads, group_size, head_dim)  # [R, Hkv, G, D]
-    pad = None
-    if min(seq_lens) != max_len:
+    q = (query * params.scale).view(num_reqs, num_kv_heads, group_size, head_dim)  # [R, Hkv, G, D]
+    pad = None  # [R, max_len] True where a key is not seen: past the end, before the window
+    window = params.sliding_window
+    if min(seq_lens) != max_len or (window is not None and max_len > window):
         positions = torch.arange(max_len, device=query.device)  # [max_len]
-        pad = positions >= metadata.seq_lens[start:end, None]  # [R, max_len]
+        seq = metadata.seq_lens[start:end, None]  # [R, 1]
+        pad = positions >= seq
+        if window is not None:
+            pad |= positions < seq - window
     if num_kv_heads == 1 or (
         num_kv_heads <= _MAX_KV_HEADS_FOR_HEAD_LOOP
         and num_reqs * max_len >= _MIN_TOKENS_FOR_HEAD_LOOP
@@ -283,11 +233,11 @@ def _prefill_one(
     query: torch.Tensor,  # [query_len, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
-    scale: float,
+    params: AttentionParams,
     req: int,
     key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim], this step's keys
     value: torch.Tensor | None,
-    workspace: _Workspace,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     """One request's prefill chunk, causal over its cached context plus the chunk."""
     query_len = query.shape[0]
@@ -302,9 +252,13 @@ def _prefill_one(
         kv = workspace.gather_kv(kv_cache, metadata.block_tables[req : req + 1], seq_len)
         k, v = kv[0, 0], kv[1, 0]  # [seq_len, Hkv, D]
     mask = None
-    if num_cached > 0:
+    window = params.sliding_window
+    windowed = window is not None and seq_len > window
+    if num_cached > 0 or windowed:
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device)
         mask = mask.tril_(diagonal=num_cached)  # [query_len, seq_len]
+        if windowed:  # query i (position num_cached + i) sees keys > its position - window
+            mask = mask.triu_(diagonal=num_cached - window + 1)
     num_heads, num_kv_heads = query.shape[1], k.shape[1]
     if num_kv_heads != num_heads:
         # Repeating the KV heads costs one small copy; SDPA's `enable_gqa` would instead take
@@ -316,7 +270,7 @@ def _prefill_one(
         k.transpose(0, 1)[None],  # [1, H, seq_len, D]
         v.transpose(0, 1)[None],
         attn_mask=mask,
-        is_causal=num_cached == 0,
-        scale=scale,
+        is_causal=mask is None,
+        scale=params.scale,
     )  # [1, H, query_len, D]
     return out[0].transpose(0, 1)

@@ -9,7 +9,7 @@ that suits it::
              split-KV when
              the GPU is idle
 
-Both launches write into one output tensor; padding rows after the real tokens are zeroed.
+Both launches write into one output tensor. A layer's sliding window goes to both.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
@@ -71,6 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_seq_len=max(metadata.seq_lens_cpu[:num_decodes]),
                 scale=scale,
                 out=out[:num_decodes],
+                sliding_window=sliding_window,
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
@@ -84,7 +87,6 @@ class TritonAttentionBackend(AttentionBackend):
                 max_seq_len=metadata.max_seq_len,
                 scale=scale,
                 out=out,
+                sliding_window=sliding_window,
             )
-        if metadata.num_actual_tokens < out.shape[0]:
-            out[metadata.num_actual_tokens :].zero_()
         return out

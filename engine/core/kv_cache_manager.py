@@ -12,6 +12,17 @@ A block is *published* (put in the prefix cache) when the step that computes its
 is scheduled, not when that step has run: the model runner writes every layer's keys and
 values for the whole batch before attending, so a request scheduled later in the same step
 may already use it.
+
+With a sliding window of W tokens (every layer's), the next query of a request with
+`num_computed_tokens` = n sees positions >= n - W + 1 only, so its blocks wholly before that
+are dropped from its table when it next allocates (their reference is released; a block
+shared with a request that still needs it stays)::
+
+    W = 6, block_size = 4, n = 13:  first needed position 8
+    table  [7, 2, 9, 4]  ->  [skipped, skipped, 9, 4]   (blocks 7 and 2 freed)
+
+A skipped entry holds block id 0: attention masks every position before the window, so
+nothing reads it for real, and nothing writes there.
 """
 
 from __future__ import annotations
@@ -25,10 +36,23 @@ from engine.core.request import Request
 class KVCacheManager:
     """Owns the block pool and one block table per request. No torch."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # Table entry of a block dropped out of the window (owned by no pool, never freed).
+        self._skipped = KVCacheBlock(block_id=0)
+        # How many leading entries of each request's table are `_skipped`.
+        self.num_skipped_blocks: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -108,6 +132,8 @@ class KVCacheManager:
             "num_new_computed_tokens must be the tokens of new_computed_blocks"
         )
         blocks = self.req_to_blocks.get(request.request_id, [])
+        if blocks and self.sliding_window is not None:
+            self._remove_skipped_blocks(request, blocks)
         if hit_blocks:
             assert not blocks and request.num_computed_tokens == 0, (
                 f"{request}: prefix hits are only for a request without blocks"
@@ -141,13 +167,32 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         num_cached_blocks = self.num_cached_blocks.pop(request.request_id, 0)
+        num_skipped = self.num_skipped_blocks.pop(request.request_id, 0)
         if blocks is None:
             return
         num_written_blocks = request.num_computed_tokens // self.block_size
         for block in blocks[num_written_blocks:num_cached_blocks]:
             if block.ref_cnt == 1:
                 self.block_pool.uncache_block(block)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks[num_skipped:]))
+
+    def _remove_skipped_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Releases the request's blocks wholly before the window of its next query (see
+        the module doc). A block whose successor is not yet published stays: publishing
+        chains each block to its predecessor."""
+        assert self.sliding_window is not None
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        num_droppable = max(first_needed, 0) // self.block_size
+        # Full blocks are published (chained to their predecessor) with caching off too.
+        num_published = self.num_cached_blocks.get(request.request_id, 0)
+        num_droppable = min(num_droppable, num_published - 1)
+        start = self.num_skipped_blocks.get(request.request_id, 0)
+        if num_droppable <= start:
+            return
+        dropped = blocks[start:num_droppable]
+        blocks[start:num_droppable] = [self._skipped] * len(dropped)
+        self.num_skipped_blocks[request.request_id] = num_droppable
+        self.block_pool.free_blocks(reversed(dropped))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any request holds blocks."""

@@ -47,9 +47,25 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` with an optional MKL-packed copy of its weight (see the module doc)."""
+    """`nn.Linear` with an optional MKL-packed copy of its weight (see the module doc).
+
+    `output_sizes` names the row blocks of a fused projection (q | k | v, gate | up), in
+    checkpoint order: the generic loader fills shard i at rows sum(output_sizes[:i]).
+    """
 
     packed_weight: torch.Tensor | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        output_sizes: tuple[int, ...] | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        if output_sizes is not None and sum(output_sizes) != out_features:
+            raise ValueError(f"output_sizes {output_sizes} do not add up to {out_features}.")
+        self.output_sizes = output_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)

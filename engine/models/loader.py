@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.ops import OpImpl, select_op_impl
+from engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +42,6 @@ CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
 # Bumped when the conversion's output changes, so old cache entries are not reused.
 _CONVERSION_VERSION = 1
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
@@ -205,28 +205,6 @@ def load_tokenizer(model_dir: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def check_architecture(hf_config: Any) -> None:
-    """Raises NotImplementedError unless the config is a Llama-family model we implement."""
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    model_type = getattr(hf_config, "model_type", None)
-    if architectures:
-        name = architectures[0]
-        supported = name in SUPPORTED_ARCHITECTURES
-    else:  # some configs leave `architectures` out; fall back on the model type
-        name = f"model_type={model_type!r}"
-        supported = model_type in _SUPPORTED_MODEL_TYPES
-    if not supported:
-        supported_names = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise NotImplementedError(
-            f"architecture {name} is not supported; supported: {supported_names}."
-        )
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window is not None and sliding_window < hf_config.max_position_embeddings:
-        raise NotImplementedError(f"{name} with sliding_window={sliding_window} is not supported.")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act={hf_config.hidden_act!r} is not supported.")
-
-
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Streams (name, tensor) from every ``*.safetensors`` file of the directory."""
     from safetensors import safe_open
@@ -249,14 +227,19 @@ def load_model(
     device: torch.device,
     attn_backend: AttentionBackend,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-) -> LlamaForCausalLM:
-    """Builds the model without initialising it, then fills it from the directory's weights.
+    op_impl: OpImpl | None = None,
+) -> DecoderForCausalLM:
+    """Builds the registered class for the config's architecture without initialising it,
+    then fills it from the directory's weights.
 
-    `weights` replaces the directory's safetensors (tests pass a state dict this way).
+    `weights` replaces the directory's safetensors (tests pass a state dict this way);
+    `op_impl` overrides the op implementation chosen from the backend, device and dtype.
     """
-    check_architecture(hf_config)
+    model_class = get_model_class(hf_config)
+    if op_impl is None:
+        op_impl = select_op_impl(attn_backend.name, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, attn_backend)
+        model = model_class(hf_config, attn_backend, op_impl)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(model_dir) if weights is None else weights)
     if device.type == "cpu":

@@ -1,24 +1,45 @@
-"""Elementwise model ops: RMSNorm, SiLU-and-mul, rotary embeddings.
+"""Elementwise model ops: RMSNorm, SiLU-and-mul, rotary embeddings, each with its
+implementations and the choice between them made once, when a model is built.
 
-Plain torch functions with Hugging Face Llama numerics. On CUDA, RMSNorm (with its fused
-residual add) and SiLU-and-mul dispatch to the Triton kernels in `kernels/`, which follow
-the same numerics (tested against these functions' references); the rotation stays in torch
-there because q and k are strided views into the fused QKV output. On the CPU in fp32,
-RMSNorm, SiLU-and-mul and the rotation (in place) go to the native kernels of
-`engine.native` when they are built: one call each instead of several torch ops (and one
-pass over the activations instead of several).
+The plain torch functions here (`rms_norm`, `silu_and_mul`, `apply_rotary_emb`) have Hugging
+Face numerics and are the `torch` implementation. `select_op_impl` turns the engine's
+configuration (attention backend, device, dtype) into one `OpImpl` for the whole model:
+
+    attention_backend   device / dtype     ops
+    triton              CUDA               Triton kernels of `kernels/` (the rotation stays
+                                           torch: q and k are strided views of the QKV output)
+    cpu                 CPU, fp32          native kernels of `engine.native` (one call and one
+                                           pass each instead of several torch ops)
+    torch, or else      anywhere           torch
+
+The op modules (`RMSNorm`, `SiluAndMul`, `RotaryEmbedding.rotate_`) bind their function at
+construction; nothing is decided per call from the tensors' device or a process-wide switch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import native
+from engine.models.rope import RopeParameters
+
+OpImpl = Literal["torch", "native", "triton"]
+
+
+def select_op_impl(attention_backend: str, device: torch.device, dtype: torch.dtype) -> OpImpl:
+    """The implementation every op of a model uses (see the module doc's table)."""
+    if attention_backend == "triton" and device.type == "cuda":
+        return "triton"
+    if attention_backend == "cpu" and device.type == "cpu" and dtype == torch.float32:
+        from engine import native
+
+        return "native" if native.native_kernels_available() else "torch"
+    return "torch"
 
 
 def rms_norm(
@@ -27,16 +48,10 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Llama RMSNorm. With `residual`, returns (rms_norm(x + residual), x + residual).
+    """Llama RMSNorm in torch. With `residual`, returns (rms_norm(x + residual), x + residual).
 
     Computed in fp32 and cast back before the weight multiply, as transformers does.
     """
-    if x.is_cuda and x.dim() == 2 and weight.dtype == x.dtype:
-        from kernels import rms_norm as triton_rms_norm
-
-        return triton_rms_norm(x, weight, eps, residual)
-    if _use_native(x, weight) and x.dim() == 2:
-        return native.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         residual = x
@@ -51,13 +66,7 @@ def rms_norm(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]."""
-    if x.is_cuda and x.dim() == 2 and x.is_contiguous():
-        from kernels import silu_and_mul as triton_silu_and_mul
-
-        return triton_silu_and_mul(x)
-    if _use_native(x) and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0:
-        return native.silu_and_mul(x)
+    """[num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate], in torch."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
 
@@ -77,31 +86,99 @@ def apply_rotary_emb(
     return torch.addcmul(x * cos, swapped, sin)
 
 
-def apply_rotary_emb_(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_dim], overwritten
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]  (cos | cos)
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim]  (-sin | sin)
-) -> torch.Tensor:
-    """`apply_rotary_emb` in place where a native kernel does it (fp32 CPU, heads contiguous
-    within a row, cos/sin contiguous); returns the rotated tensor, which is `x` itself there
-    and a new tensor elsewhere. Callers must own `x` and use the return value."""
-    if (
-        _use_native(x, cos, sin)
-        and x.stride(-1) == 1
-        and x.stride(-2) == x.shape[-1]
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-    ):
-        return native.rotary_inplace(x, cos, sin)
-    return apply_rotary_emb(x, cos, sin)
+def _rms_norm_impl(impl: OpImpl) -> Callable[..., Any]:
+    if impl == "triton":
+        from kernels import rms_norm as triton_rms_norm
+
+        return triton_rms_norm
+    if impl == "native":
+        from engine import native
+
+        return native.rms_norm
+    return rms_norm
 
 
-def _use_native(*tensors: torch.Tensor) -> bool:
-    """fp32 CPU tensors go to the native kernels when they are built (engine.native)."""
-    return (
-        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-        and native.native_kernels_available()
-    )
+def _silu_and_mul_impl(impl: OpImpl) -> Callable[[torch.Tensor], torch.Tensor]:
+    if impl == "triton":
+        from kernels import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul
+    if impl == "native":
+        from engine import native
+
+        return native.silu_and_mul
+    return silu_and_mul
+
+
+def _rotary_impl(impl: OpImpl) -> Callable[..., torch.Tensor]:
+    """In place where a kernel does it (native); the callers own `x` and use the result."""
+    if impl == "native":
+        from engine import native
+
+        return native.rotary_inplace
+    return apply_rotary_emb
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim of [num_tokens, hidden]; `forward(x, residual)` also adds
+    the residual first and returns the sum (one fused call in the kernels)."""
+
+    def __init__(self, hidden_size: int, eps: float, impl: OpImpl = "torch") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.impl = impl
+        self._fn = _rms_norm_impl(impl)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._fn(x, self.weight, self.eps, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, impl={self.impl}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), all in fp32 and cast back once (torch only:
+    the kernels implement the Llama numerics). `forward(x, residual)` adds first, as
+    `RMSNorm` does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # [T, hidden]
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU: gelu_tanh(gate) * up over (gate | up) rows (Gemma's `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, inter]
+        half = x.shape[-1] // 2
+        return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
+
+
+class SiluAndMul(nn.Module):
+    """[num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]."""
+
+    def __init__(self, impl: OpImpl = "torch") -> None:
+        super().__init__()
+        self.impl = impl
+        self._fn = _silu_and_mul_impl(impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fn(x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -119,25 +196,43 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         rope_theta: float,
         rope_scaling: dict[str, Any] | None = None,
+        impl: OpImpl = "torch",
     ) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}.")
+        scaling = dict(rope_scaling or {})
+        scaling.pop("rope_theta", None)
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        params = RopeParameters(float(rope_theta), rope_type, scaling)  # validates
         self.head_dim = head_dim
         self.max_position = max_position
-        self.rope_theta = float(rope_theta)
-        self.rope_scaling = dict(rope_scaling or {})
-        self.rope_type = self.rope_scaling.get(
-            "rope_type", self.rope_scaling.get("type", "default")
-        )
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise NotImplementedError(
-                f"rope_type {self.rope_type!r} is not supported (default, linear, llama3)."
-            )
-        partial = self.rope_scaling.get("partial_rotary_factor", 1.0)
-        if partial not in (None, 1.0):
-            raise NotImplementedError(f"partial_rotary_factor={partial} is not supported.")
+        self.rope_theta = params.rope_theta
+        self.rope_type = params.rope_type
+        self.rope_scaling = params.scaling
+        self._rotate_ = _rotary_impl(impl)
         self._cos_sin_cache: torch.Tensor | None = None  # [max_position, head_dim] fp32
+
+    @classmethod
+    def from_parameters(
+        cls, head_dim: int, max_position: int, params: RopeParameters, impl: OpImpl = "torch"
+    ) -> RotaryEmbedding:
+        return cls(
+            head_dim,
+            max_position,
+            params.rope_theta,
+            {"rope_type": params.rope_type, **params.scaling},
+            impl,
+        )
+
+    def rotate_(
+        self,
+        x: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous; may be overwritten
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim] from `cos_sin`
+        sin: torch.Tensor,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """The rotation, in place where the implementation does it: use the return value."""
+        return self._rotate_(x, cos, sin)
 
     def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:  # [head_dim // 2]
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()

@@ -33,6 +33,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     max_len: int,  # >= max(seq_lens)
     scale: float,
+    sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attention of one query token per request over its paged context, in place."""
     num_reqs, num_heads, head_dim = query.shape
@@ -49,7 +50,7 @@ def paged_decode_attention(
     num_threads = torch.get_num_threads()
     scores = query.new_empty(num_reqs, num_heads, max_len)  # [R, H, max_len]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    sizes = (num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_len)
+    sizes = (num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_len, sliding_window or 0)
     library.paged_decode_scores(
         scores.data_ptr(),
         query.data_ptr(),
@@ -115,6 +116,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     first_req: int,
     scale: float,
+    sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
 ) -> None:
     """Causal attention of requests first_req.. (prefill chunks, any cached context) over
     their paged keys/values, which must already hold this step's tokens."""
@@ -160,6 +162,7 @@ def paged_prefill_attention(
         num_kv_heads,
         head_dim,
         block_size,
+        sliding_window or 0,
         scale,
         torch.get_num_threads(),
     )
@@ -188,6 +191,7 @@ def decode_token(
     block_size: int,
     eps: float,
     scale: float,
+    sliding_window: int | None = None,  # every layer's, or None
 ) -> torch.Tensor:  # [hidden_size]: the residual stream before the last MLP
     """All decoder layers for one decode token, in place on `hidden` (cpu_kernels.c).
 
@@ -236,6 +240,7 @@ def decode_token(
         head_dim,
         intermediate_size,
         block_size,
+        sliding_window or 0,
         eps,
         scale,
         torch.get_num_threads(),

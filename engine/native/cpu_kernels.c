@@ -77,14 +77,16 @@ INLINE void prefetch_row(const float *row, int64_t kvh0, int64_t kvh1, int64_t h
 INLINE void scores_one(float *restrict row, const float *restrict q, const float *key_cache,
                        const int32_t *table, int64_t seq_len, int64_t max_len, int64_t kvh0,
                        int64_t kvh1, int64_t group, int64_t head_dim, int64_t block_size,
-                       int64_t token_stride, float scale) {
-    for (int64_t start = 0; start < seq_len; start += block_size) {
+                       int64_t token_stride, float scale, int64_t first) {
+    for (int64_t h = kvh0 * group; h < kvh1 * group; ++h)
+        for (int64_t t = 0; t < first; ++t) row[h * max_len + t] = -INFINITY;
+    for (int64_t start = first / block_size * block_size; start < seq_len; start += block_size) {
         const float *block = key_cache + (int64_t)table[start / block_size] * block_size * token_stride;
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
         const float *next = start + block_size < seq_len
                                 ? key_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
                                 : NULL;
-        for (int64_t t = start; t < end; ++t) {
+        for (int64_t t = start > first ? start : first; t < end; ++t) {
             const float *k = block + (t - start) * token_stride;
             if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
             for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
@@ -102,16 +104,16 @@ INLINE void scores_one(float *restrict row, const float *restrict q, const float
 INLINE void values_one(float *restrict o, const float *restrict p, const float *value_cache,
                        const int32_t *table, int64_t seq_len, int64_t max_len, int64_t kvh0,
                        int64_t kvh1, int64_t group, int64_t head_dim, int64_t block_size,
-                       int64_t token_stride) {
+                       int64_t token_stride, int64_t first) {
     for (int64_t i = kvh0 * group * head_dim; i < kvh1 * group * head_dim; ++i) o[i] = 0.0f;
-    for (int64_t start = 0; start < seq_len; start += block_size) {
+    for (int64_t start = first / block_size * block_size; start < seq_len; start += block_size) {
         const float *block =
             value_cache + (int64_t)table[start / block_size] * block_size * token_stride;
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
         const float *next = start + block_size < seq_len
                                 ? value_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
                                 : NULL;
-        for (int64_t t = start; t < end; ++t) {
+        for (int64_t t = start > first ? start : first; t < end; ++t) {
             const float *v = block + (t - start) * token_stride;
             if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
             for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
@@ -143,6 +145,12 @@ INLINE void values_one(float *restrict o, const float *restrict p, const float *
         }                                 \
     }
 
+/* The first key position a query at `position` sees with a sliding window of `window` keys
+ * (itself included; 0 = no window). */
+INLINE int64_t window_first(int64_t position, int64_t window) {
+    return window > 0 && position + 1 > window ? position + 1 - window : 0;
+}
+
 /* Work items: (request, KV-head chunk). With enough requests to keep every thread busy a
  * chunk is all KV heads (each block is then read as one contiguous run); with few requests
  * (batch-1 decode) it is one KV head, so the heads spread over the threads. */
@@ -154,7 +162,8 @@ void paged_decode_scores(float *scores, const float *query, int64_t query_stride
                          const float *key_cache, const int32_t *block_tables,
                          int64_t block_table_stride, const int32_t *seq_lens, int64_t num_reqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, int64_t max_len, float scale, int num_threads) {
+                         int64_t block_size, int64_t max_len, int64_t window, float scale,
+                         int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, num_threads);
@@ -166,7 +175,8 @@ void paged_decode_scores(float *scores, const float *query, int64_t query_stride
             const float *q = query + r * query_stride;
             const int32_t *table = block_tables + r * block_table_stride;
             DISPATCH_HEAD_DIM(scores_one(row, q, key_cache, table, seq_lens[r], max_len, c * chunk,
-                                         (c + 1) * chunk, group, D, block_size, token_stride, scale),
+                                         (c + 1) * chunk, group, D, block_size, token_stride, scale,
+                                         window_first(seq_lens[r] - 1, window)),
                               head_dim)
         }
     }
@@ -176,7 +186,7 @@ void paged_decode_values(float *out, const float *probs, const float *value_cach
                          const int32_t *block_tables, int64_t block_table_stride,
                          const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         int64_t max_len, int num_threads) {
+                         int64_t max_len, int64_t window, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, num_threads);
@@ -188,7 +198,8 @@ void paged_decode_values(float *out, const float *probs, const float *value_cach
             const float *p = probs + r * num_heads * max_len;
             const int32_t *table = block_tables + r * block_table_stride;
             DISPATCH_HEAD_DIM(values_one(o, p, value_cache, table, seq_lens[r], max_len, c * chunk,
-                                         (c + 1) * chunk, group, D, block_size, token_stride),
+                                         (c + 1) * chunk, group, D, block_size, token_stride,
+                                         window_first(seq_lens[r] - 1, window)),
                               head_dim)
         }
     }
@@ -481,7 +492,7 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const float *key_cache, const float *value_cache,
                          const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
                          int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
-                         int64_t token_stride, float scale, float *scratch) {
+                         int64_t token_stride, float scale, int64_t window, float *scratch) {
     const int64_t num_rows = (row1 - row0) * group;
     float *keys = scratch;                          /* [PREFILL_SEGMENT / LANES][head_dim][LANES] */
     float *probs = keys + PREFILL_SEGMENT * head_dim; /* [SCORE_ROWS][PREFILL_SEGMENT] */
@@ -497,7 +508,9 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
     vint lane;
     for (int l = 0; l < LANES; ++l) lane[l] = l;
     const int64_t num_keys = num_cached + row1; /* what the tile's last row sees */
-    for (int64_t s0 = 0; s0 < num_keys; s0 += PREFILL_SEGMENT) {
+    /* The tile's first row sees nothing before its window: start the walk there. */
+    for (int64_t s0 = window_first(num_cached + row0, window); s0 < num_keys;
+         s0 += PREFILL_SEGMENT) {
         const int64_t seg = num_keys - s0 < PREFILL_SEGMENT ? num_keys - s0 : PREFILL_SEGMENT;
         const int64_t padded = (seg + LANES - 1) / LANES * LANES;
         for (int64_t j = 0; j < padded; ++j) {
@@ -517,7 +530,7 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
          * are ignored). */
         for (int64_t b0 = 0; b0 < num_rows; b0 += SCORE_ROWS) {
             const float *q[SCORE_ROWS];
-            int64_t visible[SCORE_ROWS], most = 0;
+            int64_t visible[SCORE_ROWS], from[SCORE_ROWS], most = 0;
             for (int m = 0; m < SCORE_ROWS; ++m) {
                 const int64_t row = b0 + m < num_rows ? b0 + m : num_rows - 1;
                 const int64_t i = row0 + row / group, h = kvh * group + row % group;
@@ -525,6 +538,10 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                 /* Keys of this segment the row sees: up to its own position. */
                 const int64_t v = num_cached + i + 1 - s0;
                 visible[m] = v < 0 ? 0 : (v < seg ? v : seg);
+                /* ... and from its window's start on (nothing here if that is past it). */
+                const int64_t f = window_first(num_cached + i, window) - s0;
+                from[m] = f < 0 ? 0 : f;
+                if (from[m] >= visible[m]) visible[m] = 0;
                 most = visible[m] > most ? visible[m] : most;
             }
             if (most == 0) continue;
@@ -536,7 +553,8 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                 vfloat sc[SCORE_ROWS];
                 chunk_scores(sc, q, keys + c * head_dim * LANES, head_dim);
                 for (int m = 0; m < SCORE_ROWS; ++m) {
-                    const vint seen = lane < (int32_t)(visible[m] - c * LANES);
+                    const vint seen = (lane < (int32_t)(visible[m] - c * LANES)) &
+                                      (lane >= (int32_t)(from[m] - c * LANES));
                     const vfloat x = vselect(seen, sc[m] * scale, (vfloat){0} - INFINITY);
                     vstore(probs + m * stride + c * LANES, x);
                     best[m] = vselect(x > best[m], x, best[m]);
@@ -598,7 +616,7 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
                              int64_t block_table_stride, const int32_t *query_start_loc,
                              const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t block_size, float scale, int num_threads) {
+                             int64_t block_size, int64_t window, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     /* Items are numbered request by request: item_start[r - first_req] is r's first. */
@@ -636,7 +654,8 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
             DISPATCH_HEAD_DIM(
                 prefill_item(out + start * out_stride, out_stride, query + start * query_stride,
                              query_stride, key_cache, value_cache, table, seq_lens[r] - q_len,
-                             row0, row1, kvh, group, D, block_size, token_stride, scale, scratch),
+                             row0, row1, kvh, group, D, block_size, token_stride, scale, window,
+                             scratch),
                 head_dim)
         }
         free(scratch);
@@ -709,17 +728,23 @@ INLINE void gemv_rows(float *restrict y, const float *restrict w, const float *r
 /* Attention of one query token, head h, over seq_len paged keys/values. */
 INLINE void decode_head(float *restrict out, const float *restrict q, float *restrict scores,
                         const float *key_cache, const float *value_cache, const int32_t *table,
-                        int64_t seq_len, int64_t kvh, int64_t head_dim, int64_t block_size,
-                        int64_t token_stride, float scale) {
+                        int64_t first, int64_t seq_len, int64_t kvh, int64_t head_dim,
+                        int64_t block_size, int64_t token_stride, float scale) {
+    /* Keys [first, seq_len): scores[t - first]. */
+    table += first / block_size;
+    const int64_t skipped = first / block_size * block_size;
+    first -= skipped;
+    seq_len -= skipped;
+    scores -= first;
     float best = -INFINITY;
-    for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t t = first; t < seq_len; ++t) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         const float s = scale * dot(q, key_cache + slot * token_stride + kvh * head_dim, head_dim);
         scores[t] = s;
         best = s > best ? s : best;
     }
     float total = 0.0f;
-    int64_t t = 0;
+    int64_t t = first;
     for (; t + LANES <= seq_len; t += LANES) {
         const vfloat p = vexp(vload(scores + t) - best);
         vstore(scores + t, p);
@@ -730,7 +755,7 @@ INLINE void decode_head(float *restrict out, const float *restrict q, float *res
         total += scores[t];
     }
     for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
-    for (t = 0; t < seq_len; ++t) {
+    for (t = first; t < seq_len; ++t) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         axpy(out, scores[t], value_cache + slot * token_stride + kvh * head_dim, head_dim);
     }
@@ -742,7 +767,7 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
                       float *scratch, const float *cos, const float *sin, const int32_t *table,
                       int64_t seq_len, int64_t slot, int64_t hidden_size, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,
-                      float eps, float scale, int num_threads) {
+                      int64_t window, float eps, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads, half = head_dim / 2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t token_stride = kv_size;
@@ -780,8 +805,8 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < num_heads; ++h)
             decode_head(attn + h * head_dim, qkv + h * head_dim, scores + h * seq_len, key_cache,
-                        value_cache, table, seq_len, h / group, head_dim, block_size,
-                        token_stride, scale);
+                        value_cache, table, window_first(seq_len - 1, window), seq_len, h / group,
+                        head_dim, block_size, token_stride, scale);
         gemv_rows(hidden, FIELD(F_O_WEIGHT), FIELD(F_O_BIAS), attn, hidden_size, q_size);
 #pragma omp single
         rms_row(normed, residual, hidden, residual, FIELD(F_POST_NORM), hidden_size, eps);

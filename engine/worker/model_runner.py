@@ -48,7 +48,7 @@ class ModelRunner:
             torch.set_flush_denormal(True)
             _keep_freed_memory_mapped()
         self.attn_backend = get_attention_backend(
-            config.device_config.attention_backend, self.device
+            config.device_config.attention_backend, self.device, self.dtype
         )
         self.model = load_model(
             model_config.model_dir,
@@ -57,11 +57,18 @@ class ModelRunner:
             device=self.device,
             attn_backend=self.attn_backend,
         )
+        # The backend's fused whole-step path for one-token decode steps, if it has one.
+        self._decode_step = self.attn_backend.whole_step_decode(self.model)
         self.sampler = Sampler()
         self.num_blocks = self._determine_num_blocks(config.cache_config)
-        config.cache_config.num_blocks = self.num_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()
+
+    @property
+    def kv_cache_sliding_window(self) -> int | None:
+        """The window behind which the KV-cache manager may free a request's blocks (every
+        layer's window; None when any layer attends to the whole context)."""
+        return self.model.kv_cache_sliding_window(self.config.model_config.hf_config)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
@@ -81,8 +88,15 @@ class ModelRunner:
     ) -> None:
         """A forward pass (and the last row's logits) outside any scheduled step."""
         inputs = build_step_inputs(requests, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
+        hidden = self._forward(inputs, kv_caches)
         self.model.compute_logits(hidden[-1:])
+
+    def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The model's forward, or the backend's fused path where it applies to the step."""
+        metadata = inputs.attn_metadata
+        if self._decode_step is not None and self._decode_step.applies(metadata):
+            return self._decode_step(inputs.input_ids, inputs.positions, kv_caches, metadata)
+        return self.model(inputs.input_ids, inputs.positions, kv_caches, metadata)
 
     def _warm_up(self) -> None:
         """One small prefill and one decode step, so that library initialisation (oneDNN
@@ -168,9 +182,7 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-        )  # [num_tokens, hidden_size]
+        hidden = self._forward(inputs, self.kv_caches)  # [num_tokens, hidden_size]
 
         sampling = [i for i, e in enumerate(batch) if e.samples and not e.spec_token_ids]
         speculative = [i for i, e in enumerate(batch) if e.spec_token_ids]

@@ -1,4 +1,5 @@
-"""The engine against transformers `generate`, on tiny random Llama models, under every
+"""The engine against transformers `generate`, on tiny random models of every supported
+family (Llama shapes, then one or more per other architecture), under every
 scheduling regime: batches of uneven prompts, prefix caching on and off, chunked prefill
 with a small token budget, and preemption forced by a tiny KV cache."""
 
@@ -10,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
-from tests.model_utils import make_tiny_llama
+from tests.model_utils import make_tiny_llama, make_tiny_model
 
 MAX_TOKENS = 24
 
@@ -30,6 +31,69 @@ SHAPES = {
             "original_max_position_embeddings": 32,
         },
     ),
+}
+
+# Other families: (architecture, transformers config kwargs), several shapes each.
+FAMILY_SHAPES = {
+    "qwen2-mha-tied-linear-rope": (
+        "Qwen2ForCausalLM",
+        dict(
+            num_kv_heads=4,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+    ),
+    "qwen3-gqa-headdim": ("Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    "qwen3-mqa-tied-bias": (
+        "Qwen3ForCausalLM",
+        dict(num_kv_heads=1, head_dim=16, tie_word_embeddings=True, attention_bias=True),
+    ),
+    "phi3-gqa": ("Phi3ForCausalLM", dict(num_heads=8, num_kv_heads=2)),
+    # Windows shorter than most prompts: every layer (the KV-cache manager frees blocks
+    # behind it), and Qwen2's "layers from max_window_layers on" (the cache keeps all).
+    "mistral-window": ("MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=True)),
+    "mistral-window-torch-backend": ("MistralForCausalLM", dict(sliding_window=9)),
+    "qwen2-window-layers": (
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_layers=3),
+    ),
+    # Gemma 3: alternating local (window 6) / global layers with their own rope, soft-capped
+    # logits, query_pre_attn_scalar, (1 + w) norms, GeGLU.
+    "gemma3-alternating-tied": (
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    "gemma3-mqa-untied": (
+        "Gemma3ForCausalLM",
+        dict(
+            num_kv_heads=1,
+            head_dim=32,
+            num_layers=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=9,
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+# Engine settings of a shape beyond the regimes below (default: the device's backend).
+SHAPE_ENGINE_KWARGS = {"mistral-window-torch-backend": dict(attention_backend="torch")}
+# A window frees blocks as decodes go, so the cache that forces preemption is shape-specific
+# (the scheduler is deterministic: these sizes preempt, checked below).
+SHAPE_REGIMES = {
+    "mistral-window": {"preemption-tiny-cache": dict(num_gpu_blocks_override=16, block_size=4)}
 }
 
 # Regimes that must not change a single token relative to the unconstrained run.
@@ -59,20 +123,28 @@ def run(model_dir, prompts, **engine_kwargs):
     return llm, outputs
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+@pytest.fixture(scope="module", params=[*SHAPES, *FAMILY_SHAPES])
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    return make_tiny_llama(path, max_position_embeddings=256, **SHAPES[request.param])
+    engine_kwargs = SHAPE_ENGINE_KWARGS.get(request.param, {})
+    regimes = {**REGIMES, **SHAPE_REGIMES.get(request.param, {})}
+    if request.param in SHAPES:
+        path = make_tiny_llama(path, max_position_embeddings=256, **SHAPES[request.param])
+        return path, engine_kwargs, regimes
+    architecture, kwargs = FAMILY_SHAPES[request.param]
+    path = make_tiny_model(path, architecture, max_position_embeddings=256, **kwargs)
+    return path, engine_kwargs, regimes
 
 
 def test_matches_transformers_in_every_regime(tiny_model) -> None:
+    tiny_model, engine_kwargs, regimes = tiny_model
     prompts = make_prompts(128)
     reference = hf_greedy(tiny_model, prompts, MAX_TOKENS)
-    _, unconstrained = run(tiny_model, prompts)
+    _, unconstrained = run(tiny_model, prompts, **engine_kwargs)
     assert_close_to_reference(reference, ours_greedy(unconstrained))
     baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in REGIMES.items():
-        llm, outputs = run(tiny_model, prompts, **kwargs)
+    for name, kwargs in regimes.items():
+        llm, outputs = run(tiny_model, prompts, **engine_kwargs, **kwargs)
         assert [o.outputs[0].token_ids for o in outputs] == baseline, name
         if name == "preemption-tiny-cache":
             assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"

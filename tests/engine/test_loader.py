@@ -216,10 +216,25 @@ def _tiny_mistral(path: Path, sliding_window: int | None) -> Path:
     return path
 
 
-def test_mistral_with_sliding_window_is_rejected(tmp_path):
+def test_unknown_layer_types_are_rejected(tmp_path):
     path = _tiny_mistral(tmp_path, sliding_window=16)
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        load_model(path, load_hf_config(path), torch.float32, CPU, TorchAttentionBackend())
+    config = load_hf_config(path)
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(NotImplementedError, match="chunked_attention"):
+        load_model(path, config, torch.float32, CPU, TorchAttentionBackend())
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(
+        tmp_path
+    )
+    config = load_hf_config(resolve_model(tmp_path))
+    with pytest.raises(NotImplementedError) as info:
+        load_model(tmp_path, config, torch.float32, CPU, TorchAttentionBackend())
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"):
+        assert name in str(info.value)
 
 
 @torch.inference_mode()

@@ -63,11 +63,11 @@ def _new_caches(model: LlamaForCausalLM, dtype=torch.float32) -> list[torch.Tens
     return [torch.full(shape, 1e3, dtype=dtype) for _ in model.model.layers]
 
 
-def _run_step(model, caches, steps_tokens, requests, num_padding=0):
-    """Runs one step; returns logits [num_actual_tokens, vocab]."""
-    metadata = build_attn_metadata(requests, block_size=BLOCK_SIZE, num_padding=num_padding)
-    positions = build_positions(requests, num_padding=num_padding)
-    input_ids = torch.tensor(steps_tokens + [0] * num_padding)
+def _run_step(model, caches, steps_tokens, requests):
+    """Runs one step; returns logits [num_tokens, vocab]."""
+    metadata = build_attn_metadata(requests, block_size=BLOCK_SIZE)
+    positions = build_positions(requests)
+    input_ids = torch.tensor(steps_tokens)
     hidden = model(input_ids, positions, caches, metadata)
     assert hidden.shape == (len(input_ids), model.config.hidden_size)
     return model.compute_logits(hidden[: metadata.num_actual_tokens])
@@ -87,11 +87,11 @@ class _Scenario:
         )
         self.got: dict[str, dict[int, torch.Tensor]] = {name: {} for name in lengths}
 
-    def step(self, model, caches, chunks: list[tuple[str, int, int]], num_padding=0):
+    def step(self, model, caches, chunks: list[tuple[str, int, int]]):
         """`chunks`: (request, num_computed, query_len) in batch order."""
         requests = [(n0, q, self.tables[name]) for name, n0, q in chunks]
         ids = [t for name, n0, q in chunks for t in self.tokens[name][n0 : n0 + q]]
-        logits = _run_step(model, caches, ids, requests, num_padding)
+        logits = _run_step(model, caches, ids, requests)
         row = 0
         for name, n0, q in chunks:
             for pos in range(n0, n0 + q):
@@ -114,8 +114,8 @@ def test_logits_match_transformers_through_paged_steps(tmp_path, shape):
     model, hf, _ = _load_pair(path)
     caches = _new_caches(model)
     sc = _Scenario(model.config.vocab_size, {"a": 8, "b": 14, "c": 21, "d": 17, "e": 3})
-    # 1: three prompts of different lengths in one batch, padded.
-    sc.step(model, caches, [("a", 0, 5), ("b", 0, 11), ("c", 0, 17)], num_padding=3)
+    # 1: three prompts of different lengths in one batch.
+    sc.step(model, caches, [("a", 0, 5), ("b", 0, 11), ("c", 0, 17)])
     # 2: decodes, plus the first chunk of a new prompt.
     sc.step(model, caches, [("a", 5, 1), ("b", 11, 1), ("c", 17, 1), ("d", 0, 7)])
     # 3: decodes, a one-token prompt (laid out as a decode), the second chunk.
@@ -123,7 +123,6 @@ def test_logits_match_transformers_through_paged_steps(tmp_path, shape):
         model,
         caches,
         [("a", 6, 1), ("b", 12, 1), ("c", 18, 1), ("e", 0, 1), ("d", 7, 6)],
-        num_padding=2,
     )
     # 4: everyone decodes; 5: two decodes and a last chunk over cached context.
     sc.step(model, caches, [("a", 7, 1), ("b", 13, 1), ("c", 19, 1), ("e", 1, 1), ("d", 13, 1)])
@@ -306,7 +305,7 @@ def test_torch_backend_matches_dense_reference(
     num_blocks = 200 // block_size + 8
     tables = allocate_block_tables([n + q for n, q in shapes], block_size, num_blocks, seed=3)
     requests = [(n, q, t) for (n, q), t in zip(shapes, tables)]
-    metadata = build_attn_metadata(requests, block_size=block_size, num_padding=3)
+    metadata = build_attn_metadata(requests, block_size=block_size)
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     # The cached context of each request, written straight into its blocks.
     contexts = []
@@ -328,7 +327,6 @@ def test_torch_backend_matches_dense_reference(
     for (n, q, _), ctx, start in zip(requests, contexts, metadata.query_start_loc_cpu):
         ref = _reference_attention(query[start : start + q], ctx[0], ctx[1], n, scale)
         torch.testing.assert_close(out[start : start + q], ref, atol=1e-5, rtol=1e-5)
-    assert not out[metadata.num_actual_tokens :].any()  # padding rows are zero
     # attend() reads everything from the cache and gives the same answer.
     torch.testing.assert_close(backend.attend(query, kv_cache, metadata, scale), out)
     # Only the step's slots changed.
@@ -338,15 +336,15 @@ def test_torch_backend_matches_dense_reference(
     assert set(changed.tolist()) <= set(written.tolist())
 
 
-def test_write_kv_skips_padding_slots():
+def test_write_kv_writes_only_the_given_slots():
     backend = TorchAttentionBackend()
     kv_cache = torch.zeros(2, 3, 4, 2, 8)
-    key = torch.randn(5, 2, 8)
-    value = torch.randn(5, 2, 8)
-    slot_mapping = torch.tensor([5, -1, 0, 11, -1])
+    key = torch.randn(3, 2, 8)
+    value = torch.randn(3, 2, 8)
+    slot_mapping = torch.tensor([5, 0, 11])
     backend.write_kv(key, value, kv_cache, slot_mapping)
     flat = kv_cache.view(2, 12, 2, 8)
-    for token, slot in [(0, 5), (2, 0), (3, 11)]:
+    for token, slot in [(0, 5), (1, 0), (2, 11)]:
         torch.testing.assert_close(flat[0, slot], key[token])
         torch.testing.assert_close(flat[1, slot], value[token])
     untouched = [s for s in range(12) if s not in (0, 5, 11)]

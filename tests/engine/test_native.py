@@ -102,7 +102,7 @@ def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head
     num_blocks = sum(-(-(n + q) // block_size) for n, q in shapes) + 3
     tables = allocate_block_tables([n + q for n, q in shapes], block_size, num_blocks, seed=2)
     metadata = build_attn_metadata(
-        [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size, num_padding=3
+        [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size
     )
     num_tokens = metadata.slot_mapping.shape[0]
     qkv = torch.randn(num_tokens, num_heads + 2, head_dim, generator=gen)
@@ -131,8 +131,8 @@ def test_paged_prefill_attention_matches_reference(num_heads, num_kv_heads, head
     first = metadata.query_start_loc_cpu[metadata.num_decodes]
     end = metadata.query_start_loc_cpu[-1]
     torch.testing.assert_close(out[first:end], expected[first:end], atol=2e-6, rtol=1e-5)
-    # Decode rows and padding rows are not the kernel's: left as they were.
-    assert (out[:first] == 7.0).all() and (out[end:] == 7.0).all()
+    # Decode rows are not the kernel's: left as they were.
+    assert (out[:first] == 7.0).all()
 
 
 def test_paged_prefill_attention_rejects_bad_layouts():
@@ -231,7 +231,7 @@ def test_write_kv_kernel_matches_torch_backend():
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(6, 2 + 2 * 3, 8, generator=gen)
     key, value = qkv[:, 2:5], qkv[:, 5:8]  # strided rows, as the model passes them
-    slot_mapping = torch.tensor([5, -1, 0, 11, 2, -1])
+    slot_mapping = torch.tensor([5, 7, 0, 11, 2, 9])
     ours = torch.zeros(2, 3, 4, 3, 8)
     native.write_kv(key, value, ours, slot_mapping)
     expected = torch.zeros(2, 3, 4, 3, 8)
@@ -253,7 +253,7 @@ def test_cpu_backend_matches_torch_backend(num_heads, num_kv_heads):
     num_blocks = 240
     tables = allocate_block_tables([n + q for n, q in shapes], block_size, num_blocks, seed=3)
     metadata = build_attn_metadata(
-        [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size, num_padding=2
+        [(n, q, t) for (n, q), t in zip(shapes, tables)], block_size=block_size
     )
     num_tokens = metadata.slot_mapping.shape[0]
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
@@ -391,11 +391,13 @@ def test_packing_skipped_when_the_check_fails(tmp_path, monkeypatch, caplog):
     ],
     ids=["gqa", "mqa-biases"],
 )
-def test_native_decode_matches_the_layer_path(tmp_path, monkeypatch, shape):
+def test_native_decode_matches_the_layer_path(tmp_path, shape):
     path = make_tiny_llama(tmp_path / "m", **shape)
     config = load_hf_config(path)
-    model = load_model(path, config, torch.float32, torch.device("cpu"), CPUAttentionBackend())
-    inner = model.model
+    backend = CPUAttentionBackend()
+    model = load_model(path, config, torch.float32, torch.device("cpu"), backend)
+    decode_step = backend.whole_step_decode(model)
+    assert decode_step is not None
     block_size, num_blocks = 4, 24
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_heads"]
     cache_shape = (2, num_blocks, block_size, shape["num_kv_heads"], head_dim)
@@ -410,9 +412,8 @@ def test_native_decode_matches_the_layer_path(tmp_path, monkeypatch, shape):
         decode = build_attn_metadata([(prompt_len, 1, table)], block_size=block_size)
         token, position = torch.tensor([42]), torch.tensor([prompt_len])
         layer_caches = [c.clone() for c in caches]
-        assert inner._takes_native_decode(inner.embed_tokens(token), decode)
-        fast = model(token, position, caches, decode)
-        monkeypatch.setattr(type(inner), "_takes_native_decode", lambda *args: False)
+        assert decode_step.applies(decode)
+        fast = decode_step(token, position, caches, decode)
         expected = model(token, position, layer_caches, decode)
     torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
     for ours, theirs in zip(caches, layer_caches):

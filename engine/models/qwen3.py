@@ -1,0 +1,16 @@
+"""Qwen3: the shared decoder with a per-head RMSNorm on q and k before the rotation, and
+q/k/v/o biases only where `attention_bias` says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.layers import DecoderSpec
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderSpec(qkv_bias=bias, o_bias=bias, qk_norm=True)
