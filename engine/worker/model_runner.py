@@ -28,6 +28,7 @@ from engine.core.sched_output import (
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
 from engine.worker.inputs import StepInputs, build_step_inputs
+from engine.worker.kv_memory import lazily_zeroed
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ModelRunner:
         """
         mc = self.config.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        if self.device.type == "cpu":  # pages become resident as blocks are first used
+            return [lazily_zeroed(shape, self.dtype) for _ in range(mc.num_layers)]
         return [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
         ]
