@@ -234,9 +234,39 @@ def test_preemption_and_prefix_caching_keep_outputs(tmp_path) -> None:
     again = [o.outputs[0].text for o in roomy.generate(prompts, params, use_tqdm=False)]
     assert again == expected
     del roomy
-    tight = LLM(num_gpu_blocks_override=8, block_size=16)
+    tight = LLM(num_gpu_blocks_override=5, block_size=16)
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.scheduler.num_preemptions_total > 0
     assert [o.outputs[0].text for o in got] == expected
     for text in expected:
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_speculative_drafts_are_checked_against_the_grammar(tmp_path) -> None:
+    """n-gram drafts copied from a prompt full of tokens the regex forbids: verification
+    under the grammar rejects them, so outputs equal the run without speculation."""
+    from tests.model_utils import make_tiny_llama
+
+    model = str(make_tiny_llama(tmp_path / "tiny", with_tokenizer=True))
+    regex = r"[a-c ]{8,30}"
+    llm = LLM(model, kv_cache_memory_bytes=16 * 2**20)
+    ids = list(llm.get_tokenizer()("a b c x y z 1 2 3 a b c x y z 1 2 3 a b c").input_ids)
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(regex=regex),
+        ),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),  # unconstrained
+    ]
+    prompts = [{"prompt_token_ids": ids}] * 2
+    expected = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(
+        model,
+        kv_cache_memory_bytes=16 * 2**20,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    got = [o.outputs[0] for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert spec.llm_engine.scheduler.num_draft_tokens > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert re.fullmatch(regex, got[0].text), got[0].text
