@@ -108,3 +108,21 @@ def test_bad_values_are_rejected_naming_the_field(llm: LLM, kwargs, field) -> No
         llm.generate(PROMPT, SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.kv_cache_manager.usage == 0.0
+
+
+def test_grammar_bitmask_matches_a_bit_by_bit_reference() -> None:
+    """The vectorised bitmask (byte table) against bit-by-bit unpacking, with a vocabulary
+    that is not a multiple of 32 and negative (high-bit) words."""
+    import torch
+
+    from engine.sample.token_controls import apply_grammar_bitmask
+
+    num_rows, vocab = 5, 100
+    logits = torch.randn(num_rows, vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (num_rows, 4), dtype=torch.int32)
+    allowed = torch.tensor(
+        [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(5)]
+    ).bool()
+    out = apply_grammar_bitmask(logits, bitmask)
+    assert torch.equal(out, torch.where(allowed, logits, float("-inf")))
+    assert not torch.equal(out, logits)  # the input itself is untouched
