@@ -110,15 +110,16 @@ def test_bad_values_are_rejected_naming_the_field(llm: LLM, kwargs, field) -> No
     assert llm.llm_engine.kv_cache_manager.usage == 0.0
 
 
-def test_grammar_bitmask_matches_a_bit_by_bit_reference() -> None:
-    """The vectorised bitmask (byte table) against bit-by-bit unpacking, with a vocabulary
-    that is not a multiple of 32 and negative (high-bit) words."""
+@pytest.mark.parametrize("dtype", ["float32", "float64"])  # xgrammar's kernel / the table
+def test_grammar_bitmask_matches_a_bit_by_bit_reference(dtype) -> None:
+    """The vectorised bitmask against bit-by-bit unpacking, with a vocabulary that is not a
+    multiple of 32 and negative (high-bit) words."""
     import torch
 
     from engine.sample.token_controls import apply_grammar_bitmask
 
     num_rows, vocab = 5, 100
-    logits = torch.randn(num_rows, vocab)
+    logits = torch.randn(num_rows, vocab, dtype=getattr(torch, dtype))
     bitmask = torch.randint(-(2**31), 2**31 - 1, (num_rows, 4), dtype=torch.int32)
     allowed = torch.tensor(
         [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(5)]
