@@ -7,6 +7,7 @@ default, then vLLM's.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -39,10 +40,28 @@ class SamplingKwargs(TypedDict, total=False):
     prompt_logprobs: int
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    spaces_between_special_tokens: bool
+    logit_bias: Mapping[int, float]
+    allowed_token_ids: Sequence[int]
+    bad_words: Sequence[str]
+    truncate_prompt_tokens: int
+    # Structured outputs: at most one of these (the `constraint` oneof).
+    json_schema: str | Mapping[str, Any]  # a JSON schema, as text or a dict
+    json_object: bool
+    regex: str
+    grammar: str
+    structural_tag: str
+    choice: Sequence[str]
+    disable_any_whitespace: bool
 
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(SamplingKwargs.__annotations__)
-assert set(SAMPLING_FIELDS) == set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+# Filled by the tokenizer service for the engine, never by a client.
+_SERVICE_FIELDS = {"bad_words_token_ids"}
+assert set(SAMPLING_FIELDS) | _SERVICE_FIELDS == set(
+    common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+)
+_REPEATED = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
 
 
 def _invalid(message: str) -> InvalidArgumentError:
@@ -64,9 +83,15 @@ def sampling_params(**kwargs: Any) -> common_pb2.SamplingParams:
             continue
         if name == "stop" and isinstance(value, str):
             value = [value]
+        if name == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)
         try:
-            if name in ("stop", "stop_token_ids"):
+            if name in _REPEATED:
                 getattr(msg, name).extend(value)
+            elif name == "logit_bias":
+                msg.logit_bias.update(value)
+            elif name == "choice":
+                msg.choice.choices.extend(value)
             else:
                 setattr(msg, name, value)
         except (TypeError, ValueError) as exc:

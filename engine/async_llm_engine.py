@@ -30,6 +30,7 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.structured_output.config import DecodingConfig
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]
 
@@ -86,6 +87,10 @@ class AsyncLLMEngine:
 
     async def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        """Which grammar backend enforces structured outputs."""
+        return self.engine.get_decoding_config()
 
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe from any thread)."""

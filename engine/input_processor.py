@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.bad_words import bad_words_token_ids
 from engine.config import EngineConfig
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -27,8 +28,28 @@ class InputProcessor:
     ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids); raises TypeError/ValueError on bad input."""
         text, prompt_token_ids = self._tokens(prompt)
+        if isinstance(params, SamplingParams) and params.truncate_prompt_tokens:
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens :]
         self._validate(prompt_token_ids, params)
         return text, prompt_token_ids
+
+    def process_token_controls(self, params: SamplingParams) -> None:
+        """Checks token ids against the vocabulary; tokenizes `bad_words` when the caller
+        has not (the gRPC path sends their token ids)."""
+        vocab = self.config.model_config.vocab_size
+        for name, ids in (
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("logit_bias", list(params.logit_bias or {})),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(
+                    f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}."
+                )
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(
+                self._get_tokenizer(), params.bad_words
+            )
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -77,6 +78,66 @@ class LLM:
         params_list = _per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
         request_ids = self._add_requests(prompts, params_list, lora_request, None)
         return self._run_engine(request_ids, use_tqdm)  # type: ignore[return-value]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search of every prompt at once (see engine/beam_search.py): each step runs
+        all live beams of all prompts as one batch of one-token requests; the prefix cache
+        shares their common blocks. Returns one `BeamSearchOutput` per prompt, in order."""
+        if lora_request is not None:
+            raise NotImplementedError("lora_request: LoRA adapters are not supported yet.")
+        tokenizer = self.llm_engine.tokenizer
+        eos_ids = self.llm_engine.get_model_config().eos_token_ids
+        instances = [
+            BeamSearchInstance(self._prompt_token_ids(p), params, eos_ids)
+            for p in _as_prompt_list(prompts)
+        ]
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        with bar:
+            while live := [inst for inst in instances if not inst.done]:
+                self._beam_search_step(live)
+                bar.update(1)
+        outputs = [inst.output() for inst in instances]
+        for inst, output in zip(instances, outputs):
+            for beam in output.sequences:
+                generated = beam.tokens[inst.num_prompt_tokens :]
+                if generated and beam.finish_reason == "stop" and not params.ignore_eos:
+                    generated = generated[:-1]  # the EOS is not part of the text (as vLLM)
+                beam.text = tokenizer.decode(generated) if tokenizer is not None else None
+        return outputs
+
+    def _beam_search_step(self, instances: list[BeamSearchInstance]) -> None:
+        num_candidates = max(inst.num_candidates for inst in instances)
+        step_params = SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            logprobs=num_candidates,
+            ignore_eos=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        beams = [beam for inst in instances for beam in inst.running]
+        prompts: list[PromptType] = [{"prompt_token_ids": beam.tokens} for beam in beams]
+        request_ids = self._add_requests(prompts, [step_params] * len(beams), None, None)
+        outputs = iter(self._run_engine(request_ids, use_tqdm=False))
+        for inst in instances:
+            tops = []
+            for _ in inst.running:
+                position = next(outputs).outputs[0].logprobs[0]  # type: ignore[union-attr]
+                ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+                tops.append({t: lp.logprob for t, lp in ranked[: inst.num_candidates]})
+            inst.advance(tops)
+
+    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        text = prompt if isinstance(prompt, str) else prompt["prompt"]
+        return list(self.get_tokenizer()(text).input_ids)
 
     def _add_requests(
         self,

@@ -35,6 +35,8 @@ from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger, StepStats
+from engine.structured_output.config import DecodingConfig
+from engine.structured_output.manager import StructuredOutputManager
 from engine.tracing import (
     RequestTracer,
     TraceInfo,
@@ -56,6 +58,7 @@ class _LiveRequest:
 
 _SEED_MASK = (1 << 63) - 1
 _STATS_INTERVAL_S = 10.0
+_IDLE_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -120,6 +123,7 @@ class LLMEngine:
             config.cache_config.block_size, self.kv_cache_manager.num_blocks
         )
         self._live: dict[str, _LiveRequest] = {}  # until the final output is returned
+        self.structured_output_manager = StructuredOutputManager(model_config)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -141,6 +145,10 @@ class LLMEngine:
 
     def get_engine_config(self) -> EngineConfig:
         return self.config
+
+    def get_decoding_config(self) -> DecodingConfig:
+        """Which grammar backend enforces structured outputs."""
+        return self.structured_output_manager.decoding_config
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -211,6 +219,9 @@ class LLMEngine:
             return
         params = params.clone()
         params.update_from_generation_config(self.config.model_config.eos_token_ids)
+        self.input_processor.process_token_controls(params)
+        if params.structured_outputs is not None:
+            self.structured_output_manager.validate(params.structured_outputs)
         samples = []
         for index in range(params.n):
             seed = (
@@ -236,6 +247,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} collides with a live request's sample.")
         self.output_processor.add_request(request_id, text, prompt_token_ids, params, samples)
         for sample in samples:
+            if params.structured_outputs is not None:
+                self.structured_output_manager.add_request(sample)
             self.scheduler.add_request(sample)
         self._track(request_id, headers, params, samples)
 
@@ -271,10 +284,14 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        self._abort_failed_grammars()
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-            if not scheduler_output.is_empty:
+            if scheduler_output.is_empty:
+                # Only requests whose grammar is compiling: wait for one rather than spin.
+                self.structured_output_manager.wait_for_compilation(_IDLE_WAIT_S)
+            else:
                 runner_output = self.runner.execute(scheduler_output)
                 updated = self.scheduler.update(scheduler_output, runner_output)
                 step_outputs, stopped = self.output_processor.process(updated, runner_output)
@@ -292,6 +309,14 @@ class LLMEngine:
         m.num_requests_running.set(len(self.scheduler.running))
         m.num_requests_waiting.set(len(self.scheduler.waiting))
         m.kv_cache_usage.set(self.kv_cache_manager.usage)
+
+    def _abort_failed_grammars(self) -> None:
+        """A grammar that passed the check at add_request but failed to compile (rare: the
+        vocabulary-level step refused it) aborts its request; the reason is logged."""
+        for sample_id in self.structured_output_manager.take_failed():
+            request = self.scheduler.requests.get(sample_id)
+            if request is not None:
+                self.abort_request(request.parent_id)
 
     def _finish_outputs(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Metrics and the `llm_request` span of each request that finished this step."""

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import copy
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.structured_output.params import StructuredOutputsParams
+
+# vLLM's per-request logits processor: (output_token_ids, logits[V]) -> logits, or
+# (prompt_token_ids, output_token_ids, logits[V]) -> logits. Runs once per row per step, in
+# Python: slow; library only (a callable cannot cross gRPC).
+LogitsProcessor = Callable[..., Any]
 
 _SAMPLING_EPS = 1e-5
 
@@ -53,6 +61,15 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (token sequences, as vLLM)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    logits_processors: list[LogitsProcessor] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the input processor from bad_words: each word's token ids (with and without
+    # a leading space), so the engine bans them without a tokenizer.
+    bad_words_token_ids: list[list[int]] | None = None
     # Filled by the engine from the model's generation config: EOS ids that end a request
     # unless `ignore_eos`, and that `min_tokens` keeps from being sampled.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -123,6 +140,56 @@ class SamplingParams:
             )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        self._verify_token_controls()
+
+    def _verify_token_controls(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens, processors and
+        structured outputs (vocabulary bounds are checked by the engine, which knows it)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(
+                _is_int(k) and k >= 0 and isinstance(v, int | float) and -100 <= v <= 100
+                for k, v in bias.items()
+            ):
+                raise ValueError(
+                    "logit_bias must map non-negative token ids to numbers in [-100, 100], "
+                    f"got {bias!r}."
+                )
+            self.logit_bias = {int(k): float(v) for k, v in bias.items()}
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list | tuple)
+            or not allowed
+            or not all(_is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}."
+            )
+        if self.bad_words is not None and not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words must hold non-blank strings, got {self.bad_words!r}.")
+        words = self.bad_words_token_ids
+        if words is not None and not all(
+            isinstance(w, list) and w and all(_is_int(t) and t >= 0 for t in w) for w in words
+        ):
+            raise ValueError(
+                f"bad_words_token_ids must hold non-empty token-id lists, got {words!r}."
+            )
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and not (_is_int(truncate) and truncate >= 1):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an integer >= 1 or None, got {truncate!r}."
+            )
+        if self.logits_processors is not None and not all(
+            callable(f) for f in self.logits_processors
+        ):
+            raise ValueError("logits_processors must hold callables.")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}."
+            )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -147,7 +214,9 @@ class SamplingParams:
         return self._eos_token_ids
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A deep copy, except logits processors: callables are shared, not copied."""
+        memo = {id(f): f for f in self.logits_processors or []}
+        return copy.deepcopy(self, memo)
 
 
 # Sampling fields a model's generation_config.json may set (HF name -> our name).

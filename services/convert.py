@@ -6,17 +6,34 @@ conversion is by name; an unset (`optional`) field is left to the engine's defau
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine import Logprob, RequestOutput, SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from pagedserve.v1 import common_pb2, engine_pb2
 
-# The scalar `optional` fields (those with presence), in proto order.
+# The scalar `optional` fields (those with presence), in proto order; the `constraint`
+# oneof and `disable_any_whitespace` go to `structured_outputs` instead.
 SAMPLING_SCALAR_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields if f.has_presence
+    f.name
+    for f in common_pb2.SamplingParams.DESCRIPTOR.fields
+    if f.has_presence
+    and f.message_type is None
+    and (f.containing_oneof is None or f.containing_oneof.name != "constraint")
+    and f.name != "disable_any_whitespace"
 )
+# proto `constraint` member -> StructuredOutputsParams field.
+_CONSTRAINT_FIELDS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+    "json_object": "json_object",
+    "choice": "choice",
+}
 FINISH_REASONS: dict[str | None, int] = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -38,6 +55,23 @@ def sampling_kwargs_from_proto(msg: common_pb2.SamplingParams) -> dict[str, obje
         kwargs["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        kwargs["bad_words"] = list(msg.bad_words)
+    if msg.bad_words_token_ids:
+        kwargs["bad_words_token_ids"] = [list(t.ids) for t in msg.bad_words_token_ids]
+    constraint = msg.WhichOneof("constraint")
+    if constraint is not None:
+        value = getattr(msg, constraint)
+        if constraint == "choice":
+            value = list(value.choices)
+        kwargs["structured_outputs"] = StructuredOutputsParams(
+            **{_CONSTRAINT_FIELDS[constraint]: value},
+            disable_any_whitespace=msg.disable_any_whitespace,
+        )
     return kwargs
 
 
@@ -60,7 +94,28 @@ def sampling_params_to_proto(
     msg.stop_token_ids.extend(params.stop_token_ids or [])
     if include_stop:
         msg.stop.extend(params.stop or [])  # type: ignore[arg-type]
+    msg.logit_bias.update(params.logit_bias or {})
+    msg.allowed_token_ids.extend(params.allowed_token_ids or [])
+    msg.bad_words.extend(params.bad_words or [])
+    for ids in params.bad_words_token_ids or []:
+        msg.bad_words_token_ids.add(ids=ids)
+    if params.structured_outputs is not None:
+        _constraint_to_proto(params.structured_outputs, msg)
     return msg
+
+
+def _constraint_to_proto(so: StructuredOutputsParams, msg: common_pb2.SamplingParams) -> None:
+    kind = so.kind
+    value = getattr(so, kind)
+    if kind == "choice":
+        msg.choice.choices.extend(value)
+        return
+    if isinstance(value, dict):
+        value = json.dumps(value)
+    proto_name = next(k for k, v in _CONSTRAINT_FIELDS.items() if v == kind)
+    setattr(msg, proto_name, value)
+    if so.disable_any_whitespace:
+        msg.disable_any_whitespace = True
 
 
 # ---- outputs ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from opentelemetry import trace
 from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
+from services.beam_search import beam_params_from_request, run_beam_search
 from services.caller import current_tenant_name, scoped_request_id
 from services.engine_client import EngineBackend
 from services.engine_pool import EnginePool, TrackedCall, tracked
@@ -179,6 +180,9 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             prompt_ids = pre.prompt_token_ids(request)
             params = pre.sampling_params(request.sampling_params)
         tracing.set_request_attributes(span, request_id, self.model_name, params)
+        if request.beam_width:
+            await self._beam_search(request, request_id, prompt_ids, params, context)
+            return
         engine_request = engine_pb2.EngineGenerateRequest(
             request_id=internal_id,
             prompt_token_ids=prompt_ids,
@@ -207,6 +211,47 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 "seconds": round(time.perf_counter() - start, 3),
             },
         )
+
+    async def _beam_search(self, request, request_id, prompt_ids, params, context) -> None:
+        """`beam_width` set: the final beams as outputs 0..k-1, best first, one message each
+        (services/beam_search.py)."""
+        try:
+            beam_params = beam_params_from_request(request, params)
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from None
+        eos = set(self.backend.model_info.eos_token_ids) if self.backend.model_info else set()
+        internal_id = scoped_request_id(request_id)
+        with self.requests.admit(internal_id, _Live(), request_id) as live:
+            # Every step's beams go to the prompt's replica, where their blocks are cached.
+            live.replica = replica = self.backend.choose(prompt_ids)
+            output = await run_beam_search(
+                replica.stub,
+                internal_id,
+                prompt_ids,
+                beam_params,
+                eos,
+                context.time_remaining(),
+                _outgoing_metadata(context),
+                cache_salt=current_tenant_name() or "",
+            )
+        for index, beam in enumerate(output.sequences):
+            generated = beam.tokens[len(prompt_ids) :]
+            shown = generated[:-1] if beam.finish_reason == "stop" else generated
+            await context.write(
+                generation_pb2.GenerateResponse(
+                    request_id=request_id,
+                    index=index,
+                    text=self.tokenizer.decode(
+                        shown, skip_special_tokens=params.skip_special_tokens
+                    ),
+                    token_ids=generated,
+                    finish_reason=convert.FINISH_REASONS[beam.finish_reason],
+                    usage=common_pb2.Usage(
+                        prompt_tokens=len(prompt_ids), completion_tokens=len(generated)
+                    ),
+                    cumulative_logprob=beam.cum_logprob,
+                )
+            )
 
     async def _generate_at_engine(
         self,

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine import SamplingParams
+from engine.bad_words import bad_words_token_ids
+from engine.structured_output.manager import StructuredOutputManager
 from pagedserve.v1 import common_pb2, generation_pb2
 from services import convert
 from services.errors import invalid_argument
@@ -51,6 +53,9 @@ class Preprocessor:
             ids = self.check_token_ids(request.token_ids.ids, "token_ids.ids")
         else:
             raise invalid_argument("input must be set: one of text, chat or token_ids")
+        sampling = request.sampling_params
+        if sampling.HasField("truncate_prompt_tokens") and sampling.truncate_prompt_tokens > 0:
+            ids = ids[-sampling.truncate_prompt_tokens :]  # vLLM: keep the last k tokens
         return self.check_prompt_length(ids, kind)
 
     def encode_text(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
@@ -125,10 +130,16 @@ class Preprocessor:
 
     def sampling_params(self, msg: common_pb2.SamplingParams) -> SamplingParams:
         """The caller's fields over the model's defaults over vLLM's, checked."""
-        kwargs = {**self.defaults, **convert.sampling_kwargs_from_proto(msg)}
         try:
+            kwargs = {**self.defaults, **convert.sampling_kwargs_from_proto(msg)}
             params = SamplingParams(**kwargs)
+            if params.structured_outputs is not None:
+                StructuredOutputManager.validate(params.structured_outputs)
         except ValueError as exc:
             raise invalid_argument(f"sampling_params.{exc}") from None
         self.check_token_ids(params.stop_token_ids or [], "sampling_params.stop_token_ids")
+        self.check_token_ids(params.allowed_token_ids or [], "sampling_params.allowed_token_ids")
+        self.check_token_ids(list(params.logit_bias or {}), "sampling_params.logit_bias")
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return params

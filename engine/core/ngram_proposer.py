@@ -84,6 +84,10 @@ def can_speculate(request: Request) -> bool:
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
         and params.logprobs is None
+        and not params.logit_bias
+        and params.allowed_token_ids is None
+        and not params.bad_words_token_ids
+        and not params.logits_processors
         and params.prompt_logprobs is None
         and not params.stop
         and request.num_output_tokens >= params.min_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -101,6 +102,9 @@ class Request:
         # Draft tokens scheduled for verification this step (speculative decoding): not in
         # all_token_ids; cleared when the step's tokens are appended or on preemption.
         self.spec_token_ids: list[int] = []
+        # Structured outputs: the grammar state (engine.structured_output.request), set by
+        # the engine for a constrained request; the scheduler only calls its methods.
+        self.structured_output: Any = None
 
     @property
     def arrival_time(self) -> float:
@@ -135,6 +139,10 @@ class Request:
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
+
+    def is_ready(self) -> bool:
+        """Whether it may be scheduled: false while its grammar is still compiling."""
+        return self.structured_output is None or self.structured_output.is_ready()
 
     def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)

@@ -138,9 +138,24 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Admits waiting requests in queue order; one whose grammar is still compiling is
+        passed over (and keeps its place) so that it holds up nobody."""
+        not_ready: list[Request] = []
+        try:
+            return self._admit_waiting(scheduled, budget, not_ready)
+        finally:
+            for request in reversed(not_ready):
+                self.waiting.add_preempted(request)  # back at the front, in order
+
+    def _admit_waiting(
+        self, scheduled: list[ScheduledRequest], budget: int, not_ready: list[Request]
+    ) -> int:
         now = time.time()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not request.is_ready():
+                not_ready.append(self.waiting.pop())
+                continue
             if request.needs_all_prompt_positions:
                 hit_blocks, num_hit = [], 0
             else:
@@ -253,10 +268,19 @@ class Scheduler:
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
         """Appends tokens one by one until one finishes the request (the rest are dropped);
         returns that finished status, or None."""
+        grammar = request.structured_output
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             self.num_output_tokens_last_update += 1
             status = check_stop(request, self.config.max_model_len)
+            # The mask allowed only tokens the grammar accepts, so a refusal means the
+            # grammar is done (it allowed nothing but a stop): either way, finish "stop".
+            if (
+                grammar is not None
+                and status is None
+                and (not grammar.accept_tokens([token_id]) or grammar.is_terminated())
+            ):
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 return status
         return None

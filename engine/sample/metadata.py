@@ -13,7 +13,8 @@ token whatever else shares its batch.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far, not yet the one being sampled
     seed: int  # the request's fixed seed (Request.seed)
+    grammar: Any = None  # the request's GrammarMatcher under structured outputs
 
 
 @dataclass(slots=True)
@@ -65,6 +67,23 @@ class SamplingMetadata:
     min_tokens_row_ids: torch.Tensor | None  # [M] int64
     min_tokens_token_ids: torch.Tensor | None  # [M] int64
     max_num_logprobs: int | None  # largest `logprobs` of any row; None: no row asks
+    # Structured outputs: bit j of word w in a row = token 32 w + j allowed; None: no grammar.
+    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32
+    # allowed_token_ids: rows with a restriction, and the (row, token) pairs they keep.
+    allowed_row_mask: torch.Tensor | None = None  # [B] bool
+    allowed_row_ids: torch.Tensor | None = None  # [A] int64
+    allowed_token_ids: torch.Tensor | None = None  # [A] int64
+    # bad_words: (row, token) pairs that would complete a bad word this step.
+    bad_words_row_ids: torch.Tensor | None = None  # [K] int64
+    bad_words_token_ids: torch.Tensor | None = None  # [K] int64
+    # logit_bias: logits[row, token] += value.
+    logit_bias_row_ids: torch.Tensor | None = None  # [L] int64
+    logit_bias_token_ids: torch.Tensor | None = None  # [L] int64
+    logit_bias_values: torch.Tensor | None = None  # [L] float32
+    # (row, processors, prompt ids, output ids) for rows with Python logits processors.
+    logits_processors: list[tuple[int, list[Any], list[int], list[int]]] = field(
+        default_factory=list
+    )
 
     @property
     def num_rows(self) -> int:
@@ -110,7 +129,7 @@ class SamplingMetadata:
 
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         min_tokens_rows, min_tokens_ids = _min_tokens_indices(rows, vocab_size)
-        return SamplingMetadata(
+        metadata = SamplingMetadata(
             vocab_size=vocab_size,
             temperature=floats([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
             all_greedy=all(greedy),
@@ -133,6 +152,8 @@ class SamplingMetadata:
             min_tokens_token_ids=ints(min_tokens_ids) if min_tokens_rows else None,
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
+        _add_token_controls(metadata, rows, vocab_size, device)
+        return metadata
 
 
 def _to_int64(value: int) -> int:
@@ -167,3 +188,54 @@ def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int) -> tuple[list[
         row_ids.extend([i] * len(banned))
         token_ids.extend(banned)
     return row_ids, token_ids
+
+
+def _add_token_controls(
+    metadata: SamplingMetadata, rows: list[SamplingRow], vocab_size: int, device: Any
+) -> None:
+    """Fills the grammar bitmask and the sparse allowed/bad-words/bias indices, only for
+    the features some row uses."""
+    if any(row.grammar is not None for row in rows):
+        bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
+        for i, row in enumerate(rows):
+            if row.grammar is not None:
+                row.grammar.fill_bitmask(bitmask, i)
+        metadata.grammar_bitmask = bitmask.to(device)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    allowed = [(i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids or []]
+    if allowed:
+        restricted = [r.params.allowed_token_ids is not None for r in rows]
+        metadata.allowed_row_mask = torch.tensor(restricted, dtype=torch.bool, device=device)
+        metadata.allowed_row_ids = ints([i for i, _ in allowed])
+        metadata.allowed_token_ids = ints([t for _, t in allowed])
+    banned = [(i, t) for i, r in enumerate(rows) for t in _bad_word_bans(r)]
+    if banned:
+        metadata.bad_words_row_ids = ints([i for i, _ in banned])
+        metadata.bad_words_token_ids = ints([t for _, t in banned])
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+    if bias:
+        metadata.logit_bias_row_ids = ints([i for i, _, _ in bias])
+        metadata.logit_bias_token_ids = ints([t for _, t, _ in bias])
+        metadata.logit_bias_values = torch.tensor(
+            [b for _, _, b in bias], dtype=torch.float32, device=device
+        )
+    metadata.logits_processors = [
+        (i, r.params.logits_processors, r.prompt_token_ids, r.output_token_ids)
+        for i, r in enumerate(rows)
+        if r.params.logits_processors
+    ]
+
+
+def _bad_word_bans(row: SamplingRow) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (as vLLM:
+    a one-token bad word is always banned)."""
+    banned = []
+    output = row.output_token_ids
+    for word in row.params.bad_words_token_ids or []:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            banned.append(word[-1])
+    return banned

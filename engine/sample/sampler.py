@@ -1,7 +1,9 @@
 """The sampler: [B, V] logits -> one token per row (plus logprobs), vectorised over the batch.
 
-    logits ─┬─ log_softmax ──────────────────────────────────────────┐  raw logprobs
-            └─ min_tokens mask ─ penalties ─┬─ greedy rows: argmax ────┼─▶ SamplerOutput
+    logits ─ grammar bitmask ─┬─ log_softmax ─────────────────────────┐  raw logprobs
+                              └─ allowed ids, bad words, logit bias,   │
+                                 logits processors                     │
+            ─ min_tokens mask ─ penalties ─┬─ greedy rows: argmax ─────┼─▶ SamplerOutput
                                             └─ random rows: softmax(x / temperature),
                                                top-k, top-p, min-p (zeroing probabilities),
                                                inverse CDF at uniform(seed, position)
@@ -24,6 +26,7 @@ from engine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_log
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_min_tokens, apply_penalties
 from engine.sample.rng import uniform
+from engine.sample.token_controls import apply_grammar_bitmask, apply_token_controls
 
 _BLOCK_SIZE = 256  # tokens per block of the two-level inverse-CDF search
 
@@ -42,11 +45,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
         assert logits.shape[1] == metadata.vocab_size
+        if metadata.grammar_bitmask is not None:
+            # Before the logprobs: they are those of the masked distribution (as vLLM).
+            logits = apply_grammar_bitmask(logits, metadata.grammar_bitmask)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)  # [B, V]
 
         logits = logits.to(torch.float32)
+        logits = apply_token_controls(logits, metadata)
         logits = apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
         sampled = self._sample(logits, metadata)  # [B]

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import math
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from engine.core.sched_output import (
 )
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
+from engine.sample.token_controls import apply_grammar_bitmask
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
 
@@ -222,6 +224,7 @@ class ModelRunner:
                     prompt_token_ids=e.request.prompt_token_ids,
                     output_token_ids=e.request.output_token_ids,
                     seed=e.request.seed,
+                    grammar=_matcher(e.request),
                 )
                 for e in entries
             ],
@@ -266,6 +269,7 @@ class ModelRunner:
             positions.extend(range(first, inputs.query_start_loc_cpu[i + 1]))
         index = torch.tensor(positions, device=self.device)
         logits = self.model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
+        logits = _mask_drafts(logits, [batch[i] for i in rows])
         argmax = logits.argmax(dim=-1).tolist()
         offset = 0
         for i in rows:
@@ -340,6 +344,39 @@ class ModelRunner:
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+
+def _matcher(request: Any) -> Any:
+    """The request's grammar matcher under structured outputs, else None."""
+    state = request.structured_output
+    return None if state is None else state.matcher
+
+
+def _mask_drafts(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
+    """Grammar masks for the k + 1 verification positions of constrained requests.
+
+    The mask at position i is the grammar's after drafts d0..d(i-1): the matcher walks the
+    drafts (stopping at the first it refuses, which the masked argmax then rejects too)
+    and rolls back, so verification picks exactly the tokens constrained greedy decoding
+    would. logits: [sum(k + 1), V].
+    """
+    if all(_matcher(e.request) is None for e in entries):
+        return logits
+    bitmask = torch.full((logits.shape[0], -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+    offset = 0
+    for entry in entries:
+        drafts = entry.spec_token_ids
+        matcher = _matcher(entry.request)
+        if matcher is not None:
+            num_walked = 0
+            for i in range(len(drafts) + 1):
+                matcher.fill_bitmask(bitmask, offset + i)
+                if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                    break
+                num_walked += 1
+            matcher.rollback(num_walked)
+        offset += len(drafts) + 1
+    return apply_grammar_bitmask(logits, bitmask.to(logits.device))
 
 
 def _keep_freed_memory_mapped() -> None:

@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xde\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"5\n\rPoolingParams\x12\x16\n\tnormalize\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\x0c\n\n_normalize\"8\n\nStopReason\x12\x12\n\x08token_id\x18\x01 \x01(\rH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\"i\n\x10PositionLogprobs\x12+\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\"\x9e\x01\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12;\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32*.pagedserve.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\x88\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x1f\n\x17\x65\x66\x66\x65\x63tive_max_model_len\x18\x0b \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x0c \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xb1\n\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0f\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x10\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x13 \x01(\x08H\x11\x88\x01\x01\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\rH\x12\x88\x01\x01\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x18 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12#\n\x16\x64isable_any_whitespace\x18\x19 \x01(\x08H\x13\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x1e \x01(\tH\x00\x12\x0f\n\x05regex\x18\x1f \x01(\tH\x00\x12\x11\n\x07grammar\x18  \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18! \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\" \x01(\x08H\x00\x12\x31\n\x06\x63hoice\x18# \x01(\x0b\x32\x1f.pagedserve.v1.ChoiceConstraintH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_outputB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokensB\x19\n\x17_disable_any_whitespace\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"5\n\rPoolingParams\x12\x16\n\tnormalize\x18\x01 \x01(\x08H\x00\x88\x01\x01\x42\x0c\n\n_normalize\"8\n\nStopReason\x12\x12\n\x08token_id\x18\x01 \x01(\rH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\"i\n\x10PositionLogprobs\x12+\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\"\x9e\x01\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12;\n\x07\x64\x65tails\x18\x03 \x03(\x0b\x32*.pagedserve.v1.HealthResponse.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\x88\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x1f\n\x17\x65\x66\x66\x65\x63tive_max_model_len\x18\x0b \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x0c \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1739
-  _globals['_FINISHREASON']._serialized_end=1859
+  _globals['_FINISHREASON']._serialized_start=2371
+  _globals['_FINISHREASON']._serialized_end=2491
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=780
-  _globals['_POOLINGPARAMS']._serialized_start=782
-  _globals['_POOLINGPARAMS']._serialized_end=835
-  _globals['_STOPREASON']._serialized_start=837
-  _globals['_STOPREASON']._serialized_end=893
-  _globals['_USAGE']._serialized_start=895
-  _globals['_USAGE']._serialized_end=975
-  _globals['_TOKENLOGPROB']._serialized_start=977
-  _globals['_TOKENLOGPROB']._serialized_end=1054
-  _globals['_POSITIONLOGPROBS']._serialized_start=1056
-  _globals['_POSITIONLOGPROBS']._serialized_end=1161
-  _globals['_TOKENIDS']._serialized_start=1163
-  _globals['_TOKENIDS']._serialized_end=1186
-  _globals['_ABORTREQUEST']._serialized_start=1188
-  _globals['_ABORTREQUEST']._serialized_end=1223
-  _globals['_ABORTRESPONSE']._serialized_start=1225
-  _globals['_ABORTRESPONSE']._serialized_end=1269
-  _globals['_HEALTHREQUEST']._serialized_start=1271
-  _globals['_HEALTHREQUEST']._serialized_end=1286
-  _globals['_HEALTHRESPONSE']._serialized_start=1289
-  _globals['_HEALTHRESPONSE']._serialized_end=1447
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=1401
-  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=1447
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1449
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1470
-  _globals['_MODELINFO']._serialized_start=1473
-  _globals['_MODELINFO']._serialized_end=1737
+  _globals['_SAMPLINGPARAMS']._serialized_end=1375
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=965
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1013
+  _globals['_CHOICECONSTRAINT']._serialized_start=1377
+  _globals['_CHOICECONSTRAINT']._serialized_end=1412
+  _globals['_POOLINGPARAMS']._serialized_start=1414
+  _globals['_POOLINGPARAMS']._serialized_end=1467
+  _globals['_STOPREASON']._serialized_start=1469
+  _globals['_STOPREASON']._serialized_end=1525
+  _globals['_USAGE']._serialized_start=1527
+  _globals['_USAGE']._serialized_end=1607
+  _globals['_TOKENLOGPROB']._serialized_start=1609
+  _globals['_TOKENLOGPROB']._serialized_end=1686
+  _globals['_POSITIONLOGPROBS']._serialized_start=1688
+  _globals['_POSITIONLOGPROBS']._serialized_end=1793
+  _globals['_TOKENIDS']._serialized_start=1795
+  _globals['_TOKENIDS']._serialized_end=1818
+  _globals['_ABORTREQUEST']._serialized_start=1820
+  _globals['_ABORTREQUEST']._serialized_end=1855
+  _globals['_ABORTRESPONSE']._serialized_start=1857
+  _globals['_ABORTRESPONSE']._serialized_end=1901
+  _globals['_HEALTHREQUEST']._serialized_start=1903
+  _globals['_HEALTHREQUEST']._serialized_end=1918
+  _globals['_HEALTHRESPONSE']._serialized_start=1921
+  _globals['_HEALTHRESPONSE']._serialized_end=2079
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_start=2033
+  _globals['_HEALTHRESPONSE_DETAILSENTRY']._serialized_end=2079
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2081
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2102
+  _globals['_MODELINFO']._serialized_start=2105
+  _globals['_MODELINFO']._serialized_end=2369
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,76 @@
+"""Beam search over the engine's gRPC API, for `GenerateRequest.beam_width`.
+
+The same bookkeeping as `LLM.beam_search` (engine/beam_search.py): every step sends each
+live beam to the engine as a one-token greedy request asking for its top logprobs, all
+beams concurrently; the engine's prefix cache shares their common blocks. The final beams
+go back to the caller as outputs 0..k-1, best first, one message each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
+from pagedserve.v1 import common_pb2, engine_pb2
+
+
+async def run_beam_search(
+    stub: Any,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: BeamSearchParams,
+    eos_token_ids: set[int],
+    timeout: float | None,
+    metadata: Any,
+    cache_salt: str = "",
+) -> BeamSearchOutput:
+    """`cache_salt`: the tenant's, so beams share cached blocks only within the tenant."""
+    instance = BeamSearchInstance(prompt_token_ids, params, eos_token_ids)
+    step = 0
+    while not instance.done:
+        step_params = common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=1, logprobs=instance.num_candidates, ignore_eos=True
+        )
+        calls = [
+            _top_logprobs(
+                stub.Generate(
+                    engine_pb2.EngineGenerateRequest(
+                        request_id=f"{request_id}/beam-{step}-{i}",
+                        prompt_token_ids=beam.tokens,
+                        sampling_params=step_params,
+                        cache_salt=cache_salt,
+                    ),
+                    timeout=timeout,
+                    metadata=metadata,
+                )
+            )
+            for i, beam in enumerate(instance.running)
+        ]
+        instance.advance(list(await asyncio.gather(*calls)))
+        step += 1
+    return instance.output()
+
+
+async def _top_logprobs(call: Any) -> dict[int, float]:
+    """The top logprobs of the one position a one-token engine request computes."""
+    top: dict[int, float] = {}
+    try:
+        async for msg in call:
+            for position in msg.logprobs:
+                top.update({e.token_id: e.logprob for e in position.top})
+    finally:
+        call.cancel()
+    return top
+
+
+def beam_params_from_request(request: Any, sampling: Any) -> BeamSearchParams:
+    """`BeamSearchParams` from a GenerateRequest's beam fields and its sampling params
+    (max_tokens default 16, as SamplingParams). Raises ValueError naming the field."""
+    return BeamSearchParams(
+        beam_width=request.beam_width,
+        max_tokens=sampling.max_tokens or 16,
+        ignore_eos=sampling.ignore_eos,
+        temperature=sampling.temperature,
+        length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,
+    )
