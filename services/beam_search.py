@@ -12,7 +12,8 @@ import asyncio
 from typing import Any
 
 from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
-from pagedserve.v1 import common_pb2, engine_pb2
+from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
+from services import convert
 
 
 async def run_beam_search(
@@ -74,3 +75,32 @@ def beam_params_from_request(request: Any, sampling: Any) -> BeamSearchParams:
         temperature=sampling.temperature,
         length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,
     )
+
+
+def beam_responses(
+    output: BeamSearchOutput,
+    request_id: str,
+    prompt_token_ids: list[int],
+    tokenizer: Any,
+    skip_special_tokens: bool,
+) -> list[generation_pb2.GenerateResponse]:
+    """The final beams as outputs 0..k-1, best first, one message each (the eos token that
+    stopped a beam is in its token ids, not in its text)."""
+    responses = []
+    for index, beam in enumerate(output.sequences):
+        generated = beam.tokens[len(prompt_token_ids) :]
+        shown = generated[:-1] if beam.finish_reason == "stop" else generated
+        responses.append(
+            generation_pb2.GenerateResponse(
+                request_id=request_id,
+                index=index,
+                text=tokenizer.decode(shown, skip_special_tokens=skip_special_tokens),
+                token_ids=generated,
+                finish_reason=convert.FINISH_REASONS[beam.finish_reason],
+                usage=common_pb2.Usage(
+                    prompt_tokens=len(prompt_token_ids), completion_tokens=len(generated)
+                ),
+                cumulative_logprob=beam.cum_logprob,
+            )
+        )
+    return responses

@@ -13,7 +13,8 @@ call makes the engine service abort the request and free its KV blocks.
 Observability (docs/observability.md): each RPC has a SERVER span (`rpc_method`); Generate
 adds `tokenize`, a CLIENT span for the engine call (the parent the engine service gets, in
 metadata and in `trace_headers`) and `detokenize`; `/metrics` (`metrics_address`) serves
-`TokenizerMetrics`.
+`TokenizerMetrics`. The engine call itself (replica choice, failover before the first token,
+the relay of engine messages) is services/engine_relay.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -33,20 +33,17 @@ from opentelemetry import trace
 from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
-from services.beam_search import beam_params_from_request, run_beam_search
+from services.beam_search import beam_params_from_request, beam_responses, run_beam_search
 from services.caller import current_tenant_name, scoped_request_id
 from services.engine_client import EngineBackend
-from services.engine_pool import EnginePool, TrackedCall, tracked
+from services.engine_pool import EnginePool
+from services.engine_relay import EngineRelay, LiveRequest, outgoing_metadata
 from services.errors import (
     ServiceError,
-    engine_unreachable,
     invalid_argument,
     rpc_method,
-    status_for,
 )
 from services.grpc_server import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    ENGINE_SERVICE,
     TEXT_GENERATION_SERVICE,
     trace_headers,
     trace_metadata,
@@ -55,49 +52,13 @@ from services.limits import RequestRegistry
 from services.metrics import TokenizerMetrics
 from services.model_files import TextModelFiles
 from services.preprocess import Preprocessor
-from services.request_limits import RequestChecker, RequestLimits
+from services.request_limits import RequestChecker
 from services.text_stream import TextStream, TokenTexts
-from services.tls import EngineLinkTLS, ServerTLSConfig
+from services.tokenizer_config import TokenizerServerConfig
 
 logger = logging.getLogger("services.tokenizer")
 
 _ENGINE_RPC_TIMEOUT_S = 5.0  # Abort / Health calls to the engine
-_ENGINE_GENERATE = f"{ENGINE_SERVICE}/Generate"  # the CLIENT span of the engine call
-
-
-@dataclass
-class TokenizerServerConfig:
-    address: str = "0.0.0.0:50051"
-    engine_address: str = "127.0.0.1:50052"
-    max_inflight_requests: int = 1024  # more → RESOURCE_EXHAUSTED
-    max_prompt_tokens: int | None = None  # None: the engine's max_model_len
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
-    engine_poll_interval_s: float = 1.0
-    # Several engine replicas (services/engine_pool.py): `engine_address` is a comma list
-    # of host:port and dns:///name:port entries; names are re-resolved this often.
-    engine_dns_refresh_s: float = 5.0
-    route_prefix_blocks: int = 4  # affinity key: the prompt's first (up to) N full blocks
-    route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
-    route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/routing.py)
-    metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
-    tls: ServerTLSConfig | None = None  # the public API's TLS / mTLS; None: plaintext
-    engine_tls: EngineLinkTLS = field(default_factory=EngineLinkTLS)  # to the engine
-    api_key_file: str | None = None  # None: no keys, every caller is let in
-    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may cost
-
-
-@dataclass
-class _Live:
-    """What the service keeps for a request in flight: its engine calls."""
-
-    calls: list[grpc.aio.Call] = field(default_factory=list)
-    aborted: bool = False
-    replica: EngineBackend | None = None  # where the request runs (Abort goes there)
-
-    def cancel(self) -> None:
-        for call in self.calls:
-            call.cancel()
 
 
 class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
@@ -114,9 +75,10 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         self.backend = backend
         self.config = config
         self.defaults = generation_config_defaults(dict(files.generation_config))
-        self.requests: RequestRegistry[_Live] = RequestRegistry(config.max_inflight_requests)
+        self.requests: RequestRegistry[LiveRequest] = RequestRegistry(config.max_inflight_requests)
         self.token_texts = TokenTexts(self.tokenizer)
         self.rpc_metrics = TokenizerMetrics(num_inflight=lambda: len(self.requests))
+        self.relay = EngineRelay(backend, self.rpc_metrics)
         self.serving = False
         self._preprocessor: Preprocessor | None = None
         self._preprocessor_info: common_pb2.ModelInfo | None = None
@@ -193,8 +155,8 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
         incoming = trace_headers(request.trace_headers, context)
         start = time.perf_counter()
-        with self.requests.admit(internal_id, _Live(), request_id) as live:
-            await self._generate_at_engine(engine_request, incoming, live, stream, context)
+        with self.requests.admit(internal_id, LiveRequest(), request_id) as live:
+            await self.relay.generate(engine_request, incoming, live, stream, context)
         tracing.set_usage_attributes(
             span, len(prompt_ids), stream.num_tokens, stream.finish_reasons
         )
@@ -221,7 +183,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             raise invalid_argument(str(exc)) from None
         eos = set(self.backend.model_info.eos_token_ids) if self.backend.model_info else set()
         internal_id = scoped_request_id(request_id)
-        with self.requests.admit(internal_id, _Live(), request_id) as live:
+        with self.requests.admit(internal_id, LiveRequest(), request_id) as live:
             # Every step's beams go to the prompt's replica, where their blocks are cached.
             live.replica = replica = self.backend.choose(prompt_ids)
             output = await run_beam_search(
@@ -231,119 +193,12 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 beam_params,
                 eos,
                 context.time_remaining(),
-                _outgoing_metadata(context),
+                outgoing_metadata(context),
                 cache_salt=current_tenant_name() or "",
             )
-        for index, beam in enumerate(output.sequences):
-            generated = beam.tokens[len(prompt_ids) :]
-            shown = generated[:-1] if beam.finish_reason == "stop" else generated
-            await context.write(
-                generation_pb2.GenerateResponse(
-                    request_id=request_id,
-                    index=index,
-                    text=self.tokenizer.decode(
-                        shown, skip_special_tokens=params.skip_special_tokens
-                    ),
-                    token_ids=generated,
-                    finish_reason=convert.FINISH_REASONS[beam.finish_reason],
-                    usage=common_pb2.Usage(
-                        prompt_tokens=len(prompt_ids), completion_tokens=len(generated)
-                    ),
-                    cumulative_logprob=beam.cum_logprob,
-                )
-            )
-
-    async def _generate_at_engine(
-        self,
-        engine_request: engine_pb2.EngineGenerateRequest,
-        incoming_trace_headers: dict[str, str],
-        live: _Live,
-        stream: TextStream,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        """The engine call, under its CLIENT span: the parent the engine service gets, in
-        the metadata and in `trace_headers`. Its messages are relayed under `detokenize`."""
-        client_span = tracing.start_client_span(_ENGINE_GENERATE)
-        try:
-            headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
-            engine_request.trace_headers.update(headers)
-            tried: list[EngineBackend] = []
-            while True:
-                replica = self.backend.choose(engine_request.prompt_token_ids, exclude=tried)
-                tried.append(replica)
-                live.replica = replica
-                try:
-                    with tracing.internal_span("detokenize"):
-                        await self._call_replica(
-                            replica, engine_request, headers, live, stream, context
-                        )
-                    return
-                except _FailedBeforeFirstToken as failed:
-                    # Invisible to the client: mark the replica down, retry once elsewhere.
-                    if len(tried) > 1 or not self.backend.up(exclude=tried):
-                        raise await replica.translate(failed.error) from None
-                    await replica.mark_down(failed.error)
-                    self.rpc_metrics.engine_failovers.inc()
-                    logger.info(
-                        "engine replica failed before the first token; retrying elsewhere",
-                        extra={
-                            "request_id": engine_request.request_id,
-                            "engine_address": replica.address,
-                        },
-                    )
-        except (Exception, asyncio.CancelledError) as exc:
-            tracing.set_error(client_span, *status_for(exc))
-            raise
-        finally:
-            client_span.end()
-
-    async def _call_replica(
-        self,
-        replica: EngineBackend,
-        engine_request: engine_pb2.EngineGenerateRequest,
-        headers: dict[str, str],
-        live: _Live,
-        stream: TextStream,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        with tracked(replica) as tracking:
-            call = replica.stub.Generate(
-                engine_request, timeout=context.time_remaining(), metadata=trace_metadata(headers)
-            )
-            live.calls.append(call)
-            try:
-                await self._relay(call, replica, tracking, live, stream, context)
-            finally:
-                call.cancel()  # a no-op once the call is done; else the engine aborts
-
-    async def _relay(
-        self,
-        call: Any,
-        replica: EngineBackend,
-        tracking: TrackedCall,
-        live: _Live,
-        stream: TextStream,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        """Engine messages → client messages until every output has ended."""
-        try:
-            async for msg in call:
-                tracking.started()
-                response = stream.process(msg)
-                if response is not None:
-                    await context.write(response)
-                if stream.finished:
-                    return  # stop strings ended every output: the caller cancels the call
-        except asyncio.CancelledError:
-            if not live.aborted or context.cancelled() or context.done():
-                raise  # our client went away (an Abort cancels only the engine call)
-        except grpc.aio.AioRpcError as exc:
-            if not live.aborted:
-                if engine_unreachable(exc) and tracking.pending:
-                    raise _FailedBeforeFirstToken(exc) from None
-                raise await replica.translate(exc) from None
-        # The engine stream ended (or an Abort cancelled it) with outputs left open.
-        for response in stream.abort_unfinished():
+        for response in beam_responses(
+            output, request_id, prompt_ids, self.tokenizer, params.skip_special_tokens
+        ):
             await context.write(response)
 
     # ---- Abort, Encode ------------------------------------------------------------------
@@ -371,7 +226,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 reply = await replica.stub.Abort(
                     common_pb2.AbortRequest(request_ids=request_ids),
                     timeout=_ENGINE_RPC_TIMEOUT_S,
-                    metadata=_outgoing_metadata(context),
+                    metadata=outgoing_metadata(context),
                 )
                 engine_aborted.update(
                     rid for rid in live if scoped_request_id(rid) in reply.aborted_request_ids
@@ -412,7 +267,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
         internal_id = scoped_request_id(request_id)
         # The engine calls' parent is this call's span.
         headers = tracing.outgoing_trace_headers(trace_headers(request.trace_headers, context))
-        with self.requests.admit(internal_id, _Live(), request_id) as live:
+        with self.requests.admit(internal_id, LiveRequest(), request_id) as live:
             live.replica = replica = self.backend.least_loaded()
             live.calls = [
                 replica.stub.Encode(
@@ -500,23 +355,10 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 reply = await replica.stub.Health(
                     common_pb2.HealthRequest(),
                     timeout=_ENGINE_RPC_TIMEOUT_S,
-                    metadata=_outgoing_metadata(context),
+                    metadata=outgoing_metadata(context),
                 )
                 engine_healthy = reply.healthy
                 details.update({f"engine.{k}": v for k, v in reply.details.items()})
         healthy = self.serving and engine_healthy
         status = "SERVING" if healthy else "NOT_SERVING"
         return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)
-
-
-class _FailedBeforeFirstToken(Exception):
-    """The replica became unreachable before it sent anything back: safe to retry."""
-
-    def __init__(self, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _outgoing_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
-    """Trace context for an engine call made by this call: its span is the parent."""
-    return trace_metadata(tracing.outgoing_trace_headers(trace_headers({}, context)))

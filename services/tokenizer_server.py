@@ -12,7 +12,7 @@ import logging
 from pagedserve.v1 import generation_pb2_grpc
 from services.auth import ApiKeys
 from services.engine_pool import EnginePool, Resolver, resolve_all
-from services.generation_servicer import TextGenerationServicer, TokenizerServerConfig
+from services.generation_servicer import TextGenerationServicer
 from services.grpc_server import (
     TEXT_GENERATION_SERVICE,
     HealthReporter,
@@ -24,6 +24,7 @@ from services.metrics import MetricsEndpoint
 from services.model_files import TextModelFiles
 from services.tenancy import TenantGuard
 from services.tls import ServerTLS
+from services.tokenizer_config import TokenizerServerConfig
 from services.wire import WireGuard
 
 logger = logging.getLogger("services.tokenizer")
