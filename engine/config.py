@@ -161,6 +161,29 @@ class DeviceConfig:
 
 
 @dataclass
+class DecodingConfig:
+    """vLLM's `DecodingConfig`: how constrained (structured-output) decoding is done.
+
+    `backend` names the structured-output backend; empty while none is configured."""
+
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's `ParallelConfig`. One engine is one process on one device today, so every
+    size is 1; `get_parallel_config()` reports it so callers written for vLLM work."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -168,6 +191,8 @@ class EngineConfig:
     device_config: DeviceConfig
     otlp_traces_endpoint: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    decoding_config: DecodingConfig = field(default_factory=DecodingConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -196,6 +221,8 @@ class EngineArgs:
     otlp_traces_endpoint: str | None = None  # export llm_request spans here (OTLP)
     # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: no speculation
     speculative_config: dict[str, Any] | None = None
+    # AsyncLLMEngine logs one line per request added / finished / aborted (vLLM's name).
+    enable_log_requests: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model

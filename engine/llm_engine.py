@@ -19,10 +19,12 @@ from typing import Any
 
 from engine.config import (
     CacheConfig,
+    DecodingConfig,
     DeviceConfig,
     EngineArgs,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from engine.core.kv_cache_manager import KVCacheManager
@@ -135,6 +137,21 @@ class LLMEngine:
 
     def get_engine_config(self) -> EngineConfig:
         return self.config
+
+    def get_decoding_config(self) -> DecodingConfig:
+        return self.config.decoding_config
+
+    def get_parallel_config(self) -> ParallelConfig:
+        return self.config.parallel_config
+
+    def get_lora_config(self) -> None:
+        """vLLM returns None when LoRA is not enabled; LoRA adapters are not supported yet,
+        so this is always None."""
+        return None
+
+    def get_input_preprocessor(self) -> InputProcessor:
+        """What turns a prompt (text or token ids) into checked token ids."""
+        return self.input_processor
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -255,6 +272,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def has_unfinished_requests_for_virtual_engine(self, virtual_engine: int) -> bool:
+        """vLLM keeps one scheduler per pipeline stage ("virtual engine"); without pipeline
+        parallelism there is only virtual engine 0."""
+        num_virtual = self.config.parallel_config.pipeline_parallel_size
+        if not isinstance(virtual_engine, int) or not 0 <= virtual_engine < num_virtual:
+            raise ValueError(
+                f"virtual_engine must be in [0, {num_virtual}) (pipeline_parallel_size="
+                f"{num_virtual}), got {virtual_engine!r}."
+            )
+        return self.has_unfinished_requests()
 
     # ---- the step -----------------------------------------------------------------------
 
