@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from engine.config import (
@@ -148,6 +149,14 @@ class AsyncLLMEngine:
 
     async def get_input_preprocessor(self) -> InputProcessor:
         return self.engine.get_input_preprocessor()
+
+    async def start_profile(self) -> None:
+        """`LLMEngine.start_profile()` on the engine thread (the one running the steps)."""
+        await self._loop_thread.call(lambda engine: engine.start_profile())
+
+    async def stop_profile(self) -> Path:
+        """`LLMEngine.stop_profile()`: ends the session; returns the trace file's path."""
+        return await self._loop_thread.call(lambda engine: engine.stop_profile())
 
     async def reset_prefix_cache(self) -> bool:
         """Drops every cached block no request holds (on the engine thread, between

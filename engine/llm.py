@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -40,6 +41,17 @@ class LLM:
         """vLLM's defaults, overridden by the model's generation config where it sets them."""
         gen = self.llm_engine.get_model_config().generation_config
         return SamplingParams(**generation_config_defaults(gen))
+
+    def start_profile(self) -> None:
+        """Profiles the following `generate` calls (`LLMEngine.start_profile`)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> Path:
+        """Writes the Chrome trace under `PAGEDSERVE_TORCH_PROFILER_DIR`; returns its path."""
+        return self.llm_engine.stop_profile()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,

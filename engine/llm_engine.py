@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from engine.config import (
@@ -372,3 +373,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- profiling ----------------------------------------------------------------------
+
+    def start_profile(self) -> None:
+        """Starts a torch.profiler session over the following steps; the trace directory is
+        `PAGEDSERVE_TORCH_PROFILER_DIR` (a ValueError naming it when unset)."""
+        self.runner.profiler.start(self.runner.model)
+
+    def stop_profile(self) -> Path:
+        """Ends the session and writes its Chrome trace; returns the trace file's path."""
+        return self.runner.profiler.stop()

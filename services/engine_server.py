@@ -36,6 +36,7 @@ from engine import (
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import convert, tracing
+from services.engine_admin import EngineAdminRpcs
 from services.errors import ServiceError, invalid_argument, rpc_method
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -80,7 +81,7 @@ def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
     )
 
 
-class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
     """Thin: proto → engine call → proto; errors become statuses in `services.errors`."""
 
     SERVICE_NAME = ENGINE_SERVICE

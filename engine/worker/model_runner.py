@@ -28,6 +28,7 @@ from engine.core.sched_output import (
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
 from engine.worker.inputs import StepInputs, build_step_inputs
+from engine.worker.profiler import TorchProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class ModelRunner:
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = self.attn_backend.whole_step_decode(self.model)
         self.sampler = Sampler()
+        self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()

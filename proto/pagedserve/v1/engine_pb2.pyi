@@ -80,3 +80,21 @@ class EngineEncodeResponse(_message.Message):
     embedding: _containers.RepeatedScalarFieldContainer[float]
     usage: _common_pb2.Usage
     def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("trace_paths",)
+    TRACE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    trace_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trace_paths: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -61,6 +61,16 @@ class EngineServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/pagedserve.v1.EngineService/StartProfile',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/pagedserve.v1.EngineService/StopProfile',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -99,6 +109,21 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Starts a torch.profiler session over the engine's steps (vLLM's start_profile). Needs
+        PAGEDSERVE_TORCH_PROFILER_DIR set in the engine's environment (else FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Ends it and writes one Chrome trace per rank under that directory, on the engine's host.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +151,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +299,60 @@ class EngineService:
             '/pagedserve.v1.EngineService/GetModelInfo',
             pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/StartProfile',
+            pagedserve_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/StopProfile',
+            pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
