@@ -150,6 +150,19 @@ class AsyncLLMEngine:
     async def get_input_preprocessor(self) -> InputProcessor:
         return self.engine.get_input_preprocessor()
 
+    async def sleep(self, level: int = 1) -> None:
+        """`LLMEngine.sleep(level)` between steps (the engine must be idle). Requests sent
+        while it sleeps wait for `wake_up()`; `check_health()` stays healthy."""
+        await self._loop_thread.call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._loop_thread.call(lambda engine: engine.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        # One int read: safe from any thread, and current once sleep()/wake_up() returned
+        # (the stats snapshot follows a step later).
+        return self.engine.is_sleeping()
+
     async def start_profile(self) -> None:
         """`LLMEngine.start_profile()` on the engine thread (the one running the steps)."""
         await self._loop_thread.call(lambda engine: engine.start_profile())

@@ -52,6 +52,7 @@ class EngineStats:
     num_generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_commands_applied: int = 0  # adds and aborts the engine thread has taken in
+    is_sleeping: bool = False  # sleep(): requests wait for wake_up()
 
 
 class OutputStream:
@@ -241,6 +242,7 @@ class EngineThread:
             raise_if_dead(self._dead_error)
             with self._drive_lock:
                 CallCommand(fn, future).run(self.engine)
+                self.stats = self._snapshot()
             return future
         self.submit(CallCommand(fn, future))
         return future
@@ -298,7 +300,7 @@ class EngineThread:
                 not self._stopping
                 and not self._pausing
                 and not self._commands
-                and not self.engine.has_unfinished_requests()
+                and (self.engine.is_sleeping() or not self.engine.has_unfinished_requests())
             ):
                 self._cond.wait()
             if self._stopping or self._pausing:
@@ -424,6 +426,7 @@ class EngineThread:
             num_generation_tokens_total=engine.stat_logger.total_generation_tokens,
             num_preemptions_total=engine.scheduler.num_preemptions_total,
             num_commands_applied=self._num_applied,
+            is_sleeping=engine.is_sleeping(),
         )
 
 

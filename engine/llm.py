@@ -53,6 +53,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Gives the KV cache (level 1) or the cache and the weights (level 2) back until
+        `wake_up()` (`LLMEngine.sleep`)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -98,6 +106,8 @@ class LLM:
         priority: Sequence[int] | None,
     ) -> list[str]:
         """Adds every request, or none: a bad one aborts those already added."""
+        if self.llm_engine.is_sleeping():  # nothing else could wake it: it would hang
+            raise RuntimeError("The engine is asleep: call wake_up() before generating.")
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):

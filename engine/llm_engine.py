@@ -289,7 +289,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.scheduler.has_unfinished_requests():
+        # Asleep, nothing is scheduled: requests wait for wake_up() (aborts still end).
+        if self.scheduler.has_unfinished_requests() and not self.is_sleeping():
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty:
                 runner_output = self.runner.execute(scheduler_output)
@@ -373,6 +374,31 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- sleep mode ---------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache (level 1; on CUDA the weights move to host memory) or the KV
+        cache and the weights (level 2), see `worker/sleep.py`. The engine must be idle;
+        requests added while it sleeps wait for `wake_up()`."""
+        num_unfinished = self.get_num_unfinished_requests()
+        if num_unfinished:
+            raise RuntimeError(
+                f"sleep() needs an idle engine: {num_unfinished} requests are unfinished "
+                "(finish or abort them first)."
+            )
+        if not self.runner.sleep_mode.is_sleeping:
+            # The cached blocks' contents go with the cache.
+            assert self.kv_cache_manager.reset_prefix_cache(), "an idle engine holds blocks"
+        self.runner.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores the parts in `tags` ("weights", "kv_cache"; None: all). Steps resume
+        once every part is back."""
+        self.runner.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.runner.sleep_mode.is_sleeping
 
     # ---- profiling ----------------------------------------------------------------------
 

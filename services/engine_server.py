@@ -203,6 +203,7 @@ class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
             num_free_kv_blocks=str(stats.num_free_blocks),
             kv_cache_usage=f"{stats.kv_cache_usage:.4f}",
             num_preemptions_total=str(stats.num_preemptions_total),
+            is_sleeping=str(stats.is_sleeping).lower(),  # asleep: requests wait for WakeUp
         )
         healthy = healthy and self.health.serving
         status = "SERVING" if healthy else "NOT_SERVING"

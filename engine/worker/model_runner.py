@@ -29,6 +29,7 @@ from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.profiler import TorchProfiler
+from engine.worker.sleep import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,18 @@ class ModelRunner:
         self._decode_step = self.attn_backend.whole_step_decode(self.model)
         self.sampler = Sampler()
         self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
+        self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()
+
+    def bind_decode_step(self) -> None:
+        """(Re)binds the backend's fused decode path to the current model and caches (it
+        holds their addresses): after a wake-up."""
+        self._decode_step = self.attn_backend.whole_step_decode(self.model)
+
+    def unbind_decode_step(self) -> None:
+        self._decode_step = None
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.

@@ -98,3 +98,33 @@ class StopProfileResponse(_message.Message):
     TRACE_PATHS_FIELD_NUMBER: _ClassVar[int]
     trace_paths: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, trace_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...

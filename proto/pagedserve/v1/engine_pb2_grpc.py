@@ -71,6 +71,21 @@ class EngineServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/pagedserve.v1.EngineService/Sleep',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/pagedserve.v1.EngineService/WakeUp',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/pagedserve.v1.EngineService/IsSleeping',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -124,6 +139,28 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Frees the KV cache (level 1; on a GPU the weights move to host memory) or the cache and
+        the weights (level 2) while the engine idles (vLLM's sleep mode). FAILED_PRECONDITION
+        while requests are unfinished. Requests sent while it sleeps wait for WakeUp.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Restores the parts named in `tags` ("weights", "kv_cache"; empty: all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +198,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.SleepRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +405,87 @@ class EngineService:
             '/pagedserve.v1.EngineService/StopProfile',
             pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
             pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/Sleep',
+            pagedserve_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/WakeUp',
+            pagedserve_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/IsSleeping',
+            pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
             options,
             channel_credentials,
             insecure,
