@@ -8,6 +8,7 @@ import asyncio
 
 import psutil
 import pytest
+import torch
 
 from engine import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 
@@ -141,3 +142,22 @@ def test_async_requests_sent_while_asleep_wait_for_wake_up(model_dir):
             engine.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sleep_gives_device_memory_back(model_dir):
+    """On CUDA, level 1 moves the weights to host memory and level 2 frees them: the
+    allocated device memory drops by the cache and the weights either way."""
+    llm = LLM(model=str(model_dir), device="cuda", dtype="float32", **ENGINE_KWARGS)
+    runner = llm.llm_engine.runner
+    kv_bytes = runner.num_blocks * runner.kv_bytes_per_block
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    reference = tokens(llm)
+    for level in (1, 2):
+        torch.cuda.synchronize()
+        awake = torch.cuda.memory_allocated()
+        llm.sleep(level=level)
+        freed = awake - torch.cuda.memory_allocated()
+        assert freed >= 0.95 * (kv_bytes + weight_bytes), (level, freed)
+        llm.wake_up()
+        assert tokens(llm) == reference
