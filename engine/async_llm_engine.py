@@ -21,6 +21,7 @@ from engine.config import (
     DeviceConfig,
     EngineArgs,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -37,6 +38,7 @@ from engine.engine_thread import (
 )
 from engine.input_processor import InputProcessor
 from engine.llm_engine import LLMEngine, PromptType
+from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -144,11 +146,23 @@ class AsyncLLMEngine:
     async def get_parallel_config(self) -> ParallelConfig:
         return self.engine.get_parallel_config()
 
-    async def get_lora_config(self) -> None:
+    async def get_lora_config(self) -> LoRAConfig | None:
         return self.engine.get_lora_config()
 
     async def get_input_preprocessor(self) -> InputProcessor:
         return self.engine.get_input_preprocessor()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self._loop_thread.call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._loop_thread.call(lambda engine: engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._loop_thread.call(lambda engine: engine.list_loras())
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._loop_thread.call(lambda engine: engine.pin_lora(lora_id))
 
     async def sleep(self, level: int = 1) -> None:
         """`LLMEngine.sleep(level)` between steps (the engine must be idle). Requests sent

@@ -183,6 +183,29 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's `LoRAConfig` (set when `enable_lora=True`)."""
+
+    max_loras: int = 1  # adapters in one batch
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded (LRU beyond); None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -193,6 +216,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     decoding_config: DecodingConfig = field(default_factory=DecodingConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
 
 @dataclass
@@ -223,6 +247,11 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     # AsyncLLMEngine logs one line per request added / finished / aborted (vLLM's name).
     enable_log_requests: bool = False
+    # LoRA adapters (vLLM's names): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model
@@ -273,12 +302,16 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
         )
+        lora_config = None
+        if self.enable_lora:
+            lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         return EngineConfig(
             model_config,
             cache_config,
             scheduler_config,
             DeviceConfig(device, self.attention_backend),
             speculative_config=speculative_config,
+            lora_config=lora_config,
         )
 
 

@@ -108,6 +108,10 @@ class LLM:
         """Adds every request, or none: a bad one aborts those already added."""
         if self.llm_engine.is_sleeping():  # nothing else could wake it: it would hang
             raise RuntimeError("The engine is asleep: call wake_up() before generating.")
+        # One adapter (or None) for every prompt, or a list with one per prompt (vLLM).
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts.")
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -116,7 +120,7 @@ class LLM:
                     request_id,
                     prompt,
                     params,
-                    lora_request=lora_request,
+                    lora_request=loras[i],
                     priority=0 if priority is None else priority[i],
                 )
                 request_ids.append(request_id)

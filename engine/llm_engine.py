@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import (
     CacheConfig,
@@ -24,6 +24,7 @@ from engine.config import (
     DeviceConfig,
     EngineArgs,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -32,6 +33,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.input_processor import InputProcessor, PromptType
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineMetrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -45,6 +47,9 @@ from engine.tracing import (
     init_tracer_provider,
     tracing_is_configured,
 )
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ _STATS_INTERVAL_S = 10.0
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        from engine.lora.manager import LoRAManager
         from engine.models.loader import load_tokenizer
         from engine.worker.model_runner import ModelRunner
 
@@ -71,6 +77,13 @@ class LLMEngine:
         if not model_config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
         self.runner = ModelRunner(config)
+        self.lora_manager: LoRAManager | None = None
+        if config.lora_config is not None:
+            self.lora_manager = LoRAManager(
+                config.lora_config, model_config.hf_config, self.runner.dtype, self.runner.device
+            )
+            self.lora_manager.attach(self.runner.model)
+            self.runner.lora_manager = self.lora_manager
         # The KV-cache size is decided once, by the runner from the memory budget, and
         # handed on as a value; the engine's config is a resolved copy that records it (the
         # caller's config object is not written to).
@@ -145,10 +158,9 @@ class LLMEngine:
     def get_parallel_config(self) -> ParallelConfig:
         return self.config.parallel_config
 
-    def get_lora_config(self) -> None:
-        """vLLM returns None when LoRA is not enabled; LoRA adapters are not supported yet,
-        so this is always None."""
-        return None
+    def get_lora_config(self) -> LoRAConfig | None:
+        """None without `enable_lora` (as vLLM)."""
+        return self.config.lora_config
 
     def get_input_preprocessor(self) -> InputProcessor:
         """What turns a prompt (text or token ids) into checked token ids."""
@@ -178,7 +190,7 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
-            raise NotImplementedError("lora_request: LoRA adapters are not supported yet.")
+            self._require_lora().add_lora(lora_request)  # loads and checks it if new
         if not isinstance(params, SamplingParams | PoolingParams):
             raise TypeError(
                 f"params must be SamplingParams or PoolingParams, got {type(params).__name__}."
@@ -211,6 +223,7 @@ class LLMEngine:
                 cache_salt=salt,
                 trace_headers=headers,
                 pooling_params=params.clone(),
+                lora_request=lora_request,
             )
             self.output_processor.add_pooling_request(text, pooling)
             self.scheduler.add_request(pooling)
@@ -237,6 +250,7 @@ class LLMEngine:
                     parent_id=request_id,
                     index=index,
                     trace_headers=headers,
+                    lora_request=lora_request,
                 )
             )
         if any(s.request_id in self.scheduler.requests for s in samples):
@@ -374,6 +388,28 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    def _require_lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True in the engine arguments.")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads and checks an adapter (a ValueError says what is wrong with a bad one);
+        False if its id is loaded already."""
+        return self._require_lora().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._require_lora().remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._require_lora().list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keeps the adapter loaded whatever max_cpu_loras' LRU would evict."""
+        return self._require_lora().pin_lora(lora_id)
 
     # ---- sleep mode ---------------------------------------------------------------------
 

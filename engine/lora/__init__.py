@@ -1,17 +1,8 @@
-"""LoRA adapters: the request type, PEFT loading with validation, and the batched
-shrink/expand ops. Not wired into the model runner yet: `add_request(lora_request=...)`
-still raises NotImplementedError."""
+"""LoRA adapters: `request.py` (vLLM's `LoRARequest`, torch-free), `adapter.py` (PEFT
+loading with validation), `ops.py` (batched shrink/expand), `manager.py` (the engine's
+loaded adapters and their forward hooks). Only the request type is imported here, so
+`engine` stays importable without torch."""
 
-from engine.lora.adapter import LoRAAdapter, LoRALayerWeights, load_peft_adapter
-from engine.lora.ops import add_lora, add_lora_reference, stack_lora_weights
 from engine.lora.request import LoRARequest
 
-__all__ = [
-    "LoRAAdapter",
-    "LoRALayerWeights",
-    "LoRARequest",
-    "add_lora",
-    "add_lora_reference",
-    "load_peft_adapter",
-    "stack_lora_weights",
-]
+__all__ = ["LoRARequest"]

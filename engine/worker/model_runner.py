@@ -25,6 +25,7 @@ from engine.core.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from engine.lora.manager import LoRAManager
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
 from engine.worker.inputs import StepInputs, build_step_inputs
@@ -64,6 +65,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
+        self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()
@@ -97,10 +99,13 @@ class ModelRunner:
         hidden = self._forward(inputs, kv_caches)
         self.model.compute_logits(hidden[-1:])
 
-    def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The model's forward, or the backend's fused path where it applies to the step."""
+    def _forward(
+        self, inputs: StepInputs, kv_caches: list[torch.Tensor], fused: bool = True
+    ) -> torch.Tensor:
+        """The model's forward, or the backend's fused path where it applies to the step
+        (not with LoRA adapters in the batch: their updates hook the model's layers)."""
         metadata = inputs.attn_metadata
-        if self._decode_step is not None and self._decode_step.applies(metadata):
+        if fused and self._decode_step is not None and self._decode_step.applies(metadata):
             return self._decode_step(inputs.input_ids, inputs.positions, kv_caches, metadata)
         return self.model(inputs.input_ids, inputs.positions, kv_caches, metadata)
 
@@ -188,7 +193,10 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self._forward(inputs, self.kv_caches)  # [num_tokens, hidden_size]
+        lora = self.lora_manager is not None and self.lora_manager.prepare(
+            [(e.request.lora_request, len(e.token_ids)) for e in batch]
+        )
+        hidden = self._forward(inputs, self.kv_caches, fused=not lora)  # [num_tokens, hidden]
 
         sampling = [i for i, e in enumerate(batch) if e.samples and not e.spec_token_ids]
         speculative = [i for i, e in enumerate(batch) if e.spec_token_ids]

@@ -79,6 +79,8 @@ class SleepMode:
         if "weights" in wanted & self.sleeping_tags:
             if self.level == 2:
                 runner.model = _reload(runner)
+                if runner.lora_manager is not None:  # its hooks were on the old model
+                    runner.lora_manager.attach(runner.model)
             else:
                 assert self._host_weights is not None
                 _restore(runner.model, self._host_weights, runner.device)

@@ -11,14 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.lora import (
-    LoRARequest,
-    add_lora,
-    add_lora_reference,
-    load_peft_adapter,
-    stack_lora_weights,
-)
-from engine.lora.adapter import linear_shapes
+from engine.lora import LoRARequest
+from engine.lora.adapter import linear_shapes, load_peft_adapter
+from engine.lora.ops import add_lora, add_lora_reference, stack_lora_weights
 
 # (rank, alpha, rsLoRA, target modules): three adapters of different ranks and targets.
 ADAPTERS = {
