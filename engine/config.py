@@ -87,6 +87,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
+    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

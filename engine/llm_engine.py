@@ -111,6 +111,7 @@ class LLMEngine:
                 max_model_len=min(sched_config.max_model_len, self.max_tokens_in_cache),
                 enable_chunked_prefill=sched_config.enable_chunked_prefill,
                 policy=sched_config.policy,
+                max_loras=config.lora_config.max_loras if config.lora_config else None,
             ),
             self.kv_cache_manager,
             config.speculative_config,

@@ -41,6 +41,12 @@ class LoRAManager:
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._indices: torch.Tensor | None = None  # [num_tokens] slot, -1 = base
         self._hooks: list[Any] = []
+        # The batched update: the Triton kernel on CUDA, grouped GEMMs on the CPU.
+        self._add_lora = add_lora
+        if device.type == "cuda":
+            from kernels.lora import add_lora_triton
+
+            self._add_lora = add_lora_triton
 
     # ---- the adapter registry -----------------------------------------------------------
 
@@ -167,6 +173,6 @@ class LoRAManager:
             for part, begin, end in bounds:
                 stack = self._stacks.get((layer, part))
                 if stack is not None:
-                    add_lora(output[:, begin:end], x, stack[0], stack[1], self._indices)
+                    self._add_lora(output[:, begin:end], x, stack[0], stack[1], self._indices)
 
         return hook

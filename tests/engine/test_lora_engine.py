@@ -128,3 +128,29 @@ def test_adapter_registry(lora_dirs, tmp_path) -> None:
     # An evicted adapter a request names is loaded again from its path.
     out = llm.generate({"prompt_token_ids": [3, 4]}, params, use_tqdm=False, lora_request=second)
     assert len(out[0].outputs[0].token_ids) == 2 and 2 in engine.list_loras()
+
+
+def test_max_loras_caps_the_adapters_of_a_batch(lora_dirs) -> None:
+    """With max_loras=1, requests of two adapters never share a step; all still finish
+    with their own adapter's tokens."""
+    llm = make_llm(lora_dirs, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
+    manager = llm.llm_engine.lora_manager
+    seen: list[set[int]] = []
+    real_prepare = manager.prepare
+
+    def recording_prepare(token_adapters):
+        seen.append({r.lora_int_id for r, _ in token_adapters if r is not None})
+        return real_prepare(token_adapters)
+
+    manager.prepare = recording_prepare
+    attn = lora_request(lora_dirs, "attn-r4", 1)
+    mlp = lora_request(lora_dirs, "mlp-r8", 2)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    mixed = llm.generate(prompts, params, use_tqdm=False, lora_request=[attn, mlp, None, mlp])
+    assert max(len(ids) for ids in seen) == 1 and {1, 2} <= set().union(*seen)
+    alone = [
+        llm.generate(p, params, use_tqdm=False, lora_request=r)[0]
+        for p, r in zip(prompts, [attn, mlp, None, mlp])
+    ]
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
