@@ -50,6 +50,7 @@ from engine.tracing import (
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
+    from engine.lora.metrics import LoRAInfoGauge
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ _STATS_INTERVAL_S = 10.0
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         from engine.lora.manager import LoRAManager
+        from engine.lora.metrics import LoRAInfoGauge
         from engine.models.loader import load_tokenizer
         from engine.worker.model_runner import ModelRunner
 
@@ -130,6 +132,10 @@ class LLMEngine:
         self.tracing_enabled = tracing_is_configured()
         self.request_tracer = RequestTracer(model_config.served_model_name)
         self.metrics = EngineMetrics(model_config.served_model_name)
+        self.lora_info: LoRAInfoGauge | None = None
+        if config.lora_config is not None:
+            self.lora_info = LoRAInfoGauge(self.metrics.registry, config.lora_config.max_loras)
+            self.lora_info.update([], [])
         self._live: dict[str, _LiveRequest] = {}  # until the final output is returned
 
     @classmethod
@@ -360,6 +366,8 @@ class LLMEngine:
         m.prefix_cache_hits.inc(prefix.hits)
         m.prompt_tokens.inc(num_prompt)
         m.generation_tokens.inc(num_generated)
+        if self.lora_info is not None:
+            self.lora_info.update(self.scheduler.running, self.scheduler.waiting)
         if self.log_stats and time.monotonic() - self.stat_logger.last_log_time > _STATS_INTERVAL_S:
             self.do_log_stats()
 

@@ -37,6 +37,7 @@ from engine import (
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import convert, tracing
 from services.engine_admin import EngineAdminRpcs
+from services.engine_lora import EngineLoraRpcs
 from services.errors import ServiceError, invalid_argument, rpc_method
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -81,7 +82,7 @@ def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
     )
 
 
-class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
+class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServiceServicer):
     """Thin: proto → engine call → proto; errors become statuses in `services.errors`."""
 
     SERVICE_NAME = ENGINE_SERVICE
@@ -112,7 +113,10 @@ class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
         params = convert.sampling_params_from_proto(
             request.sampling_params, output_kind=RequestOutputKind.DELTA, detokenize=False
         )
+        lora_request = self.lora_request_for(request.lora_name)
         tracing.set_request_attributes(span, request_id, self.model_name, params)
+        if lora_request is not None:
+            span.set_attribute("gen_ai.request.lora_name", lora_request.lora_name)
         builder = convert.EngineResponseBuilder(request_id, params)
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
@@ -122,6 +126,7 @@ class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
+                lora_request=lora_request,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -152,6 +157,7 @@ class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
         pooling = request.pooling_params
         normalize = pooling.normalize if pooling.HasField("normalize") else True
         params = PoolingParams(normalize=normalize)
+        lora_request = self.lora_request_for(request.lora_name)
         final = None
         with self.requests.admit(request_id, None):
             stream = engine.encode(
@@ -160,6 +166,7 @@ class EngineServicer(EngineAdminRpcs, engine_pb2_grpc.EngineServiceServicer):
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
+                lora_request=lora_request,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:

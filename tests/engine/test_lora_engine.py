@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
+from tests.lora_utils import make_peft_adapter
 from tests.model_utils import make_tiny_llama
 
 # name: (rank, alpha, rsLoRA, target modules)
@@ -26,28 +26,14 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def lora_dirs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """The base model, and per adapter: (PEFT adapter dir, PEFT-merged model dir)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("lora-engine")
     base_dir = make_tiny_llama(root / "base", max_position_embeddings=128)
     dirs = {"base": (base_dir, base_dir)}
     for seed, (name, (rank, alpha, rslora, targets)) in enumerate(ADAPTERS.items(), 1):
-        model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        torch.manual_seed(seed)
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,
+        peft_model = make_peft_adapter(
+            base_dir, root / name, rank=rank, alpha=alpha, targets=targets, seed=seed,
             use_rslora=rslora,
-            target_modules=targets,
-            init_lora_weights="gaussian",
-        )
-        peft_model = get_peft_model(model, config)
-        with torch.no_grad():  # PEFT starts B at zero; a real update needs it random
-            for param_name, param in peft_model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(0.0, 0.3)
-        peft_model.save_pretrained(root / name)
+        )  # fmt: skip
         merged_dir = root / f"{name}-merged"
         peft_model.merge_and_unload().save_pretrained(merged_dir)
         dirs[name] = (root / name, merged_dir)
@@ -154,3 +140,33 @@ def test_max_loras_caps_the_adapters_of_a_batch(lora_dirs) -> None:
         for p, r in zip(prompts, [attn, mlp, None, mlp])
     ]
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_lora_requests_info_metric(lora_dirs) -> None:
+    """The gauge the Kubernetes inference gateway reads: running and waiting adapters."""
+    from prometheus_client import generate_latest
+
+    llm = make_llm(lora_dirs, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request(
+        "a",
+        {"prompt_token_ids": [5, 6]},
+        params,
+        lora_request=lora_request(lora_dirs, "attn-r4", 1),
+    )
+    engine.add_request(
+        "b", {"prompt_token_ids": [5, 7]}, params, lora_request=lora_request(lora_dirs, "mlp-r8", 2)
+    )
+    engine.step()
+    text = generate_latest(engine.metrics.registry).decode()
+    line = next(x for x in text.splitlines() if x.startswith("pagedserve:lora_requests_info{"))
+    assert 'max_lora="1"' in line
+    assert 'running_lora_adapters="attn-r4"' in line
+    assert 'waiting_lora_adapters="mlp-r8"' in line
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = generate_latest(engine.metrics.registry).decode()
+    lines = [x for x in text.splitlines() if x.startswith("pagedserve:lora_requests_info{")]
+    assert len(lines) == 1 and 'running_lora_adapters=""' in lines[0]
+    assert 'waiting_lora_adapters=""' in lines[0]

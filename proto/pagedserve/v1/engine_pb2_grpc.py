@@ -86,6 +86,21 @@ class EngineServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.EngineService/LoadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.EngineService/UnloadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pagedserve.v1.EngineService/ListLoraAdapters',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -161,6 +176,27 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Registers a PEFT LoRA adapter by name (vLLM's load_lora_adapter); requests name it in
+        `lora_name`. Needs an engine started with LoRA enabled (else FAILED_PRECONDITION); a bad
+        adapter is INVALID_ARGUMENT with the reason, a name in use ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +249,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +537,87 @@ class EngineService:
             '/pagedserve.v1.EngineService/IsSleeping',
             pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
             pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/LoadLoraAdapter',
+            pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/UnloadLoraAdapter',
+            pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/ListLoraAdapters',
+            pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
