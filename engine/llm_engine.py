@@ -61,6 +61,7 @@ class _LiveRequest:
     trace_headers: Mapping[str, str] | None
     samples: list[Request]
     traced: bool
+    lora_name: str | None = None
 
 
 _SEED_MASK = (1 << 63) - 1
@@ -271,7 +272,9 @@ class LLMEngine:
         """Remembers what the request's metrics and span need once it finishes. A span is
         recorded when the caller sent trace context or a tracer provider is configured."""
         traced = contains_trace_headers(headers) or self.tracing_enabled
-        self._live[request_id] = _LiveRequest(params, headers, samples, traced)
+        lora = samples[0].lora_request
+        lora_name = lora.lora_name if lora is not None else None
+        self._live[request_id] = _LiveRequest(params, headers, samples, traced, lora_name)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (unknown or finished ids are ignored); frees their blocks now.
@@ -344,7 +347,9 @@ class LLMEngine:
             if live.traced:
                 preemptions = sorted(t for r in live.samples for t in r.times.preemption_times)
                 self.request_tracer.record(
-                    output, TraceInfo(live.trace_headers, live.params, preemptions), num_generated
+                    output,
+                    TraceInfo(live.trace_headers, live.params, preemptions, live.lora_name),
+                    num_generated,
                 )
 
     def _record_stats(self, scheduler_output, runner_output) -> None:
