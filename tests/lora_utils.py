@@ -17,6 +17,7 @@ def make_peft_adapter(
     targets: list[str],
     seed: int,
     use_rslora: bool = False,
+    b_std: float = 0.3,
 ) -> Any:
     """Saves a PEFT adapter of the model in `base_dir` to `out_dir` and returns the PEFT
     model (merge it with `merge_and_unload()` for a reference). PEFT starts lora_B at zero;
@@ -37,6 +38,6 @@ def make_peft_adapter(
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0.0, 0.3)
+                param.normal_(0.0, b_std)
     peft_model.save_pretrained(out_dir)
     return peft_model
