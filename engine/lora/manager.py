@@ -114,6 +114,9 @@ class LoRAManager:
         if not present:
             self._indices = None
             return False
+        for lora_id in present:  # most recently used: a reload below never evicts them
+            if lora_id in self._adapters:
+                self._adapters.move_to_end(lora_id)
         for request, _ in token_adapters:
             if request is not None and request.lora_int_id not in self._adapters:
                 self.add_lora(request)  # evicted since it was added: load it again

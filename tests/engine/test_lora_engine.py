@@ -170,3 +170,18 @@ def test_lora_requests_info_metric(lora_dirs) -> None:
     lines = [x for x in text.splitlines() if x.startswith("pagedserve:lora_requests_info{")]
     assert len(lines) == 1 and 'running_lora_adapters=""' in lines[0]
     assert 'waiting_lora_adapters=""' in lines[0]
+
+
+def test_reloading_an_evicted_adapter_keeps_the_batchs_other_adapters(lora_dirs) -> None:
+    llm = make_llm(lora_dirs, max_loras=2, max_cpu_loras=2, max_lora_rank=8)
+    engine = llm.llm_engine
+    attn, mlp, mixed = (lora_request(lora_dirs, n, i) for i, n in enumerate(ADAPTERS, 1))
+    engine.add_lora(attn)
+    engine.add_lora(mlp)
+    engine.add_lora(mixed)  # evicts attn (least recently used)
+    assert engine.list_loras() == {2, 3}
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=[attn, mlp])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
+    assert engine.list_loras() == {1, 2}  # attn reloaded; mixed, not in the batch, went
