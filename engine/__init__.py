@@ -8,6 +8,7 @@ from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineStats
 from engine.config import EngineArgs, EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -28,6 +29,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStats",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "PoolingOutput",
     "PoolingParams",

@@ -12,9 +12,19 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
-from engine.config import EngineArgs, EngineConfig, ModelConfig
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from engine.engine_thread import (
     END_OF_STREAM,
     AbortCommand,
@@ -25,8 +35,10 @@ from engine.engine_thread import (
     OutputStream,
     raise_if_dead,
 )
+from engine.input_processor import InputProcessor
 from engine.kv_event_publisher import KVEventBatch, KVEventSubscription
 from engine.llm_engine import LLMEngine, PromptType
+from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -43,9 +55,12 @@ class AsyncLLMEngine:
     ...     print(output.outputs[0].text)
     """
 
-    def __init__(self, engine: LLMEngine, start_engine_loop: bool = True) -> None:
-        self.engine = engine  # used by the engine thread only, once it has started
-        self._loop_thread = EngineThread(engine)
+    def __init__(
+        self, engine: LLMEngine, start_engine_loop: bool = True, log_requests: bool = False
+    ) -> None:
+        self.engine = engine  # used by whoever drives it: the loop thread or engine_step()
+        self.log_requests = log_requests
+        self._loop_thread = EngineThread(engine, log_requests=log_requests)
         if start_engine_loop:
             self.start_background_loop()
 
@@ -53,11 +68,34 @@ class AsyncLLMEngine:
     def from_engine_args(
         cls, engine_args: EngineArgs, start_engine_loop: bool = True
     ) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(engine_args), start_engine_loop=start_engine_loop)
+        return cls(
+            LLMEngine.from_engine_args(engine_args),
+            start_engine_loop=start_engine_loop,
+            log_requests=engine_args.enable_log_requests,
+        )
+
+    # ---- the background loop -------------------------------------------------------------
 
     def start_background_loop(self) -> None:
-        raise_if_dead(self._loop_thread.dead_error)
+        """Starts the loop that steps the engine; again after `shutdown_background_loop()`.
+        Raises `EngineDeadError` once the engine is shut down or dead."""
         self._loop_thread.start()
+
+    def shutdown_background_loop(self, timeout: float | None = 30.0) -> None:
+        """Stops the loop after its current step, keeping every request and the engine:
+        `start_background_loop()` resumes them, `engine_step()` steps them by hand. Calls
+        made meanwhile (generate, abort) wait for one or the other."""
+        self._loop_thread.pause(timeout)
+
+    async def engine_step(self, virtual_engine: int = 0) -> bool:
+        """One engine iteration by hand (the background loop must be off): applies the
+        submitted adds and aborts, runs one step and hands its outputs to their generators.
+        Returns True while requests remain unfinished (vLLM's contract)."""
+        if virtual_engine != 0:
+            raise ValueError(
+                f"virtual_engine must be 0 (no pipeline parallelism), got {virtual_engine!r}."
+            )
+        return await asyncio.to_thread(self._loop_thread.step_once)
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -67,17 +105,23 @@ class AsyncLLMEngine:
 
     @property
     def errored(self) -> bool:
+        """True once the engine can serve no more: its loop died or it was shut down (as
+        vLLM's `AsyncLLM.errored`). A paused background loop is not an error."""
         return self._loop_thread.dead_error is not None
+
+    @property
+    def is_stopped(self) -> bool:
+        """True once the engine is shut down or dead (vLLM: `is_stopped` is `errored`)."""
+        return self.errored
 
     @property
     def dead_error(self) -> BaseException:
         return self._loop_thread.dead_error or EngineDeadError("The engine is not dead.")
 
     async def check_health(self) -> None:
-        """Raises `EngineDeadError` if the engine loop has stopped."""
+        """Raises `EngineDeadError` once the engine is dead or shut down. A background loop
+        paused by `shutdown_background_loop()` is healthy (as in vLLM): it can restart."""
         raise_if_dead(self._loop_thread.dead_error)
-        if not self.is_running:
-            raise EngineDeadError("The background loop is not running.")
 
     async def get_model_config(self) -> ModelConfig:
         return self.engine.get_model_config()
@@ -88,9 +132,65 @@ class AsyncLLMEngine:
     async def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
+    async def get_cache_config(self) -> CacheConfig:
+        return self.engine.get_cache_config()
+
+    async def get_scheduler_config(self) -> SchedulerConfig:
+        return self.engine.get_scheduler_config()
+
+    async def get_device_config(self) -> DeviceConfig:
+        return self.engine.get_device_config()
+
     async def get_decoding_config(self) -> DecodingConfig:
         """Which grammar backend enforces structured outputs."""
         return self.engine.get_decoding_config()
+
+    async def get_parallel_config(self) -> ParallelConfig:
+        return self.engine.get_parallel_config()
+
+    async def get_lora_config(self) -> LoRAConfig | None:
+        return self.engine.get_lora_config()
+
+    async def get_input_preprocessor(self) -> InputProcessor:
+        return self.engine.get_input_preprocessor()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self._loop_thread.call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._loop_thread.call(lambda engine: engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._loop_thread.call(lambda engine: engine.list_loras())
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._loop_thread.call(lambda engine: engine.pin_lora(lora_id))
+
+    async def sleep(self, level: int = 1) -> None:
+        """`LLMEngine.sleep(level)` between steps (the engine must be idle). Requests sent
+        while it sleeps wait for `wake_up()`; `check_health()` stays healthy."""
+        await self._loop_thread.call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._loop_thread.call(lambda engine: engine.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        # One int read: safe from any thread, and current once sleep()/wake_up() returned
+        # (the stats snapshot follows a step later).
+        return self.engine.is_sleeping()
+
+    async def start_profile(self) -> None:
+        """`LLMEngine.start_profile()` on the engine thread (the one running the steps)."""
+        await self._loop_thread.call(lambda engine: engine.start_profile())
+
+    async def stop_profile(self) -> Path:
+        """`LLMEngine.stop_profile()`: ends the session; returns the trace file's path."""
+        return await self._loop_thread.call(lambda engine: engine.stop_profile())
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops every cached block no request holds (on the engine thread, between
+        steps); False when some blocks are in use, as vLLM."""
+        return await self._loop_thread.call(lambda engine: engine.reset_prefix_cache())
 
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe from any thread)."""
@@ -106,10 +206,6 @@ class AsyncLLMEngine:
         """Logs (and returns) the engine's stats line (`LLMEngine.do_log_stats`), computed
         on the engine thread, which owns the counters it reads and resets."""
         return await self._loop_thread.call(lambda engine: engine.do_log_stats())
-
-    async def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix block (vLLM's name); False while any block is in use."""
-        return await self._loop_thread.call(lambda engine: engine.reset_prefix_cache())
 
     async def subscribe_kv_events(
         self, max_queued_batches: int = 1024

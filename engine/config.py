@@ -87,6 +87,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
+    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -160,6 +161,43 @@ class DeviceConfig:
     attention_backend: str | None = None  # None: triton on CUDA, cpu (else torch) on CPU
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's `ParallelConfig`. One engine is one process on one device today, so every
+    size is 1; `get_parallel_config()` reports it so callers written for vLLM work."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's `LoRAConfig` (set when `enable_lora=True`)."""
+
+    max_loras: int = 1  # adapters in one batch
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded (LRU beyond); None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -168,6 +206,8 @@ class EngineConfig:
     device_config: DeviceConfig
     otlp_traces_endpoint: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
 
 @dataclass
@@ -196,6 +236,13 @@ class EngineArgs:
     otlp_traces_endpoint: str | None = None  # export llm_request spans here (OTLP)
     # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: no speculation
     speculative_config: dict[str, Any] | None = None
+    # AsyncLLMEngine logs one line per request added / finished / aborted (vLLM's name).
+    enable_log_requests: bool = False
+    # LoRA adapters (vLLM's names): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model
@@ -246,12 +293,16 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
         )
+        lora_config = None
+        if self.enable_lora:
+            lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         return EngineConfig(
             model_config,
             cache_config,
             scheduler_config,
             DeviceConfig(device, self.attention_backend),
             speculative_config=speculative_config,
+            lora_config=lora_config,
         )
 
 

@@ -53,6 +53,7 @@ class EngineStats:
     num_generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_commands_applied: int = 0  # adds and aborts the engine thread has taken in
+    is_sleeping: bool = False  # sleep(): requests wait for wake_up()
 
 
 class OutputStream:
@@ -112,6 +113,14 @@ class CallCommand:
     fn: Callable[[LLMEngine], Any]
     future: asyncio.Future[Any]
 
+    def run(self, engine: LLMEngine) -> None:
+        try:
+            result = self.fn(engine)
+        except Exception as exc:  # the caller gets it; the engine goes on
+            self.resolve(error=exc)
+        else:
+            self.resolve(result)
+
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         def settle() -> None:
             if self.future.done():  # the caller gave up
@@ -129,15 +138,20 @@ Command = AddCommand | AbortCommand | CallCommand
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, log_requests: bool = False) -> None:
         self.engine = engine
+        self.log_requests = log_requests
         self._cond = threading.Condition()
         self._commands: deque[Command] = deque()  # guarded by _cond
         self._num_submitted = 0  # guarded by _cond
         self._stopping = False  # guarded by _cond
+        self._pausing = False  # guarded by _cond: shutdown_background_loop() asked
+        # Held by whoever drives the engine: the loop thread, or an `engine_step()` caller
+        # while the loop is off. Only its holder touches the engine and the tables below.
+        self._drive_lock = threading.Lock()
         self._dead_error: EngineDeadError | None = None  # set under _cond
         self._thread: threading.Thread | None = None
-        # Touched only by the engine thread (before start: by nobody else either).
+        # Touched only by the holder of _drive_lock.
         self._streams: dict[str, OutputStream] = {}
         self._aborted: list[OutputStream] = []
         self._num_applied = 0
@@ -165,19 +179,60 @@ class EngineThread:
             return self._num_submitted
 
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("The background loop is already started.")
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        """Starts the loop thread; again after `pause()` (what was queued meanwhile runs)."""
+        with self._cond:
+            raise_if_dead(self._dead_error)
+            if self.is_alive:
+                raise RuntimeError("The background loop is already running.")
+            self._pausing = False
+            self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+            self._thread.start()
+
+    def pause(self, timeout: float | None) -> None:
+        """Ends the loop thread after its current step, keeping every request: they go on
+        after `start()` or through `step_once()`."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return
+            self._pausing = True
+            self._cond.notify_all()
+        if thread is threading.current_thread():
+            raise RuntimeError("shutdown_background_loop() cannot run on the engine thread.")
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"The background loop did not stop within {timeout} s.")
+        with self._cond:
+            if self._thread is thread:
+                self._thread = None
+
+    def step_once(self) -> bool:
+        """One iteration by hand while the loop thread is off: apply the queued commands,
+        run one engine step, deliver its outputs. True while requests remain."""
+        if self.is_alive:
+            raise RuntimeError(
+                "engine_step() drives the engine by hand: call shutdown_background_loop() "
+                "first (the background loop is running)."
+            )
+        with self._cond:
+            raise_if_dead(self._dead_error)
+            commands = list(self._commands)
+            self._commands.clear()
+        pending = deque(commands)
+        with self._drive_lock:
+            try:
+                self._iterate(pending)
+            except BaseException as exc:
+                logger.exception("An engine step died; every request fails from now on.")
+                self._die(exc, list(pending))
+                raise_if_dead(self._dead_error)
+            return self.engine.has_unfinished_requests()
 
     def submit(self, command: Command) -> None:
         """Queues a command for the engine thread; raises `EngineDeadError` once stopped."""
         with self._cond:
             raise_if_dead(self._dead_error)
-            if self._thread is None:
-                raise EngineDeadError(
-                    "The background loop is not running: call start_background_loop()."
-                )
+            # With the loop off, commands wait for start_background_loop() / engine_step().
             self._commands.append(command)
             self._num_submitted += 1
             self._cond.notify()
@@ -186,6 +241,12 @@ class EngineThread:
         """Runs `fn(engine)` on the engine thread; await the returned future (from the
         running event loop) for its result."""
         future = asyncio.get_running_loop().create_future()
+        if not self.is_alive:  # no loop to wait for: run it here, as its driver
+            raise_if_dead(self._dead_error)
+            with self._drive_lock:
+                CallCommand(fn, future).run(self.engine)
+                self.stats = self._snapshot()
+            return future
         self.submit(CallCommand(fn, future))
         return future
 
@@ -193,32 +254,47 @@ class EngineThread:
         """Ends the loop after its current step: live requests are aborted, queued ones
         fail with `EngineDeadError`."""
         with self._cond:
+            ended = self._dead_error is not None  # died, or stopped before
             self._stopping = True
             if self._dead_error is None:
                 self._dead_error = EngineDeadError("The engine was shut down.")
             self._cond.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread = self._thread
+        if thread is not None and thread.is_alive():
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+            return
+        if ended:  # its requests were failed or ended then
+            return
+        with self._drive_lock:  # no loop thread: end the requests here
+            self._close()
 
     # ---- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
         commands: deque[Command] = deque()  # taken from the queue, not applied yet
-        try:
-            while (batch := self._next_commands()) is not None:
-                commands.extend(batch)
-                while commands:
-                    self._apply(commands.popleft())
-                self._deliver(self.engine.step())
-                self._end_aborted_streams()
-                self.kv_events.publish()
-                self.stats = self._snapshot()
-        except BaseException as exc:
-            logger.exception("The engine loop died; every request fails from now on.")
-            self._die(exc, list(commands))
-            return
-        self._close()
+        with self._drive_lock:
+            try:
+                while (batch := self._next_commands()) is not None:
+                    commands.extend(batch)
+                    self._iterate(commands)
+            except BaseException as exc:
+                logger.exception("The engine loop died; every request fails from now on.")
+                self._die(exc, list(commands))
+                return
+            with self._cond:
+                stopping = self._stopping
+            if stopping:  # else paused: the requests stay for a restart or engine_step()
+                self._close()
+
+    def _iterate(self, commands: deque[Command]) -> None:
+        """Applies `commands` (emptying it), runs one step, delivers its outputs."""
+        while commands:
+            self._apply(commands.popleft())
+        self._deliver(self.engine.step())
+        self._end_aborted_streams()
+        self.kv_events.publish()
+        self.stats = self._snapshot()
 
     def _next_commands(self) -> list[Command] | None:
         """The queued commands, waiting for one while the engine has nothing to do; None
@@ -226,11 +302,12 @@ class EngineThread:
         with self._cond:
             while (
                 not self._stopping
+                and not self._pausing
                 and not self._commands
-                and not self.engine.has_unfinished_requests()
+                and (self.engine.is_sleeping() or not self.engine.has_unfinished_requests())
             ):
                 self._cond.wait()
-            if self._stopping:
+            if self._stopping or self._pausing:
                 return None
             commands = list(self._commands)
             self._commands.clear()
@@ -239,12 +316,7 @@ class EngineThread:
     def _apply(self, command: Command) -> None:
         self._num_applied += 1
         if isinstance(command, CallCommand):
-            try:
-                result = command.fn(self.engine)
-            except Exception as exc:  # the caller gets it; the engine goes on
-                command.resolve(error=exc)
-            else:
-                command.resolve(result)
+            command.run(self.engine)
             return
         if isinstance(command, AbortCommand):
             for request_id in command.request_ids:
@@ -254,6 +326,8 @@ class EngineThread:
                 self.engine.abort_request(request_id)
                 if stream is not None:
                     self._aborted.append(stream)
+                    if self.log_requests:
+                        logger.info("Aborted request %s.", request_id)
             return
         stream = command.stream
         request_id = stream.request_id
@@ -276,6 +350,8 @@ class EngineThread:
             stream.put(exc)
             return
         self._streams[request_id] = stream
+        if self.log_requests:
+            logger.info("Added request %s.", request_id)
 
     def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Hands a step's outputs over with one wake-up per event loop, not one per request
@@ -287,6 +363,8 @@ class EngineThread:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
+                if self.log_requests:
+                    logger.info("Finished request %s.", output.request_id)
             batches.setdefault(stream.loop, []).append((stream, output))
         for loop, items in batches.items():
             try:
@@ -352,6 +430,7 @@ class EngineThread:
             num_generation_tokens_total=engine.stat_logger.total_generation_tokens,
             num_preemptions_total=engine.scheduler.num_preemptions_total,
             num_commands_applied=self._num_applied,
+            is_sleeping=engine.is_sleeping(),
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -41,6 +42,25 @@ class LLM:
         """vLLM's defaults, overridden by the model's generation config where it sets them."""
         gen = self.llm_engine.get_model_config().generation_config
         return SamplingParams(**generation_config_defaults(gen))
+
+    def start_profile(self) -> None:
+        """Profiles the following `generate` calls (`LLMEngine.start_profile`)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> Path:
+        """Writes the Chrome trace under `PAGEDSERVE_TORCH_PROFILER_DIR`; returns its path."""
+        return self.llm_engine.stop_profile()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives the KV cache (level 1) or the cache and the weights (level 2) back until
+        `wake_up()` (`LLMEngine.sleep`)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
 
     def generate(
         self,
@@ -147,6 +167,12 @@ class LLM:
         priority: Sequence[int] | None,
     ) -> list[str]:
         """Adds every request, or none: a bad one aborts those already added."""
+        if self.llm_engine.is_sleeping():  # nothing else could wake it: it would hang
+            raise RuntimeError("The engine is asleep: call wake_up() before generating.")
+        # One adapter (or None) for every prompt, or a list with one per prompt (vLLM).
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts.")
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -155,7 +181,7 @@ class LLM:
                     request_id,
                     prompt,
                     params,
-                    lora_request=lora_request,
+                    lora_request=loras[i],
                     priority=0 if priority is None else priority[i],
                 )
                 request_ids.append(request_id)

@@ -15,20 +15,24 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine.config import (
     CacheConfig,
     DeviceConfig,
     EngineArgs,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.input_processor import InputProcessor, PromptType
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineMetrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingRequestOutput, RequestOutput
@@ -45,6 +49,10 @@ from engine.tracing import (
     tracing_is_configured,
 )
 
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
+    from engine.lora.metrics import LoRAInfoGauge
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,6 +62,7 @@ class _LiveRequest:
     trace_headers: Mapping[str, str] | None
     samples: list[Request]
     traced: bool
+    lora_name: str | None = None
 
 
 _SEED_MASK = (1 << 63) - 1
@@ -63,6 +72,8 @@ _IDLE_WAIT_S = 0.01
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        from engine.lora.manager import LoRAManager
+        from engine.lora.metrics import LoRAInfoGauge
         from engine.models.loader import load_tokenizer
         from engine.worker.model_runner import ModelRunner
 
@@ -71,6 +82,13 @@ class LLMEngine:
         if not model_config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
         self.runner = ModelRunner(config)
+        self.lora_manager: LoRAManager | None = None
+        if config.lora_config is not None:
+            self.lora_manager = LoRAManager(
+                config.lora_config, model_config.hf_config, self.runner.dtype, self.runner.device
+            )
+            self.lora_manager.attach(self.runner.model)
+            self.runner.lora_manager = self.lora_manager
         # The KV-cache size is decided once, by the runner from the memory budget, and
         # handed on as a value; the engine's config is a resolved copy that records it (the
         # caller's config object is not written to).
@@ -101,6 +119,7 @@ class LLMEngine:
                 max_model_len=min(sched_config.max_model_len, self.max_tokens_in_cache),
                 enable_chunked_prefill=sched_config.enable_chunked_prefill,
                 policy=sched_config.policy,
+                max_loras=config.lora_config.max_loras if config.lora_config else None,
             ),
             self.kv_cache_manager,
             config.speculative_config,
@@ -122,6 +141,10 @@ class LLMEngine:
         self.metrics.set_cache_config_info(
             config.cache_config.block_size, self.kv_cache_manager.num_blocks
         )
+        self.lora_info: LoRAInfoGauge | None = None
+        if config.lora_config is not None:
+            self.lora_info = LoRAInfoGauge(self.metrics.registry, config.lora_config.max_loras)
+            self.lora_info.update([], [])
         self._live: dict[str, _LiveRequest] = {}  # until the final output is returned
         self.structured_output_manager = StructuredOutputManager(model_config)
 
@@ -150,6 +173,17 @@ class LLMEngine:
         """Which grammar backend enforces structured outputs."""
         return self.structured_output_manager.decoding_config
 
+    def get_parallel_config(self) -> ParallelConfig:
+        return self.config.parallel_config
+
+    def get_lora_config(self) -> LoRAConfig | None:
+        """None without `enable_lora` (as vLLM)."""
+        return self.config.lora_config
+
+    def get_input_preprocessor(self) -> InputProcessor:
+        """What turns a prompt (text or token ids) into checked token ids."""
+        return self.input_processor
+
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise ValueError("The tokenizer was not initialised (skip_tokenizer_init=True).")
@@ -174,7 +208,7 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
-            raise NotImplementedError("lora_request: LoRA adapters are not supported yet.")
+            self._require_lora().add_lora(lora_request)  # loads and checks it if new
         if not isinstance(params, SamplingParams | PoolingParams):
             raise TypeError(
                 f"params must be SamplingParams or PoolingParams, got {type(params).__name__}."
@@ -212,6 +246,7 @@ class LLMEngine:
                 cache_salt=salt,
                 trace_headers=headers,
                 pooling_params=params.clone(),
+                lora_request=lora_request,
             )
             self.output_processor.add_pooling_request(text, pooling)
             self.scheduler.add_request(pooling)
@@ -241,6 +276,7 @@ class LLMEngine:
                     parent_id=request_id,
                     index=index,
                     trace_headers=headers,
+                    lora_request=lora_request,
                 )
             )
         if any(s.request_id in self.scheduler.requests for s in samples):
@@ -256,7 +292,9 @@ class LLMEngine:
         """Remembers what the request's metrics and span need once it finishes. A span is
         recorded when the caller sent trace context or a tracer provider is configured."""
         traced = contains_trace_headers(headers) or self.tracing_enabled
-        self._live[request_id] = _LiveRequest(params, headers, samples, traced)
+        lora = samples[0].lora_request
+        lora_name = lora.lora_name if lora is not None else None
+        self._live[request_id] = _LiveRequest(params, headers, samples, traced, lora_name)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (unknown or finished ids are ignored); frees their blocks now.
@@ -281,12 +319,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def has_unfinished_requests_for_virtual_engine(self, virtual_engine: int) -> bool:
+        """vLLM keeps one scheduler per pipeline stage ("virtual engine"); without pipeline
+        parallelism there is only virtual engine 0."""
+        num_virtual = self.config.parallel_config.pipeline_parallel_size
+        if not isinstance(virtual_engine, int) or not 0 <= virtual_engine < num_virtual:
+            raise ValueError(
+                f"virtual_engine must be in [0, {num_virtual}) (pipeline_parallel_size="
+                f"{num_virtual}), got {virtual_engine!r}."
+            )
+        return self.has_unfinished_requests()
+
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         self._abort_failed_grammars()
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.scheduler.has_unfinished_requests():
+        # Asleep, nothing is scheduled: requests wait for wake_up() (aborts still end).
+        if self.scheduler.has_unfinished_requests() and not self.is_sleeping():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
                 # Only requests whose grammar is compiling: wait for one rather than spin.
@@ -339,7 +389,9 @@ class LLMEngine:
             if live.traced:
                 preemptions = sorted(t for r in live.samples for t in r.times.preemption_times)
                 self.request_tracer.record(
-                    output, TraceInfo(live.trace_headers, live.params, preemptions), num_generated
+                    output,
+                    TraceInfo(live.trace_headers, live.params, preemptions, live.lora_name),
+                    num_generated,
                 )
 
     def _record_stats(self, scheduler_output, runner_output) -> None:
@@ -358,6 +410,8 @@ class LLMEngine:
         m.prefix_cache_hits.inc(prefix.hits)
         m.prompt_tokens.inc(num_prompt)
         m.generation_tokens.inc(num_generated)
+        if self.lora_info is not None:
+            self.lora_info.update(self.scheduler.running, self.scheduler.waiting)
         if self.log_stats and time.monotonic() - self.stat_logger.last_log_time > _STATS_INTERVAL_S:
             self.do_log_stats()
 
@@ -387,3 +441,61 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    def _require_lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True in the engine arguments.")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads and checks an adapter (a ValueError says what is wrong with a bad one);
+        False if its id is loaded already."""
+        return self._require_lora().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._require_lora().remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._require_lora().list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keeps the adapter loaded whatever max_cpu_loras' LRU would evict."""
+        return self._require_lora().pin_lora(lora_id)
+
+    # ---- sleep mode ---------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache (level 1; on CUDA the weights move to host memory) or the KV
+        cache and the weights (level 2), see `worker/sleep.py`. The engine must be idle;
+        requests added while it sleeps wait for `wake_up()`."""
+        num_unfinished = self.get_num_unfinished_requests()
+        if num_unfinished:
+            raise RuntimeError(
+                f"sleep() needs an idle engine: {num_unfinished} requests are unfinished "
+                "(finish or abort them first)."
+            )
+        if not self.runner.sleep_mode.is_sleeping:
+            # The cached blocks' contents go with the cache.
+            assert self.kv_cache_manager.reset_prefix_cache(), "an idle engine holds blocks"
+        self.runner.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restores the parts in `tags` ("weights", "kv_cache"; None: all). Steps resume
+        once every part is back."""
+        self.runner.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.runner.sleep_mode.is_sleeping
+
+    # ---- profiling ----------------------------------------------------------------------
+
+    def start_profile(self) -> None:
+        """Starts a torch.profiler session over the following steps; the trace directory is
+        `PAGEDSERVE_TORCH_PROFILER_DIR` (a ValueError naming it when unset)."""
+        self.runner.profiler.start(self.runner.model)
+
+    def stop_profile(self) -> Path:
+        """Ends the session and writes its Chrome trace; returns the trace file's path."""
+        return self.runner.profiler.stop()

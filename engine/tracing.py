@@ -48,6 +48,7 @@ class SpanAttributes:
     TIME_IN_DECODE = "gen_ai.latency.time_in_model_decode"
     E2E = "gen_ai.latency.e2e"
     NUM_PREEMPTIONS = "pagedserve.request.num_preemptions"
+    LORA_NAME = "gen_ai.request.lora_name"  # ours: the LoRA adapter, when one is used
 
 
 def contains_trace_headers(headers: Mapping[str, str] | None) -> bool:
@@ -105,6 +106,7 @@ class TraceInfo:
     trace_headers: Mapping[str, str] | None
     params: Any  # SamplingParams or PoolingParams
     preemption_times: list[float]
+    lora_name: str | None = None
 
 
 class RequestTracer:
@@ -138,6 +140,8 @@ class RequestTracer:
         )
         span.set_attributes(self._attributes(output, info, metrics, num_output_tokens))
         span.set_attribute(SpanAttributes.FINISH_REASONS, finish_reasons)
+        if info.lora_name:
+            span.set_attribute(SpanAttributes.LORA_NAME, info.lora_name)
         if metrics.first_scheduled_time is not None:
             span.add_event("first_scheduled", timestamp=_ns(metrics.first_scheduled_time))
         if metrics.first_token_time is not None:

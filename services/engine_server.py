@@ -41,6 +41,8 @@ from engine import (
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services import convert, tracing
+from services.engine_admin import EngineAdminRpcs
+from services.engine_lora import EngineLoraRpcs
 from services.errors import ConfigError, ServiceError, invalid_argument, rpc_method
 from services.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -92,7 +94,7 @@ def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
     )
 
 
-class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServiceServicer):
     """Thin: proto → engine call → proto; errors become statuses in `services.errors`."""
 
     SERVICE_NAME = ENGINE_SERVICE
@@ -123,7 +125,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         params = convert.sampling_params_from_proto(
             request.sampling_params, output_kind=RequestOutputKind.DELTA, detokenize=False
         )
+        lora_request = self.lora_request_for(request.lora_name)
         tracing.set_request_attributes(span, request_id, self.model_name, params)
+        if lora_request is not None:
+            span.set_attribute("gen_ai.request.lora_name", lora_request.lora_name)
         builder = convert.EngineResponseBuilder(request_id, params)
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
@@ -133,6 +138,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
+                lora_request=lora_request,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -163,6 +169,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         pooling = request.pooling_params
         normalize = pooling.normalize if pooling.HasField("normalize") else True
         params = PoolingParams(normalize=normalize)
+        lora_request = self.lora_request_for(request.lora_name)
         final = None
         with self.requests.admit(request_id, None):
             stream = engine.encode(
@@ -171,6 +178,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 request_id,
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
+                lora_request=lora_request,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -214,6 +222,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_free_kv_blocks=str(stats.num_free_blocks),
             kv_cache_usage=f"{stats.kv_cache_usage:.4f}",
             num_preemptions_total=str(stats.num_preemptions_total),
+            is_sleeping=str(stats.is_sleeping).lower(),  # asleep: requests wait for WakeUp
         )
         healthy = healthy and self.health.serving
         status = "SERVING" if healthy else "NOT_SERVING"

@@ -204,7 +204,14 @@ class KVCacheManager:
         return self.block_pool.take_prefix_cache_stats()
 
     def _extra_keys(self, request: Request) -> tuple[Hashable, ...] | None:
-        return None if request.cache_salt is None else (request.cache_salt,)
+        """The adapter (its KV differs from the base model's) and the cache salt: blocks of
+        two adapters never match."""
+        keys: tuple[Hashable, ...] = ()
+        if request.lora_request is not None:
+            keys += (("lora", request.lora_request.lora_int_id),)
+        if request.cache_salt is not None:
+            keys += (request.cache_salt,)
+        return keys or None
 
     def _block_token_ids(self, request: Request, block_index: int) -> tuple[int, ...]:
         start = block_index * self.block_size

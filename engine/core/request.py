@@ -72,6 +72,7 @@ class Request:
         index: int = 0,
         trace_headers: dict[str, str] | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,  # engine.lora.LoRARequest (kept torch-free here)
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError("A request needs exactly one of sampling_params and pooling_params.")
@@ -83,6 +84,7 @@ class Request:
         self.pooling_params = pooling_params
         self.priority = priority
         self.trace_headers = trace_headers  # W3C trace context of the caller, if any
+        self.lora_request = lora_request
         # Seed of the counter-based sampler: fixed per request, so a request samples the
         # same tokens whatever else shares its batch.
         self.seed = seed

@@ -6,10 +6,12 @@ tokens it still lacks (a prefill chunk, or the one decode token), within
 same rule covers chunked prefill, prefix-cache hits and recompute after preemption.
 
 Order within a step: running requests first (priority order under the priority policy,
-arrival order under FCFS), then waiting ones. When a running request cannot get a block,
-the running request that comes *last* in that order is preempted (its blocks freed, its
-state reset to recompute later). Because already-scheduled requests come earlier in the
-order, a victim is never one that was scheduled in this step, except the request itself.
+arrival order under FCFS), then waiting ones; with LoRA, a waiting request whose adapter
+would be one more than `max_loras` among the running requests waits (head of the queue).
+When a running request cannot get a block, the running request that comes *last* in that
+order is preempted (its blocks freed, its state reset to recompute later). Because
+already-scheduled requests come earlier in the order, a victim is never one that was
+scheduled in this step, except the request itself.
 
 With speculative decoding (n-gram drafts), an eligible running request in decode gets
 `1 + k` tokens: its last known token and k drafts kept in `request.spec_token_ids`. The
@@ -156,6 +158,8 @@ class Scheduler:
             if not request.is_ready():
                 not_ready.append(self.waiting.pop())
                 continue
+            if self._too_many_loras(request):  # it waits until an adapter's requests end
+                break
             if request.needs_all_prompt_positions:
                 hit_blocks, num_hit = [], 0
             else:
@@ -178,6 +182,15 @@ class Scheduler:
             scheduled.append(self._entry(request, num_new))
             budget -= num_new
         return budget
+
+    def _too_many_loras(self, request: Request) -> bool:
+        """Admitting `request` would put more than `max_loras` distinct adapters among the
+        running requests (the runner's adapter slots per batch)."""
+        max_loras, lora = self.config.max_loras, request.lora_request
+        if max_loras is None or lora is None:
+            return False
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id not in active and len(active) >= max_loras
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """N-gram drafts for an eligible request in decode; none that would pass the step's

@@ -26,11 +26,14 @@ from engine.core.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from engine.lora.manager import LoRAManager
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
 from engine.sample.token_controls import apply_grammar_bitmask
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
+from engine.worker.profiler import TorchProfiler
+from engine.worker.sleep import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,9 @@ class ModelRunner:
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = self.attn_backend.whole_step_decode(self.model)
         self.sampler = Sampler()
+        self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
+        self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
+        self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self._warm_up()
@@ -72,6 +78,14 @@ class ModelRunner:
         """The window behind which the KV-cache manager may free a request's blocks (every
         layer's window; None when any layer attends to the whole context)."""
         return self.model.kv_cache_sliding_window(self.config.model_config.hf_config)
+
+    def bind_decode_step(self) -> None:
+        """(Re)binds the backend's fused decode path to the current model and caches (it
+        holds their addresses): after a wake-up."""
+        self._decode_step = self.attn_backend.whole_step_decode(self.model)
+
+    def unbind_decode_step(self) -> None:
+        self._decode_step = None
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
@@ -96,10 +110,13 @@ class ModelRunner:
         hidden = self._forward(inputs, kv_caches)
         self.model.compute_logits(hidden[-1:])
 
-    def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The model's forward, or the backend's fused path where it applies to the step."""
+    def _forward(
+        self, inputs: StepInputs, kv_caches: list[torch.Tensor], fused: bool = True
+    ) -> torch.Tensor:
+        """The model's forward, or the backend's fused path where it applies to the step
+        (not with LoRA adapters in the batch: their updates hook the model's layers)."""
         metadata = inputs.attn_metadata
-        if self._decode_step is not None and self._decode_step.applies(metadata):
+        if fused and self._decode_step is not None and self._decode_step.applies(metadata):
             return self._decode_step(inputs.input_ids, inputs.positions, kv_caches, metadata)
         return self.model(inputs.input_ids, inputs.positions, kv_caches, metadata)
 
@@ -187,7 +204,10 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self._forward(inputs, self.kv_caches)  # [num_tokens, hidden_size]
+        lora = self.lora_manager is not None and self.lora_manager.prepare(
+            [(e.request.lora_request, len(e.token_ids)) for e in batch]
+        )
+        hidden = self._forward(inputs, self.kv_caches, fused=not lora)  # [num_tokens, hidden]
 
         sampling = [i for i, e in enumerate(batch) if e.samples and not e.spec_token_ids]
         speculative = [i for i, e in enumerate(batch) if e.spec_token_ids]

@@ -174,7 +174,7 @@ def test_bad_requests_raise_and_leave_the_engine_usable(model_dir) -> None:
         engine.add_request("long", tokens(65), params)
     with pytest.raises(ValueError, match=r"length 60.*4 KV-cache blocks.*3 blocks"):
         engine.add_request("never-fits", tokens(60), params)
-    with pytest.raises(NotImplementedError, match="lora_request"):
+    with pytest.raises(ValueError, match="enable_lora"):
         engine.add_request("lora", tokens(4), params, lora_request=object())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", {"prompt_token_ids": []}, params)

@@ -130,3 +130,22 @@ def test_pooling_requests_are_traced_as_embeddings(exporter, model_dir) -> None:
     (span,) = spans_for(exporter, "embed")
     assert span.attributes["gen_ai.operation.name"] == "embeddings"
     assert span.attributes["gen_ai.usage.input_tokens"] == 4
+
+
+def test_llm_request_span_carries_the_lora_adapter(exporter, model_dir, tmp_path) -> None:
+    from engine import LoRARequest
+    from tests.lora_utils import make_peft_adapter
+
+    make_peft_adapter(model_dir, tmp_path / "sql", rank=2, alpha=4, targets=["q_proj"], seed=1)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), enable_lora=True))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    headers = {"traceparent": TRACEPARENT}
+    lora = LoRARequest("sql", 1, str(tmp_path / "sql"))
+    prompt = {"prompt_token_ids": [5, 6]}
+    engine.add_request("lora-span", prompt, params, lora_request=lora, trace_headers=headers)
+    engine.add_request("base-span", prompt, params, trace_headers=headers)
+    run(engine)
+    (span,) = spans_for(exporter, "lora-span")
+    assert span.attributes["gen_ai.request.lora_name"] == "sql"
+    (base,) = spans_for(exporter, "base-span")
+    assert "gen_ai.request.lora_name" not in base.attributes

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xa7\x02\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12M\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x36.pagedserve.v1.EngineGenerateRequest.TraceHeadersEntry\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfc\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.StopReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\xa1\x02\n\x13\x45ngineEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x0epooling_params\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12K\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x34.pagedserve.v1.EngineEncodeRequest.TraceHeadersEntry\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"b\n\x14\x45ngineEncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage2\x96\x03\n\rEngineService\x12Y\n\x08Generate\x12$.pagedserve.v1.EngineGenerateRequest\x1a%.pagedserve.v1.EngineGenerateResponse0\x01\x12Q\n\x06\x45ncode\x12\".pagedserve.v1.EngineEncodeRequest\x1a#.pagedserve.v1.EngineEncodeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/engine.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xba\x02\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12M\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x36.pagedserve.v1.EngineGenerateRequest.TraceHeadersEntry\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfc\x02\n\x16\x45ngineGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.StopReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\t \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\xb4\x02\n\x13\x45ngineEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x34\n\x0epooling_params\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12K\n\rtrace_headers\x18\x05 \x03(\x0b\x32\x34.pagedserve.v1.EngineEncodeRequest.TraceHeadersEntry\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x11\n\tlora_name\x18\x07 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"b\n\x14\x45ngineEncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x15\n\x13StartProfileRequest\"\x16\n\x14StartProfileResponse\"\x14\n\x12StopProfileRequest\"*\n\x13StopProfileResponse\x12\x13\n\x0btrace_paths\x18\x01 \x03(\t\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x1d\n\rWakeUpRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\x10\n\x0eWakeUpResponse\"\x13\n\x11IsSleepingRequest\")\n\x12IsSleepingResponse\x12\x13\n\x0bis_sleeping\x18\x01 \x01(\x08\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\".\n\x17LoadLoraAdapterResponse\x12\x13\n\x0blora_int_id\x18\x01 \x01(\r\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"H\n\x0bLoraAdapter\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x13\n\x0blora_int_id\x18\x02 \x01(\r\x12\x11\n\tlora_path\x18\x03 \x01(\t\"H\n\x18ListLoraAdaptersResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.LoraAdapter2\xd2\x08\n\rEngineService\x12Y\n\x08Generate\x12$.pagedserve.v1.EngineGenerateRequest\x1a%.pagedserve.v1.EngineGenerateResponse0\x01\x12Q\n\x06\x45ncode\x12\".pagedserve.v1.EngineEncodeRequest\x1a#.pagedserve.v1.EngineEncodeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12W\n\x0cStartProfile\x12\".pagedserve.v1.StartProfileRequest\x1a#.pagedserve.v1.StartProfileResponse\x12T\n\x0bStopProfile\x12!.pagedserve.v1.StopProfileRequest\x1a\".pagedserve.v1.StopProfileResponse\x12\x42\n\x05Sleep\x12\x1b.pagedserve.v1.SleepRequest\x1a\x1c.pagedserve.v1.SleepResponse\x12\x45\n\x06WakeUp\x12\x1c.pagedserve.v1.WakeUpRequest\x1a\x1d.pagedserve.v1.WakeUpResponse\x12Q\n\nIsSleeping\x12 .pagedserve.v1.IsSleepingRequest\x1a!.pagedserve.v1.IsSleepingResponse\x12`\n\x0fLoadLoraAdapter\x12%.pagedserve.v1.LoadLoraAdapterRequest\x1a&.pagedserve.v1.LoadLoraAdapterResponse\x12\x66\n\x11UnloadLoraAdapter\x12\'.pagedserve.v1.UnloadLoraAdapterRequest\x1a(.pagedserve.v1.UnloadLoraAdapterResponse\x12\x63\n\x10ListLoraAdapters\x12&.pagedserve.v1.ListLoraAdaptersRequest\x1a\'.pagedserve.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._loaded_options = None
   _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_options = b'8\001'
   _globals['_ENGINEGENERATEREQUEST']._serialized_start=74
-  _globals['_ENGINEGENERATEREQUEST']._serialized_end=369
-  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=318
-  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=369
-  _globals['_ENGINEGENERATERESPONSE']._serialized_start=372
-  _globals['_ENGINEGENERATERESPONSE']._serialized_end=752
-  _globals['_ENGINEENCODEREQUEST']._serialized_start=755
-  _globals['_ENGINEENCODEREQUEST']._serialized_end=1044
-  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_start=318
-  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_end=369
-  _globals['_ENGINEENCODERESPONSE']._serialized_start=1046
-  _globals['_ENGINEENCODERESPONSE']._serialized_end=1144
-  _globals['_ENGINESERVICE']._serialized_start=1147
-  _globals['_ENGINESERVICE']._serialized_end=1553
+  _globals['_ENGINEGENERATEREQUEST']._serialized_end=388
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=337
+  _globals['_ENGINEGENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=388
+  _globals['_ENGINEGENERATERESPONSE']._serialized_start=391
+  _globals['_ENGINEGENERATERESPONSE']._serialized_end=771
+  _globals['_ENGINEENCODEREQUEST']._serialized_start=774
+  _globals['_ENGINEENCODEREQUEST']._serialized_end=1082
+  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_start=337
+  _globals['_ENGINEENCODEREQUEST_TRACEHEADERSENTRY']._serialized_end=388
+  _globals['_ENGINEENCODERESPONSE']._serialized_start=1084
+  _globals['_ENGINEENCODERESPONSE']._serialized_end=1182
+  _globals['_STARTPROFILEREQUEST']._serialized_start=1184
+  _globals['_STARTPROFILEREQUEST']._serialized_end=1205
+  _globals['_STARTPROFILERESPONSE']._serialized_start=1207
+  _globals['_STARTPROFILERESPONSE']._serialized_end=1229
+  _globals['_STOPPROFILEREQUEST']._serialized_start=1231
+  _globals['_STOPPROFILEREQUEST']._serialized_end=1251
+  _globals['_STOPPROFILERESPONSE']._serialized_start=1253
+  _globals['_STOPPROFILERESPONSE']._serialized_end=1295
+  _globals['_SLEEPREQUEST']._serialized_start=1297
+  _globals['_SLEEPREQUEST']._serialized_end=1326
+  _globals['_SLEEPRESPONSE']._serialized_start=1328
+  _globals['_SLEEPRESPONSE']._serialized_end=1343
+  _globals['_WAKEUPREQUEST']._serialized_start=1345
+  _globals['_WAKEUPREQUEST']._serialized_end=1374
+  _globals['_WAKEUPRESPONSE']._serialized_start=1376
+  _globals['_WAKEUPRESPONSE']._serialized_end=1392
+  _globals['_ISSLEEPINGREQUEST']._serialized_start=1394
+  _globals['_ISSLEEPINGREQUEST']._serialized_end=1413
+  _globals['_ISSLEEPINGRESPONSE']._serialized_start=1415
+  _globals['_ISSLEEPINGRESPONSE']._serialized_end=1456
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1458
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1520
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=1522
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=1568
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1570
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1615
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=1617
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=1644
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=1646
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=1671
+  _globals['_LORAADAPTER']._serialized_start=1673
+  _globals['_LORAADAPTER']._serialized_end=1745
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=1747
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=1819
+  _globals['_ENGINESERVICE']._serialized_start=1822
+  _globals['_ENGINESERVICE']._serialized_end=2928
 # @@protoc_insertion_point(module_scope)

@@ -61,6 +61,46 @@ class EngineServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/pagedserve.v1.EngineService/StartProfile',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/pagedserve.v1.EngineService/StopProfile',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/pagedserve.v1.EngineService/Sleep',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/pagedserve.v1.EngineService/WakeUp',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/pagedserve.v1.EngineService/IsSleeping',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.EngineService/LoadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.EngineService/UnloadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pagedserve.v1.EngineService/ListLoraAdapters',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -99,6 +139,64 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Starts a torch.profiler session over the engine's steps (vLLM's start_profile). Needs
+        PAGEDSERVE_TORCH_PROFILER_DIR set in the engine's environment (else FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Ends it and writes one Chrome trace per rank under that directory, on the engine's host.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Frees the KV cache (level 1; on a GPU the weights move to host memory) or the cache and
+        the weights (level 2) while the engine idles (vLLM's sleep mode). FAILED_PRECONDITION
+        while requests are unfinished. Requests sent while it sleeps wait for WakeUp.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Restores the parts named in `tags` ("weights", "kv_cache"; empty: all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """Registers a PEFT LoRA adapter by name (vLLM's load_lora_adapter); requests name it in
+        `lora_name`. Needs an engine started with LoRA enabled (else FAILED_PRECONDITION); a bad
+        adapter is INVALID_ARGUMENT with the reason, a name in use ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +224,46 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.SleepRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +402,222 @@ class EngineService:
             '/pagedserve.v1.EngineService/GetModelInfo',
             pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/StartProfile',
+            pagedserve_dot_v1_dot_engine__pb2.StartProfileRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/StopProfile',
+            pagedserve_dot_v1_dot_engine__pb2.StopProfileRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/Sleep',
+            pagedserve_dot_v1_dot_engine__pb2.SleepRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/WakeUp',
+            pagedserve_dot_v1_dot_engine__pb2.WakeUpRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/IsSleeping',
+            pagedserve_dot_v1_dot_engine__pb2.IsSleepingRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/LoadLoraAdapter',
+            pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/UnloadLoraAdapter',
+            pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.EngineService/ListLoraAdapters',
+            pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
