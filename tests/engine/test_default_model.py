@@ -38,5 +38,7 @@ def test_matches_transformers_token_for_token(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     # max_num_batched_tokens=64 splits the long prompt into chunks.
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    model_dir = llm.llm_engine.get_model_config().model_dir
+    model_config = llm.llm_engine.get_model_config()
+    assert model_config.quantization == "gguf"  # the file's Q4_1/Q8_0 blocks, kept as stored
+    model_dir = model_config.model_dir
     assert_close_to_reference(hf_greedy(model_dir, prompts, max_tokens), ours_greedy(outputs))

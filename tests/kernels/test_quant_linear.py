@@ -29,28 +29,9 @@ from engine.native.quant import (  # noqa: E402
     quantize_int8,
     set_isa,
 )
+from tests.engine.gguf_files import random_blocks  # noqa: E402
 
 GGUF_TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K]
-# Offsets of the fp16 scale fields inside one block, per type.
-_SCALE_OFFSETS = {
-    QType.Q8_0: (0,),
-    QType.Q4_0: (0,),
-    QType.Q4_1: (0, 2),
-    QType.Q4_K: (0, 2),
-    QType.Q6_K: (208,),
-}
-
-
-def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random block bytes [rows, row_bytes] with finite fp16 scales: every quant value and
-    every k-quant sub-scale pattern occurs (gguf-py cannot quantize to k-quants)."""
-    rng = np.random.default_rng(seed)
-    values, nbytes = BLOCK_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
-    for offset in _SCALE_OFFSETS[qtype]:
-        scale = (rng.standard_normal((rows, cols // values)) * 0.02).astype(np.float16)
-        blocks[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, cols // values, 2)
-    return blocks.reshape(rows, -1)
 
 
 def reference_weight(qtype: QType, blocks: np.ndarray) -> torch.Tensor:
