@@ -14,7 +14,8 @@
  * dequantize + MKL path in engine/native/quant.py instead.
  *
  * Three code paths are compiled from one source (quant_rows.h, included once per target):
- * portable C, AVX2+FMA and AVX-512. The path is chosen at load time with
+ * portable C, AVX2+FMA and AVX-512; on both x86 paths the 32-value block types and int8
+ * go through hand-written fused AVX2 kernels instead (quant_fused_avx2.h). The path is chosen at load time with
  * __builtin_cpu_supports and can be forced (quant_set_isa) so tests compare them.
  * Parallel over output rows with OpenMP, like the kernels in cpu_kernels.c.
  */
@@ -116,6 +117,7 @@ static inline int64_t block_bytes(int type) {
 #include "quant_rows.h"
 #undef ISA
 #pragma GCC pop_options
+#include "quant_fused_avx2.h"
 #else
 #define QUANT_HAVE_X86_PATHS 0
 #endif
@@ -156,9 +158,11 @@ int quant_set_isa(int isa) {
     return 0;
 }
 
-static linear_rows_fn pick_linear(void) {
+static linear_rows_fn pick_linear(int type, int64_t k) {
 #if QUANT_HAVE_X86_PATHS
-    switch (quant_active_isa()) {
+    const int isa = quant_active_isa();
+    if (isa != ISA_PORTABLE && fused_avx2_applies(type, k)) return linear_rows_fused_avx2;
+    switch (isa) {
     case ISA_AVX512: return linear_rows_avx512;
     case ISA_AVX2: return linear_rows_avx2;
     }
@@ -181,7 +185,7 @@ static dequant_row_fn pick_dequant(void) {
 int quant_linear_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                      int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
                      int type, int64_t n_out, int64_t k, int num_threads) {
-    const linear_rows_fn fn = pick_linear();
+    const linear_rows_fn fn = pick_linear(type, k);
     const size_t buf_bytes = (size_t)((k * 4 + 63) / 64 * 64);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
