@@ -134,3 +134,24 @@ def test_bad_inputs_name_the_problem():
         quant_linear(torch.randn(2, 32), weight)
     with pytest.raises(ValueError, match="fp32"):
         quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
+
+
+def test_isa_forced_by_environment():
+    """$PAGEDSERVE_QUANT_ISA picks the path at load; a bad value names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from engine.native.quant import active_isa; print(active_isa().name)"
+    env = {**os.environ, "PAGEDSERVE_QUANT_ISA": "portable"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "PORTABLE"
+    env["PAGEDSERVE_QUANT_ISA"] = "sse9"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "PAGEDSERVE_QUANT_ISA" in result.stderr
