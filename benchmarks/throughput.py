@@ -11,6 +11,9 @@ times one request alone (batch 1) on both. `--repeats N` runs every measurement 
 ours and the baseline alternating, and reports medians (shared machines drift by 10-15 %
 between minutes). Peak resident memory is reported for our engine alone (after its first
 run, before the baseline model loads) and for the whole process at the end.
+`--quantization Q [Q ...]` runs one engine per value (`auto`, `none`, `gguf`, `int8`; e.g.
+`none gguf` compares fp32 with the GGUF blocks kept quantized), each measured against the
+same baseline in the same run; the first is the one whose peak RSS is reported.
 `--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
 its draft acceptance is printed.
 """
@@ -33,6 +36,20 @@ from engine import LLM, SamplingParams
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_model() -> str:
+    """The CPU's model name (recorded with every figure), from /proc/cpuinfo or platform."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -118,26 +135,40 @@ def main() -> int:
         metavar="K",
         help="n-gram speculative decoding with K draft tokens in our engine (0: off)",
     )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "none", "gguf", "int8"],
+        help="weights kept quantized (EngineArgs.quantization); several: one engine each",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-        speculative_config=(
-            {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
-            if args.speculative_ngram
-            else None
-        ),
-    )
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}")
+    llms = {}
+    for quantization in args.quantization:
+        llm = LLM(
+            model=args.model,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            quantization=quantization,
+            speculative_config=(
+                {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
+                if args.speculative_ngram
+                else None
+            ),
+        )
+        resolved = llm.llm_engine.get_model_config().quantization
+        name = "pagedserve" if len(args.quantization) == 1 else f"pagedserve[{resolved}]"
+        llms[name] = llm
     config = llm.llm_engine.get_model_config()
     prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
     warm_up = make_prompts(2, args.input_len, config.vocab_size, args.seed + 1)
-    run_engine(llm, warm_up, 4)
+    for llm in llms.values():
+        run_engine(llm, warm_up, 4)
     hf = None
     pad_id = next(iter(config.eos_token_ids), 0)
 
@@ -158,14 +189,16 @@ def main() -> int:
     times: dict[str, list[float]] = {}
     our_peak_rss_mib = 0.0
     for _ in range(args.repeats):
-        times.setdefault("pagedserve", []).append(run_engine(llm, prompts, args.output_len))
-        our_peak_rss_mib = our_peak_rss_mib or peak_rss_mib()
+        for name, llm in llms.items():
+            times.setdefault(name, []).append(run_engine(llm, prompts, args.output_len))
+            our_peak_rss_mib = our_peak_rss_mib or peak_rss_mib()
         if args.hf_baseline:
             elapsed = run_hf(baseline(), prompts, args.output_len, args.hf_batch_size, pad_id)
             times.setdefault(hf_name, []).append(elapsed)
         if args.single_stream:
-            elapsed = run_engine(llm, prompts[:1], args.output_len)
-            times.setdefault("pagedserve batch 1", []).append(elapsed)
+            for name, llm in llms.items():
+                elapsed = run_engine(llm, prompts[:1], args.output_len)
+                times.setdefault(f"{name} batch 1", []).append(elapsed)
             elapsed = run_hf(baseline(), prompts[:1], args.output_len, 1, pad_id)
             times.setdefault("transformers batch 1", []).append(elapsed)
 
@@ -177,13 +210,15 @@ def main() -> int:
         results.append(result)
     print(f"peak RSS after our first run (our engine alone): {our_peak_rss_mib:.0f} MiB")
     results[0]["engine_peak_rss_mib"] = round(our_peak_rss_mib, 1)
+    for result in results:
+        result["cpu"] = cpu_model()
     median = {name: statistics.median(runs) for name, runs in times.items()}
-    if args.hf_baseline:
-        ratio = median[hf_name] / median["pagedserve"]
-        print(f"throughput vs transformers: {ratio:.2f}x")
-    if args.single_stream:
-        ratio = median["transformers batch 1"] / median["pagedserve batch 1"]
-        print(f"batch-1 speed vs transformers: {ratio:.2f}x")
+    for name in llms:
+        if args.hf_baseline:
+            print(f"{name} throughput vs transformers: {median[hf_name] / median[name]:.2f}x")
+        if args.single_stream:
+            ratio = median["transformers batch 1"] / median[f"{name} batch 1"]
+            print(f"{name} batch-1 speed vs transformers: {ratio:.2f}x")
     if args.speculative_ngram:
         scheduler = llm.llm_engine.scheduler
         drafted, accepted = scheduler.num_draft_tokens, scheduler.num_accepted_draft_tokens

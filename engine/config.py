@@ -25,6 +25,8 @@ class ModelConfig:
     max_logprobs: int = 20
     eos_token_ids: set[int] = field(default_factory=set)
     generation_config: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None  # resolved: None, "gguf" or "int8"
+    gguf_file: Path | None = None  # the .gguf file the model came from, if it did
 
     @property
     def served_model_name(self) -> str:
@@ -243,6 +245,12 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Weights kept quantized: None (or "none": the checkpoint dtype), "gguf" (the GGUF
+    # file's blocks), "int8" (per-channel weight-only); "auto": "gguf" for a .gguf model on
+    # CPU in fp32, else None. See engine/models/quantization.py. The default stays None
+    # until the quantized kernels beat fp32 at every batch size (docs/engine.md): today the
+    # GGUF path wins at batch 1 and loses at batch 16 and more.
+    quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model
@@ -261,6 +269,8 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
+        gguf_file = _gguf_source(self.model)
+        quantization = _resolve_quantization(self.quantization, gguf_file, device, dtype)
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}
         model_config = ModelConfig(
@@ -275,6 +285,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             eos_token_ids=_eos_ids(gen_config, hf_config),
             generation_config=gen_config,
+            quantization=quantization,
+            gguf_file=gguf_file,
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -347,3 +359,57 @@ def _eos_ids(gen_config: dict[str, Any], hf_config: Any) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}
+
+
+def _gguf_source(model: str | None) -> Path | None:
+    """The .gguf file the model is read from (the default model is one), else None."""
+    from engine.models.loader import default_model_path
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def _resolve_quantization(
+    quantization: str | None, gguf_file: Path | None, device: str, dtype: str
+) -> str | None:
+    """ "auto" -> "gguf" where it runs (a llama GGUF on CPU, fp32, native kernels built),
+    else None; an explicit method is checked and errors name what is missing."""
+    allowed = ("auto", "none", "gguf", "int8")
+    if quantization is not None and quantization not in allowed:
+        raise ValueError(f"quantization must be one of {allowed} or None, got {quantization!r}.")
+    if quantization in (None, "none"):
+        return None
+    if quantization == "auto":
+        if gguf_file is None or device != "cpu" or dtype != "float32":
+            return None
+        return "gguf" if _gguf_quantization_problem(gguf_file) is None else None
+    if device != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPU only, device is {device!r}.")
+    if dtype != "float32":
+        raise ValueError(f"quantization={quantization!r} needs dtype float32, got {dtype!r}.")
+    if quantization == "gguf":
+        if gguf_file is None:
+            raise ValueError("quantization='gguf' needs a .gguf model file.")
+        problem = _gguf_quantization_problem(gguf_file)
+        if problem is not None:
+            raise ValueError(f"quantization='gguf': {problem}.")
+    from engine.native import native_kernels_available
+
+    if not native_kernels_available():
+        raise ValueError(
+            f"quantization={quantization!r} needs the native CPU kernels (no C compiler?)."
+        )
+    return quantization
+
+
+def _gguf_quantization_problem(gguf_file: Path) -> str | None:
+    """Why the file's blocks cannot be kept quantized here, or None."""
+    from engine.models.gguf_blocks import SUPPORTED_ARCHITECTURES, gguf_architecture
+    from engine.native import native_kernels_available
+
+    architecture = gguf_architecture(gguf_file)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        return f"GGUF architecture {architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
+    if not native_kernels_available():
+        return "the native CPU kernels are unavailable (no C compiler?)"
+    return None

@@ -90,6 +90,7 @@ class DecoderForCausalLM(nn.Module):
             else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._packed_logits_weight: torch.Tensor | None = None  # set by pack_weights
+        self.quantized_logits: Any = None  # set by engine.models.quantization
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
@@ -117,6 +118,8 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        if self.quantized_logits is not None:  # LM head kept quantized (models/quantization.py)
+            return self.quantized_logits.apply(hidden, None)
         return linear(hidden, self._logits_weight, None, self._packed_logits_weight).float()
 
     @property
@@ -127,8 +130,8 @@ class DecoderForCausalLM(nn.Module):
         """Packs the projection weights for MKL's fp32 CPU GEMM (see `engine.models.linear`);
         call after loading. Returns the number of packed matrices (0 where not applicable)."""
         num_packed = pack_linear_weights(self)
-        if not num_packed:
-            return 0
+        if not num_packed or self.quantized_logits is not None:
+            return num_packed
         if self.lm_head is not None:
             self._packed_logits_weight = self.lm_head.packed_weight
         else:  # the tied embedding is not a Linear
@@ -147,6 +150,8 @@ class DecoderForCausalLM(nn.Module):
         """Each layer's tensors by role, for a whole-step decode outside the modules (the
         `cpu` backend's, engine/worker/cpu_decode_step.py); None where a layer does more
         than that path computes (per-head q/k norms)."""
+        if any(isinstance(m, Linear) and m.quant_method is not None for m in self.modules()):
+            return None  # quantized weights: the fp32 whole-step path does not apply
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

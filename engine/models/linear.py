@@ -20,6 +20,7 @@ row count, which is what makes it take the packed path.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class Linear(nn.Linear):
     """
 
     packed_weight: torch.Tensor | None = None
+    # Set for quantized weights (engine/models/quantization.py): computes the layer instead.
+    quant_method: Any = None
 
     def __init__(
         self,
@@ -68,6 +71,8 @@ class Linear(nn.Linear):
         self.output_sizes = output_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(x, self.bias)
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 

@@ -228,12 +228,16 @@ def load_model(
     attn_backend: AttentionBackend,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     op_impl: OpImpl | None = None,
+    quantization: str | None = None,
+    gguf_file: Path | None = None,
 ) -> DecoderForCausalLM:
     """Builds the registered class for the config's architecture without initialising it,
     then fills it from the directory's weights.
 
     `weights` replaces the directory's safetensors (tests pass a state dict this way);
     `op_impl` overrides the op implementation chosen from the backend, device and dtype.
+    `quantization` ("gguf": the blocks of `gguf_file`, or "int8") keeps the projections
+    quantized (engine/models/quantization.py).
     """
     model_class = get_model_class(hf_config)
     if op_impl is None:
@@ -242,6 +246,11 @@ def load_model(
         model = model_class(hf_config, attn_backend, op_impl)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(iter_safetensors(model_dir) if weights is None else weights)
+    if quantization is not None:
+        from engine.models.quantization import quantize_model
+
+        num_quantized = quantize_model(model, quantization, hf_config, gguf_file)
+        logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
         num_packed = model.pack_weights()
         if num_packed:

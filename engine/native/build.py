@@ -32,6 +32,9 @@ KERNEL_CACHE_DIR_ENV = "PAGEDSERVE_KERNEL_CACHE_DIR"
 # "0" turns the native kernels off (pure torch everywhere), e.g. to compare the two.
 NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
+_EXTRA_SOURCES = (Path(__file__).with_name("quant_kernels.c"),)
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_rows.h", "quant_fused_avx2.h"))
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
 # one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).
 _FLAGS = (
@@ -100,7 +103,7 @@ def load_library() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelError("no C compiler found (set CC, or install gcc)")
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (_SOURCE, *_EXTRA_SOURCES, *_HEADERS))
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
@@ -146,7 +149,7 @@ def _build(compiler: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    command = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp]
+    command = [compiler, *_FLAGS, str(_SOURCE), *map(str, _EXTRA_SOURCES), "-o", tmp]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:

@@ -62,6 +62,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             attn_backend=self.attn_backend,
+            quantization=model_config.quantization,
+            gguf_file=model_config.gguf_file,
         )
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = self.attn_backend.whole_step_decode(self.model)

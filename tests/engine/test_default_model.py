@@ -10,9 +10,12 @@ from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_gr
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=64)
+@pytest.fixture(scope="module", params=[None, "gguf"])
+def llm(request: pytest.FixtureRequest) -> LLM:
+    """fp32 (the default) and the GGUF file's blocks kept quantized."""
+    return LLM(
+        kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=64, quantization=request.param
+    )
 
 
 def test_greedy_chat_answer_names_paris(llm: LLM) -> None:
@@ -25,7 +28,7 @@ def test_greedy_chat_answer_names_paris(llm: LLM) -> None:
     assert output.outputs[0].finish_reason in ("stop", "length")
 
 
-def test_matches_transformers_token_for_token(llm: LLM) -> None:
+def test_matches_transformers_token_for_token(llm: LLM, request: pytest.FixtureRequest) -> None:
     tokenizer = llm.get_tokenizer()
     texts = [
         "The capital of France is",
@@ -38,5 +41,8 @@ def test_matches_transformers_token_for_token(llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     # max_num_batched_tokens=64 splits the long prompt into chunks.
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    model_dir = llm.llm_engine.get_model_config().model_dir
+    model_config = llm.llm_engine.get_model_config()
+    # None: fp32; "gguf": the file's Q4_1/Q8_0 blocks, kept as stored.
+    assert model_config.quantization == request.node.callspec.params["llm"]
+    model_dir = model_config.model_dir
     assert_close_to_reference(hf_greedy(model_dir, prompts, max_tokens), ours_greedy(outputs))
