@@ -159,6 +159,26 @@ _ENGINE = {
     "Abort": _PUBLIC["Abort"],
     "GetModelInfo": _PUBLIC["GetModelInfo"],
     "Health": _PUBLIC["Health"],
+    # Admin calls: random levels, tags, names and paths (the engine may end up asleep, or
+    # with a profile running; the check afterwards wakes it).
+    "StartProfile": st.just(engine_pb2.StartProfileRequest()),
+    "StopProfile": st.just(engine_pb2.StopProfileRequest()),
+    "Sleep": st.builds(
+        lambda level: engine_pb2.SleepRequest(level=level), st.integers(0, 2**32 - 1)
+    ),
+    "WakeUp": st.builds(
+        lambda tags: engine_pb2.WakeUpRequest(tags=tags), st.lists(_TEXT, max_size=3)
+    ),
+    "IsSleeping": st.just(engine_pb2.IsSleepingRequest()),
+    "LoadLoraAdapter": st.builds(
+        lambda name, path: engine_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path),
+        _TEXT,
+        _TEXT,
+    ),
+    "UnloadLoraAdapter": st.builds(
+        lambda name: engine_pb2.UnloadLoraAdapterRequest(lora_name=name), _TEXT
+    ),
+    "ListLoraAdapters": st.just(engine_pb2.ListLoraAdaptersRequest()),
 }
 
 
@@ -185,6 +205,9 @@ def test_random_messages_to_every_rpc(stack, case):
 def test_after_the_fuzzing_everything_still_works(stack):
     # (pytest runs this file's tests in order: this one comes after both fuzzers.)
     assert not stack.engine.errored
+    # A fuzzed Sleep may have put the engine to sleep: requests would wait for a wake-up.
+    stack.engine_stub.WakeUp(engine_pb2.WakeUpRequest(), timeout=60)
+    assert not stack.engine_stub.IsSleeping(engine_pb2.IsSleepingRequest(), timeout=10).is_sleeping
     stack.wait_until_idle(timeout=30)
     out = gather(stack.public.Generate(request(token_ids=[5, 6, 7], max_tokens=4), timeout=30))
     assert len(out[0].token_ids) == 4
