@@ -86,11 +86,12 @@ def test_quantization_argument_is_checked(tmp_path):
         assert config.model_config.quantization is None
 
 
-def test_default_model_defaults_to_gguf_on_cpu():
-    config = EngineArgs(device="cpu").create_engine_config()
+def test_quantization_auto_and_default_on_the_default_model():
+    # "auto": the GGUF blocks on CPU; the default (None) stays fp32 for now (docs/engine.md).
+    config = EngineArgs(device="cpu", quantization="auto").create_engine_config()
     assert config.model_config.quantization == "gguf"
     assert config.model_config.gguf_file is not None
-    config = EngineArgs(device="cpu", quantization=None).create_engine_config()
+    config = EngineArgs(device="cpu").create_engine_config()
     assert config.model_config.quantization is None
 
 
@@ -126,9 +127,10 @@ def test_gguf_file_matches_transformers(tmp_path, tokenizer_fields):
         model=str(path),
         kv_cache_memory_bytes=8 * 2**20,
         max_num_batched_tokens=8,  # the long prompt is prefilled in chunks
+        quantization="gguf",
     )
     config = llm.llm_engine.get_model_config()
-    assert config.quantization == "gguf"  # the default for a .gguf model on CPU
+    assert config.quantization == "gguf"
     model = llm.llm_engine.runner.model
     stored = {
         part.qtype
