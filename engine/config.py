@@ -313,6 +313,7 @@ class EngineArgs:
             cache_config,
             scheduler_config,
             DeviceConfig(device, self.attention_backend),
+            otlp_traces_endpoint=self.otlp_traces_endpoint,
             speculative_config=speculative_config,
             lora_config=lora_config,
         )

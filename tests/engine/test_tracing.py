@@ -149,3 +149,11 @@ def test_llm_request_span_carries_the_lora_adapter(exporter, model_dir, tmp_path
     assert span.attributes["gen_ai.request.lora_name"] == "sql"
     (base,) = spans_for(exporter, "base-span")
     assert "gen_ai.request.lora_name" not in base.attributes
+
+
+def test_engine_args_carry_the_otlp_endpoint(model_dir) -> None:
+    # The engine sets up its exporter from EngineConfig.otlp_traces_endpoint: EngineArgs
+    # (and so LLM(...) and `pagedserve engine --otlp-traces-endpoint`) must hand it on.
+    args = EngineArgs(model=str(model_dir), otlp_traces_endpoint="http://127.0.0.1:4317")
+    assert args.create_engine_config().otlp_traces_endpoint == "http://127.0.0.1:4317"
+    assert EngineArgs(model=str(model_dir)).create_engine_config().otlp_traces_endpoint is None
