@@ -1,0 +1,172 @@
+"""LoRA through the public API, on real loopback services (an engine service with LoRA
+enabled behind a tokenizer service): the admin RPCs forwarded to the engine replicas,
+`lora_name` on Generate and Encode giving the engine API's tokens and embeddings with the
+same adapter, unknown names NOT_FOUND (passed through, no failover), errors naming the
+replica, and the admin RPCs refused to a non-admin key."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
+from tests.lora_utils import make_peft_adapter
+from tests.model_utils import make_tiny_llama
+from tests.services.conftest import ServiceStack
+from tests.services.helpers import gather, request
+from tests.services.secure import start_tokenizer_server, stop
+
+PROMPT = [5, 17, 9, 33, 4]
+GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+ADMIN = "ops-key-0123456789abcdef00"
+TENANT = "bob-key-0123456789abcdef00"
+
+
+@pytest.fixture(scope="module")
+def lora_stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("public-lora")
+    base_dir = make_tiny_llama(root / "base", with_tokenizer=True, max_position_embeddings=128)
+    adapter = root / "adapter"
+    make_peft_adapter(base_dir, adapter, rank=4, alpha=8, targets=["q_proj", "down_proj"], seed=3)
+    stack = ServiceStack(
+        base_dir,
+        engine_args=dict(enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=1 << 22),
+    )
+    yield stack, adapter
+    stack.close()
+
+
+def code_and_details(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def public_tokens(stack: ServiceStack, lora_name: str = "") -> list[int]:
+    msg = request(token_ids=PROMPT, **GREEDY)
+    msg.lora_name = lora_name
+    return gather(stack.public.Generate(msg, timeout=60))[0].token_ids
+
+
+def engine_tokens(stack: ServiceStack, request_id: str, lora_name: str = "") -> list[int]:
+    msg = engine_pb2.EngineGenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        sampling_params=common_pb2.SamplingParams(**GREEDY),
+        lora_name=lora_name,
+    )
+    return [t for r in stack.engine_stub.Generate(msg, timeout=60) for t in r.token_ids]
+
+
+def listed(stack: ServiceStack) -> list[tuple[str, int, str]]:
+    reply = stack.public.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=30)
+    return [(a.lora_name, a.lora_int_id, a.lora_path) for a in reply.adapters]
+
+
+def test_lora_through_the_public_api(lora_stack, tmp_path) -> None:
+    stack, adapter = lora_stack
+    replica = f"127.0.0.1:{stack.engine_port}"
+    assert listed(stack) == []
+    code, details = code_and_details(lambda: public_tokens(stack, "sql"))
+    assert code == grpc.StatusCode.NOT_FOUND and "lora_name 'sql'" in details
+    assert stack.tokenizer_server.backend.available  # a NOT_FOUND never marks a replica down
+
+    code, details = code_and_details(
+        lambda: stack.public.LoadLoraAdapter(
+            common_pb2.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(tmp_path)),
+            timeout=30,
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert replica in details and "adapter_config.json is missing" in details
+    reply = stack.public.LoadLoraAdapter(
+        common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)), timeout=60
+    )
+    assert listed(stack) == [("sql", reply.lora_int_id, str(adapter))]
+    code, details = code_and_details(
+        lambda: stack.public.LoadLoraAdapter(
+            common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)),
+            timeout=30,
+        )
+    )
+    assert code == grpc.StatusCode.ALREADY_EXISTS and replica in details
+
+    # The public API's tokens are the engine API's with the same adapter, not the base's.
+    with_adapter = public_tokens(stack, "sql")
+    assert with_adapter == engine_tokens(stack, "engine-sql", "sql")
+    assert public_tokens(stack) == engine_tokens(stack, "engine-base") != with_adapter
+    beam = generation_pb2.GenerateRequest(
+        token_ids=common_pb2.TokenIds(ids=PROMPT),
+        sampling_params=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+        beam_width=1,
+        lora_name="sql",
+    )
+    assert list(gather(stack.public.Generate(beam, timeout=60))[0].token_ids) == with_adapter[:4]
+
+    def embedding(lora_name: str) -> list[float]:
+        reply = stack.public.Encode(
+            generation_pb2.EncodeRequest(
+                token_ids=[common_pb2.TokenIds(ids=PROMPT)], lora_name=lora_name
+            ),
+            timeout=60,
+        )
+        return list(reply.embeddings[0].values)
+
+    engine_embedding = stack.engine_stub.Encode(
+        engine_pb2.EngineEncodeRequest(request_id="e", prompt_token_ids=PROMPT, lora_name="sql"),
+        timeout=60,
+    ).embedding
+    assert embedding("sql") == pytest.approx(list(engine_embedding), abs=1e-6)
+    assert embedding("sql") != embedding("")
+
+    stack.public.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=30)
+    assert listed(stack) == []
+    code, _ = code_and_details(lambda: public_tokens(stack, "sql"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, details = code_and_details(
+        lambda: stack.public.UnloadLoraAdapter(
+            common_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=30
+        )
+    )
+    assert code == grpc.StatusCode.NOT_FOUND and replica in details
+    stack.wait_until_idle()  # no KV block left behind by the refused requests
+
+
+def test_lora_admin_rpcs_need_an_admin_key(lora_stack, tmp_path) -> None:
+    stack, adapter = lora_stack
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"{ADMIN}  ops  admin\n{TENANT}  bob\n")
+    server = start_tokenizer_server(stack, stack.engine_port, api_key_file=str(key_file))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        public = generation_pb2_grpc.TextGenerationServiceStub(channel)
+        calls = {
+            "LoadLoraAdapter": lambda md: public.LoadLoraAdapter(
+                common_pb2.LoadLoraAdapterRequest(lora_name="k", lora_path=str(adapter)),
+                metadata=md,
+                timeout=60,
+            ),
+            "ListLoraAdapters": lambda md: public.ListLoraAdapters(
+                common_pb2.ListLoraAdaptersRequest(), metadata=md, timeout=30
+            ),
+            "UnloadLoraAdapter": lambda md: public.UnloadLoraAdapter(
+                common_pb2.UnloadLoraAdapterRequest(lora_name="k"), metadata=md, timeout=30
+            ),
+        }
+        tenant = [("authorization", f"Bearer {TENANT}")]
+        admin = [("authorization", f"Bearer {ADMIN}")]
+        for name, call in calls.items():
+            code, details = code_and_details(lambda call=call: call(tenant))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and name in details
+        calls["LoadLoraAdapter"](admin)
+        assert [a.lora_name for a in calls["ListLoraAdapters"](admin).adapters] == ["k"]
+        # A tenant may use the adapter the operator loaded.
+        msg = request(token_ids=PROMPT, **GREEDY)
+        msg.lora_name = "k"
+        tokens = gather(public.Generate(msg, metadata=tenant, timeout=60))[0].token_ids
+        assert tokens == engine_tokens(stack, "engine-k", "k")
+        calls["UnloadLoraAdapter"](admin)
+        assert not calls["ListLoraAdapters"](admin).adapters
+    finally:
+        channel.close()
+        stop(stack, server)
