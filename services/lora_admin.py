@@ -41,8 +41,13 @@ class PublicLoraRpcs:
     backend: EnginePool  # provided by TextGenerationServicer
 
     def _lora_replicas(self) -> list[EngineBackend]:
-        """Every replica of the pool (down ones too: they must not miss an adapter)."""
-        replicas = [self.backend.replicas[a] for a in sorted(self.backend.replicas)]
+        """Every replica of the pool (down ones too: they must not miss an adapter), but
+        those serving another model, which get no requests (`EnginePool._accepts_model`)."""
+        replicas = [
+            self.backend.replicas[a]
+            for a in sorted(self.backend.replicas)
+            if not self.backend.replicas[a].serves_another_model
+        ]
         if not replicas:
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,

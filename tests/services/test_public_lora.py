@@ -9,7 +9,16 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
+from engine import AsyncLLMEngine, EngineArgs
+from pagedserve.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+from services.engine_server import EngineServer, EngineServerConfig
+from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
 from tests.lora_utils import make_peft_adapter
 from tests.model_utils import make_tiny_llama
 from tests.services.conftest import ServiceStack
@@ -20,6 +29,7 @@ PROMPT = [5, 17, 9, 33, 4]
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
 ADMIN = "ops-key-0123456789abcdef00"
 TENANT = "bob-key-0123456789abcdef00"
+LORA_ENGINE_ARGS = dict(enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=1 << 22)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +40,7 @@ def lora_stack(tmp_path_factory):
     make_peft_adapter(base_dir, adapter, rank=4, alpha=8, targets=["q_proj", "down_proj"], seed=3)
     stack = ServiceStack(
         base_dir,
-        engine_args=dict(enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=1 << 22),
+        engine_args=LORA_ENGINE_ARGS,
     )
     yield stack, adapter
     stack.close()
@@ -170,3 +180,72 @@ def test_lora_admin_rpcs_need_an_admin_key(lora_stack, tmp_path) -> None:
     finally:
         channel.close()
         stop(stack, server)
+
+
+def test_lora_admin_rpcs_reach_every_replica(lora_stack) -> None:
+    """Two engine replicas behind one tokenizer service: a load refused by one is undone on
+    the other and names the refusing replica; List shows what every replica has."""
+    stack, adapter = lora_stack
+    engine_b = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=str(stack.model_dir), skip_tokenizer_init=True, **LORA_ENGINE_ARGS)
+    )
+
+    async def start_b() -> EngineServer:
+        server = EngineServer(EngineServerConfig(address="127.0.0.1:0", log_stats_interval_s=0))
+        await server.start()
+        await server.attach_engine(engine_b)
+        return server
+
+    server_b = stack.loop.run(start_b())
+    replica_a, replica_b = f"127.0.0.1:{stack.engine_port}", f"127.0.0.1:{server_b.port}"
+
+    async def start_front() -> TokenizerServer:
+        config = TokenizerServerConfig(
+            address="127.0.0.1:0",
+            engine_address=f"{replica_a},{replica_b}",
+            engine_poll_interval_s=0.2,
+        )
+        server = TokenizerServer(config, stack.files)
+        await server.start()
+        assert await server.backend.wait_until_available(30.0)
+        return server
+
+    front = stack.loop.run(start_front())
+    channels = [grpc.insecure_channel(a) for a in (f"127.0.0.1:{front.port}", replica_b)]
+    try:
+        public = generation_pb2_grpc.TextGenerationServiceStub(channels[0])
+        engine_b_stub = engine_pb2_grpc.EngineServiceStub(channels[1])
+
+        def names(stub) -> list[str]:
+            reply = stub.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=30)
+            return [a.lora_name for a in reply.adapters]
+
+        def load(stub, name: str) -> None:
+            request = common_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=str(adapter))
+            stub.LoadLoraAdapter(request, timeout=60)
+
+        load(engine_b_stub, "dup")  # B alone has it
+        code, details = code_and_details(lambda: load(public, "dup"))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and replica_b in details
+        assert names(stack.engine_stub) == [] and names(engine_b_stub) == ["dup"]  # undone on A
+        assert names(public) == []  # not on every replica
+
+        load(public, "sql")
+        assert names(stack.engine_stub) == ["sql"] and names(engine_b_stub) == ["dup", "sql"]
+        assert names(public) == ["sql"]
+        engine_b_stub.UnloadLoraAdapter(
+            common_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=30
+        )
+        assert names(public) == []
+        code, details = code_and_details(
+            lambda: public.UnloadLoraAdapter(
+                common_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=30
+            )
+        )
+        assert code == grpc.StatusCode.NOT_FOUND and replica_b in details
+        assert names(stack.engine_stub) == []  # A unloaded it all the same
+    finally:
+        for channel in channels:
+            channel.close()
+        stop(stack, front, server_b)
+        engine_b.shutdown()
