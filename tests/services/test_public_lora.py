@@ -6,9 +6,12 @@ replica, and the admin RPCs refused to a non-admin key."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
+from clients import AsyncClient, Client, LoraAdapter, NotFoundError
 from engine import AsyncLLMEngine, EngineArgs
 from pagedserve.v1 import (
     common_pb2,
@@ -249,3 +252,31 @@ def test_lora_admin_rpcs_reach_every_replica(lora_stack) -> None:
             channel.close()
         stop(stack, front, server_b)
         engine_b.shutdown()
+
+
+def test_lora_through_the_python_clients(lora_stack) -> None:
+    """`Client` / `AsyncClient`: load, list and unload adapters, `lora_name=` on generate
+    and encode (the public API's answers), and an unknown name as NotFoundError."""
+    stack, adapter = lora_stack
+    address = f"127.0.0.1:{stack.public_port}"
+    with Client(address, timeout=60) as client:
+        lora_id = client.load_lora_adapter("py", str(adapter))
+        assert client.list_lora_adapters() == [LoraAdapter("py", lora_id, str(adapter))]
+        result = client.generate_text(token_ids=PROMPT, lora_name="py", **GREEDY)
+        assert result.outputs[0].token_ids == public_tokens(stack, "py")
+        assert result.outputs[0].token_ids != public_tokens(stack)
+        assert client.encode(token_ids=[PROMPT], lora_name="py") != client.encode(
+            token_ids=[PROMPT]
+        )
+        with pytest.raises(NotFoundError, match="lora_name 'nope'"):
+            client.generate_text(token_ids=PROMPT, lora_name="nope", **GREEDY)
+
+        async def async_calls() -> tuple[list[int], list[str]]:
+            async with AsyncClient(address, timeout=60) as aclient:
+                out = await aclient.generate_text(token_ids=PROMPT, lora_name="py", **GREEDY)
+                await aclient.unload_lora_adapter("py")
+                names = [a.lora_name for a in await aclient.list_lora_adapters()]
+                return out.outputs[0].token_ids, names
+
+        tokens, names = asyncio.run(async_calls())
+        assert tokens == result.outputs[0].token_ids and names == []
