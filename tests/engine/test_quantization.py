@@ -128,9 +128,10 @@ def test_gguf_file_matches_transformers(tmp_path, tokenizer_fields):
         model=str(path),
         kv_cache_memory_bytes=8 * 2**20,
         max_num_batched_tokens=8,  # the long prompt is prefilled in chunks
+        quantization="auto",  # opt-in: None by default
     )
     config = llm.llm_engine.get_model_config()
-    assert config.quantization == "gguf"  # the default for a .gguf model on CPU
+    assert config.quantization == "gguf"  # what "auto" picks for a .gguf model on CPU
     model = llm.llm_engine.runner.model
     stored = {
         part.qtype
