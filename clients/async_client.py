@@ -36,11 +36,13 @@ from clients.outputs import (
     GenerationDelta,
     GenerationResult,
     HealthStatus,
+    LoraAdapter,
     ModelInfo,
     ResultBuilder,
     TokenizeResult,
     delta_from_proto,
     health_from_proto,
+    lora_adapters_from_proto,
     model_info_from_proto,
     tokenize_from_proto,
 )
@@ -223,6 +225,7 @@ class AsyncClient:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        lora_name: str = "",
         **sampling: Unpack[SamplingKwargs],
     ) -> AsyncGenerationStream:
         """Streams the answer to one prompt (see `Client.generate`); use with `async for`."""
@@ -236,6 +239,7 @@ class AsyncClient:
             add_special_tokens=add_special_tokens,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            lora_name=lora_name,
             **sampling,
         )
         return AsyncGenerationStream(self._stub, request, self._deadline(timeout), self.retry)
@@ -269,6 +273,7 @@ class AsyncClient:
         request_id: str = "",
         trace_headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        lora_name: str = "",
     ) -> list[list[float]]:
         request = requests.encode_request(
             texts,
@@ -276,6 +281,7 @@ class AsyncClient:
             normalize=normalize,
             request_id=request_id,
             trace_headers=trace_headers,
+            lora_name=lora_name,
         )
         reply = await self._unary(self._stub.Encode, request, timeout)
         return [list(e.values) for e in reply.embeddings]
@@ -311,3 +317,24 @@ class AsyncClient:
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         request = common_pb2.GetModelInfoRequest()
         return model_info_from_proto(await self._unary(self._stub.GetModelInfo, request, timeout))
+
+    # ---- LoRA adapters (admin RPCs: an admin key when the server has API keys) ---------
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, timeout: float | None = None
+    ) -> int:
+        """Loads a PEFT adapter directory (a path on the engines' hosts) on every engine
+        replica under `lora_name`; returns its id. Not retried: a retry could find it
+        loaded."""
+        request = common_pb2.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        reply = await self._unary(self._stub.LoadLoraAdapter, request, timeout, NO_RETRY)
+        return reply.lora_int_id
+
+    async def unload_lora_adapter(self, lora_name: str, *, timeout: float | None = None) -> None:
+        request = common_pb2.UnloadLoraAdapterRequest(lora_name=lora_name)
+        await self._unary(self._stub.UnloadLoraAdapter, request, timeout, NO_RETRY)
+
+    async def list_lora_adapters(self, *, timeout: float | None = None) -> list[LoraAdapter]:
+        request = common_pb2.ListLoraAdaptersRequest()
+        reply = await self._unary(self._stub.ListLoraAdapters, request, timeout)
+        return lora_adapters_from_proto(reply)

@@ -36,11 +36,13 @@ from clients.outputs import (
     GenerationDelta,
     GenerationResult,
     HealthStatus,
+    LoraAdapter,
     ModelInfo,
     ResultBuilder,
     TokenizeResult,
     delta_from_proto,
     health_from_proto,
+    lora_adapters_from_proto,
     model_info_from_proto,
     tokenize_from_proto,
 )
@@ -223,6 +225,7 @@ class Client:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         continue_final_message: bool | None = None,
+        lora_name: str = "",
         **sampling: Unpack[SamplingKwargs],
     ) -> GenerationStream:
         """Streams the answer to one prompt: a text `prompt`, `token_ids`, or chat
@@ -238,6 +241,7 @@ class Client:
             add_special_tokens=add_special_tokens,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            lora_name=lora_name,
             **sampling,
         )
         return GenerationStream(self._stub, request, self._deadline(timeout), self.retry)
@@ -269,6 +273,7 @@ class Client:
         request_id: str = "",
         trace_headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        lora_name: str = "",
     ) -> list[list[float]]:
         """One pooled embedding per text (or per token-id list), in input order."""
         request = requests.encode_request(
@@ -277,6 +282,7 @@ class Client:
             normalize=normalize,
             request_id=request_id,
             trace_headers=trace_headers,
+            lora_name=lora_name,
         )
         reply = self._unary(self._stub.Encode, request, timeout)
         return [list(e.values) for e in reply.embeddings]
@@ -313,3 +319,24 @@ class Client:
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         request = common_pb2.GetModelInfoRequest()
         return model_info_from_proto(self._unary(self._stub.GetModelInfo, request, timeout))
+
+    # ---- LoRA adapters (admin RPCs: an admin key when the server has API keys) ---------
+
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, timeout: float | None = None
+    ) -> int:
+        """Loads a PEFT adapter directory (a path on the engines' hosts) on every engine
+        replica under `lora_name`; returns its id. Not retried: a retry could find it
+        loaded."""
+        request = common_pb2.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        reply = self._unary(self._stub.LoadLoraAdapter, request, timeout, NO_RETRY)
+        return reply.lora_int_id
+
+    def unload_lora_adapter(self, lora_name: str, *, timeout: float | None = None) -> None:
+        request = common_pb2.UnloadLoraAdapterRequest(lora_name=lora_name)
+        self._unary(self._stub.UnloadLoraAdapter, request, timeout, NO_RETRY)
+
+    def list_lora_adapters(self, *, timeout: float | None = None) -> list[LoraAdapter]:
+        request = common_pb2.ListLoraAdaptersRequest()
+        reply = self._unary(self._stub.ListLoraAdapters, request, timeout)
+        return lora_adapters_from_proto(reply)

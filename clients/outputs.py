@@ -168,6 +168,15 @@ class ModelInfo:
 
 
 @dataclass(slots=True)
+class LoraAdapter:
+    """A LoRA adapter loaded on every engine replica; requests name it in `lora_name`."""
+
+    lora_name: str
+    lora_int_id: int  # the first replica's id for it
+    lora_path: str  # the PEFT directory on the engines' hosts
+
+
+@dataclass(slots=True)
 class TokenizeResult:
     token_ids: list[int]
     tokens: list[str]  # the token strings
@@ -236,6 +245,10 @@ def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
         effective_max_model_len=msg.effective_max_model_len,
         max_logprobs=msg.max_logprobs,
     )
+
+
+def lora_adapters_from_proto(msg: common_pb2.ListLoraAdaptersResponse) -> list[LoraAdapter]:
+    return [LoraAdapter(a.lora_name, a.lora_int_id, a.lora_path) for a in msg.adapters]
 
 
 def tokenize_from_proto(msg: generation_pb2.TokenizeResponse) -> TokenizeResult:

@@ -133,10 +133,12 @@ def generate_request(
     add_special_tokens: bool | None = None,
     add_generation_prompt: bool | None = None,
     continue_final_message: bool | None = None,
+    lora_name: str = "",
     **sampling: Any,
 ) -> generation_pb2.GenerateRequest:
     request = generation_pb2.GenerateRequest(
         request_id=request_id,
+        lora_name=lora_name,
         sampling_params=sampling_params(**sampling),
         priority=priority,
         trace_headers=dict(trace_headers or {}),
@@ -160,10 +162,12 @@ def encode_request(
     normalize: bool | None = None,
     request_id: str = "",
     trace_headers: Mapping[str, str] | None = None,
+    lora_name: str = "",
 ) -> generation_pb2.EncodeRequest:
     _one_input(texts=texts, token_ids=token_ids)
     return generation_pb2.EncodeRequest(
         request_id=request_id,
+        lora_name=lora_name,
         texts=[texts] if isinstance(texts, str) else list(texts or []),
         token_ids=[common_pb2.TokenIds(ids=ids) for ids in token_ids or []],
         pooling_params=common_pb2.PoolingParams(normalize=normalize),

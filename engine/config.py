@@ -240,6 +240,10 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     # AsyncLLMEngine logs one line per request added / finished / aborted (vLLM's name).
     enable_log_requests: bool = False
+    # vLLM's flag, accepted so that its sleep-mode code runs as written. vLLM needs it to put
+    # the weights and KV cache in its own allocator's pool before sleep() can free them;
+    # here sleep() frees plain tensors, so sleep mode works whether it is set or not.
+    enable_sleep_mode: bool = False
     # LoRA adapters (vLLM's names): off unless enable_lora.
     enable_lora: bool = False
     max_loras: int = 1

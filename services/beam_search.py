@@ -25,8 +25,10 @@ async def run_beam_search(
     timeout: float | None,
     metadata: Any,
     cache_salt: str = "",
+    lora_name: str = "",
 ) -> BeamSearchOutput:
-    """`cache_salt`: the tenant's, so beams share cached blocks only within the tenant."""
+    """`cache_salt`: the tenant's, so beams share cached blocks only within the tenant;
+    `lora_name`: the adapter every beam step runs with (empty: the base model)."""
     instance = BeamSearchInstance(prompt_token_ids, params, eos_token_ids)
     step = 0
     while not instance.done:
@@ -41,6 +43,7 @@ async def run_beam_search(
                         prompt_token_ids=beam.tokens,
                         sampling_params=step_params,
                         cache_salt=cache_salt,
+                        lora_name=lora_name,
                     ),
                     timeout=timeout,
                     metadata=metadata,

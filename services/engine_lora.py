@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from engine import AsyncLLMEngine, LoRARequest
-from pagedserve.v1 import engine_pb2
+from pagedserve.v1 import common_pb2
 from services.errors import ServiceError, invalid_argument, rpc_method
 
 logger = logging.getLogger("services.engine")
@@ -66,8 +66,8 @@ class EngineLoraRpcs:
 
     @rpc_method
     async def LoadLoraAdapter(
-        self, request: engine_pb2.LoadLoraAdapterRequest, context: Any
-    ) -> engine_pb2.LoadLoraAdapterResponse:
+        self, request: common_pb2.LoadLoraAdapterRequest, context: Any
+    ) -> common_pb2.LoadLoraAdapterResponse:
         engine = await self._lora_engine()
         if not request.lora_name:
             raise invalid_argument("lora_name must not be empty")
@@ -85,12 +85,12 @@ class EngineLoraRpcs:
             raise invalid_argument(f"lora_path: {exc}") from exc
         self.loras.adapters[lora.lora_name] = lora
         logger.info("LoRA adapter loaded", extra={"lora_name": lora.lora_name})
-        return engine_pb2.LoadLoraAdapterResponse(lora_int_id=lora.lora_int_id)
+        return common_pb2.LoadLoraAdapterResponse(lora_int_id=lora.lora_int_id)
 
     @rpc_method
     async def UnloadLoraAdapter(
-        self, request: engine_pb2.UnloadLoraAdapterRequest, context: Any
-    ) -> engine_pb2.UnloadLoraAdapterResponse:
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: Any
+    ) -> common_pb2.UnloadLoraAdapterResponse:
         engine = await self._lora_engine()
         lora = self.lora_request_for(request.lora_name)
         if lora is None:
@@ -98,16 +98,16 @@ class EngineLoraRpcs:
         del self.loras.adapters[lora.lora_name]
         await engine.remove_lora(lora.lora_int_id)
         logger.info("LoRA adapter unloaded", extra={"lora_name": lora.lora_name})
-        return engine_pb2.UnloadLoraAdapterResponse()
+        return common_pb2.UnloadLoraAdapterResponse()
 
     @rpc_method
     async def ListLoraAdapters(
-        self, request: engine_pb2.ListLoraAdaptersRequest, context: Any
-    ) -> engine_pb2.ListLoraAdaptersResponse:
+        self, request: common_pb2.ListLoraAdaptersRequest, context: Any
+    ) -> common_pb2.ListLoraAdaptersResponse:
         adapters = [
-            engine_pb2.LoraAdapter(
+            common_pb2.LoraAdapter(
                 lora_name=lora.lora_name, lora_int_id=lora.lora_int_id, lora_path=lora.lora_path
             )
             for lora in self.loras.adapters.values()
         ]
-        return engine_pb2.ListLoraAdaptersResponse(adapters=adapters)
+        return common_pb2.ListLoraAdaptersResponse(adapters=adapters)

@@ -49,6 +49,7 @@ from services.grpc_server import (
     trace_metadata,
 )
 from services.limits import RequestRegistry
+from services.lora_admin import PublicLoraRpcs
 from services.metrics import TokenizerMetrics
 from services.model_files import TextModelFiles
 from services.preprocess import Preprocessor
@@ -61,9 +62,9 @@ logger = logging.getLogger("services.tokenizer")
 _ENGINE_RPC_TIMEOUT_S = 5.0  # Abort / Health calls to the engine
 
 
-class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
+class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationServiceServicer):
     """Thin: proto → preprocess → engine call → proto; errors become statuses in
-    `services.errors`."""
+    `services.errors`. The LoRA admin RPCs are `services.lora_admin`."""
 
     SERVICE_NAME = TEXT_GENERATION_SERVICE
 
@@ -151,6 +152,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
             sampling_params=convert.sampling_params_to_proto(params, include_stop=False),
             priority=request.priority,
             cache_salt=current_tenant_name() or "",  # tenants never share cached blocks
+            lora_name=request.lora_name,  # unknown: the engine's NOT_FOUND, passed through
         )
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
         incoming = trace_headers(request.trace_headers, context)
@@ -195,6 +197,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                 context.time_remaining(),
                 outgoing_metadata(context),
                 cache_salt=current_tenant_name() or "",
+                lora_name=request.lora_name,
             )
         for response in beam_responses(
             output, request_id, prompt_ids, self.tokenizer, params.skip_special_tokens
@@ -277,6 +280,7 @@ class TextGenerationServicer(generation_pb2_grpc.TextGenerationServiceServicer):
                         pooling_params=request.pooling_params,
                         trace_headers=headers,
                         cache_salt=current_tenant_name() or "",
+                        lora_name=request.lora_name,
                     ),
                     timeout=context.time_remaining(),
                     metadata=trace_metadata(headers),

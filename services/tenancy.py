@@ -8,8 +8,11 @@ service and reflection needs `authorization: Bearer <key>` metadata:
     over the tenant's rps / max_streams       RESOURCE_EXHAUSTED + `retry-after-ms` trailer
 
 Admin RPCs: `TextGenerationService/Health` (it shows the deployment: the engine's address
-and its whole KV cache and queue, i.e. every tenant's load). Everything else is open to
-every tenant, with request ids scoped to the tenant (`services.auth.scoped_request_id`).
+and its whole KV cache and queue, i.e. every tenant's load) and the LoRA adapter RPCs
+`LoadLoraAdapter` / `UnloadLoraAdapter` / `ListLoraAdapters` (they change or show what every
+engine replica serves, for all tenants, and name paths on the engines' hosts). Everything
+else is open to every tenant, with request ids scoped to the tenant
+(`services.auth.scoped_request_id`).
 
 An accepted call runs with `services.auth.current_principal` set, so the servicer, its span
 (`pagedserve.tenant`) and the logs know the tenant; the key itself goes nowhere.
@@ -38,7 +41,10 @@ logger = logging.getLogger("services.tenancy")
 OPEN_SERVICES = frozenset(
     {health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"}
 )
-ADMIN_METHODS = frozenset({f"/{TEXT_GENERATION_SERVICE}/Health"})
+ADMIN_METHODS = frozenset(
+    f"/{TEXT_GENERATION_SERVICE}/{name}"
+    for name in ("Health", "LoadLoraAdapter", "UnloadLoraAdapter", "ListLoraAdapters")
+)
 STREAM_METHODS = frozenset(
     {f"/{TEXT_GENERATION_SERVICE}/Generate", f"/{TEXT_GENERATION_SERVICE}/Encode"}
 )

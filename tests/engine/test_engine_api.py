@@ -16,6 +16,7 @@ import pytest
 from engine import AsyncLLMEngine, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from engine.config import ParallelConfig
 from engine.structured_output import DecodingConfig
+from engine.structured_output.backend import BACKEND_NAME
 from tests.model_utils import make_tiny_llama
 
 PROMPT = {"prompt_token_ids": [5, 17, 9, 33, 4, 61, 12]}
@@ -79,7 +80,7 @@ def test_config_getters(model_dir) -> None:
     """`engine.get_decoding_config()`, `get_parallel_config()`, `get_lora_config()`."""
     engine = LLMEngine.from_engine_args(engine_args(model_dir))
     decoding = engine.get_decoding_config()
-    assert isinstance(decoding, DecodingConfig) and decoding.backend == "xgrammar"
+    assert isinstance(decoding, DecodingConfig) and decoding.backend == BACKEND_NAME
     parallel = engine.get_parallel_config()
     assert isinstance(parallel, ParallelConfig)
     assert parallel.tensor_parallel_size == parallel.pipeline_parallel_size == 1
@@ -114,7 +115,7 @@ def test_has_unfinished_requests_for_virtual_engine(model_dir) -> None:
 def test_async_getters_and_input_preprocessor(model_dir) -> None:
     async def main() -> None:
         with async_engine(model_dir) as engine:
-            assert (await engine.get_decoding_config()).backend == "xgrammar"
+            assert (await engine.get_decoding_config()).backend == BACKEND_NAME
             assert (await engine.get_parallel_config()).world_size == 1
             assert await engine.get_lora_config() is None
             assert (await engine.get_cache_config()).num_blocks > 0

@@ -161,3 +161,25 @@ def test_cuda_sleep_gives_device_memory_back(model_dir):
         assert freed >= 0.95 * (kv_bytes + weight_bytes), (level, freed)
         llm.wake_up()
         assert tokens(llm) == reference
+
+
+def test_sleep_mode_example(model_dir):
+    """vLLM's sleep-mode docs, as written but for the model: `LLM(model,
+    enable_sleep_mode=True)`, `sleep(level=1)` then `wake_up()`; `sleep(level=2)` then
+    `wake_up(tags=["weights"])` and `wake_up(tags=["kv_cache"])` (vLLM reloads the weights
+    with `collective_rpc("reload_weights")` in between; here level 2's wake-up reloads them
+    from the model files itself). The answer after each wake-up is the one before."""
+    llm = LLM(model=str(model_dir), enable_sleep_mode=True, **ENGINE_KWARGS)
+    output = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm.sleep(level=1)
+    llm.wake_up()
+    output2 = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.llm_engine.is_sleeping()  # the KV cache is still asleep
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.llm_engine.is_sleeping()
+    output3 = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in output]
+    assert [o.outputs[0].token_ids for o in output2] == expected
+    assert [o.outputs[0].token_ids for o in output3] == expected

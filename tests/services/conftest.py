@@ -51,14 +51,19 @@ class ServiceStack:
         model_dir: Path,
         engine_server_config: dict[str, Any] | None = None,
         tokenizer_server_config: dict[str, Any] | None = None,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         """The `*_server_config` dicts are extra `EngineServerConfig` /
-        `TokenizerServerConfig` fields."""
+        `TokenizerServerConfig` fields; `engine_args` replace or add to `ENGINE_KWARGS`."""
         self.model_dir = model_dir
         self.engine_server_config = engine_server_config or {}
         self.loop = LoopThread()
         self.engine = AsyncLLMEngine.from_engine_args(
-            EngineArgs(model=str(model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
+            EngineArgs(
+                model=str(model_dir),
+                skip_tokenizer_init=True,
+                **{**ENGINE_KWARGS, **(engine_args or {})},
+            )
         )
         self.files = load_text_model_files(str(model_dir))
         self.engine_server: EngineServer | None = None

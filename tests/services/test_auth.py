@@ -86,6 +86,22 @@ CALLS = {
     ),
     "GetModelInfo": lambda s, md: s.GetModelInfo(common_pb2.GetModelInfoRequest(), metadata=md),
     "Health": lambda s, md: s.Health(common_pb2.HealthRequest(), metadata=md),
+    "LoadLoraAdapter": lambda s, md: s.LoadLoraAdapter(
+        common_pb2.LoadLoraAdapterRequest(lora_name="a", lora_path="/nowhere"), metadata=md
+    ),
+    "UnloadLoraAdapter": lambda s, md: s.UnloadLoraAdapter(
+        common_pb2.UnloadLoraAdapterRequest(lora_name="a"), metadata=md
+    ),
+    "ListLoraAdapters": lambda s, md: s.ListLoraAdapters(
+        common_pb2.ListLoraAdaptersRequest(), metadata=md
+    ),
+}
+# Admin-only, and what an admin key gets from the shared stack (its engine has no LoRA).
+ADMIN_CALLS = {
+    "Health": grpc.StatusCode.OK,
+    "LoadLoraAdapter": grpc.StatusCode.FAILED_PRECONDITION,
+    "UnloadLoraAdapter": grpc.StatusCode.FAILED_PRECONDITION,
+    "ListLoraAdapters": grpc.StatusCode.OK,
 }
 
 
@@ -112,9 +128,9 @@ def test_every_rpc_without_with_a_wrong_and_with_a_right_key(keyed, method):
     assert _code(lambda: call(stub, _auth("not-a-key-0123456789abcdef"))) == unauthenticated
     assert _code(lambda: call(stub, [("authorization", ALICE)])) == unauthenticated  # no Bearer
     code, details = _code(lambda: call(stub, _auth(ALICE)))
-    if method == "Health":  # admin only
+    if method in ADMIN_CALLS:  # admin only
         assert code == grpc.StatusCode.PERMISSION_DENIED and "admin" in details
-        assert _code(lambda: call(stub, _auth(OPS)))[0] == grpc.StatusCode.OK
+        assert _code(lambda: call(stub, _auth(OPS)))[0] == ADMIN_CALLS[method]
     else:
         assert code == grpc.StatusCode.OK, details
 

@@ -67,23 +67,23 @@ def test_lora_adapters_over_grpc(lora_engine, tmp_path) -> None:
     assert code == grpc.StatusCode.NOT_FOUND and "lora_name 'sql'" in details
     code, details = code_and_details(
         lambda: stub.LoadLoraAdapter(
-            engine_pb2.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(tmp_path)),
+            common_pb2.LoadLoraAdapterRequest(lora_name="bad", lora_path=str(tmp_path)),
             timeout=30,
         )
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json is missing" in details
     reply = stub.LoadLoraAdapter(
-        engine_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)), timeout=60
+        common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)), timeout=60
     )
     assert reply.lora_int_id >= 1
     code, _ = code_and_details(
         lambda: stub.LoadLoraAdapter(
-            engine_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)),
+            common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)),
             timeout=30,
         )
     )
     assert code == grpc.StatusCode.ALREADY_EXISTS
-    listed = stub.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=30).adapters
+    listed = stub.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=30).adapters
     assert [(a.lora_name, a.lora_int_id, a.lora_path) for a in listed] == [
         ("sql", reply.lora_int_id, str(adapter))
     ]
@@ -107,8 +107,8 @@ def test_lora_adapters_over_grpc(lora_engine, tmp_path) -> None:
     ).embedding
     assert len(embedding) == len(base_embedding) and list(embedding) != list(base_embedding)
 
-    stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=30)
-    assert not stub.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=30).adapters
+    stub.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="sql"), timeout=30)
+    assert not stub.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=30).adapters
     code, _ = code_and_details(lambda: generate(stub, "after-unload", "sql"))
     assert code == grpc.StatusCode.NOT_FOUND
 
@@ -116,7 +116,7 @@ def test_lora_adapters_over_grpc(lora_engine, tmp_path) -> None:
 def test_lora_rpcs_need_an_engine_with_lora(stack) -> None:
     code, details = code_and_details(
         lambda: stack.engine_stub.LoadLoraAdapter(
-            engine_pb2.LoadLoraAdapterRequest(lora_name="x", lora_path="/nowhere"), timeout=30
+            common_pb2.LoadLoraAdapterRequest(lora_name="x", lora_path="/nowhere"), timeout=30
         )
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "--enable-lora" in details

@@ -36,8 +36,13 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
+# The engine's Sleep is left out: a valid message (even an empty one, level 0 = 1) puts the
+# session's shared engine to sleep, and every later request would wait for WakeUp. Its bad
+# input is tested in test_engine_admin.py.
+NOT_FUZZED = {"Sleep"}
+FUZZED_ENGINE_METHODS = [m for m in ENGINE_METHODS if m.name not in NOT_FUZZED]
 _TARGETS = [("public", m) for m in [*PUBLIC_METHODS, HEALTH_CHECK]] + [
-    ("engine", m) for m in [*ENGINE_METHODS, HEALTH_CHECK]
+    ("engine", m) for m in [*FUZZED_ENGINE_METHODS, HEALTH_CHECK]
 ]
 
 
@@ -141,6 +146,15 @@ _PUBLIC = {
     "Detokenize": st.builds(lambda i: generation_pb2.DetokenizeRequest(token_ids=i), _TOKEN_IDS),
     "GetModelInfo": st.just(common_pb2.GetModelInfoRequest()),
     "Health": st.just(common_pb2.HealthRequest()),
+    "LoadLoraAdapter": st.builds(
+        lambda name, path: common_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path),
+        _TEXT,
+        _TEXT,
+    ),
+    "UnloadLoraAdapter": st.builds(
+        lambda name: common_pb2.UnloadLoraAdapterRequest(lora_name=name), _TEXT
+    ),
+    "ListLoraAdapters": st.just(common_pb2.ListLoraAdaptersRequest()),
 }
 _ENGINE = {
     "Generate": st.builds(
@@ -159,37 +173,27 @@ _ENGINE = {
     "Abort": _PUBLIC["Abort"],
     "GetModelInfo": _PUBLIC["GetModelInfo"],
     "Health": _PUBLIC["Health"],
-    # Admin calls: random levels, tags, names and paths (the engine may end up asleep, or
-    # with a profile running; the check afterwards wakes it).
+    "LoadLoraAdapter": _PUBLIC["LoadLoraAdapter"],
+    "UnloadLoraAdapter": _PUBLIC["UnloadLoraAdapter"],
+    "ListLoraAdapters": _PUBLIC["ListLoraAdapters"],
     "StartProfile": st.just(engine_pb2.StartProfileRequest()),
     "StopProfile": st.just(engine_pb2.StopProfileRequest()),
-    "Sleep": st.builds(
-        lambda level: engine_pb2.SleepRequest(level=level), st.integers(0, 2**32 - 1)
-    ),
     "WakeUp": st.builds(
-        lambda tags: engine_pb2.WakeUpRequest(tags=tags), st.lists(_TEXT, max_size=3)
+        lambda tags: engine_pb2.WakeUpRequest(tags=tags),
+        st.lists(st.one_of(st.sampled_from(["weights", "kv_cache"]), _TEXT), max_size=3),
     ),
     "IsSleeping": st.just(engine_pb2.IsSleepingRequest()),
-    "LoadLoraAdapter": st.builds(
-        lambda name, path: engine_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path),
-        _TEXT,
-        _TEXT,
-    ),
-    "UnloadLoraAdapter": st.builds(
-        lambda name: engine_pb2.UnloadLoraAdapterRequest(lora_name=name), _TEXT
-    ),
-    "ListLoraAdapters": st.just(engine_pb2.ListLoraAdaptersRequest()),
 }
 
 
 def test_every_rpc_has_a_message_strategy():
     assert {m.name for m in PUBLIC_METHODS} == set(_PUBLIC)
-    assert {m.name for m in ENGINE_METHODS} == set(_ENGINE)
+    assert {m.name for m in FUZZED_ENGINE_METHODS} == set(_ENGINE)
 
 
 def _typed_cases():
     cases = [("public", m, _PUBLIC[m.name]) for m in PUBLIC_METHODS]
-    cases += [("engine", m, _ENGINE[m.name]) for m in ENGINE_METHODS]
+    cases += [("engine", m, _ENGINE[m.name]) for m in FUZZED_ENGINE_METHODS]
     return st.sampled_from(cases).flatmap(
         lambda case: case[2].map(lambda msg: (case[0], case[1], msg))
     )
@@ -205,9 +209,8 @@ def test_random_messages_to_every_rpc(stack, case):
 def test_after_the_fuzzing_everything_still_works(stack):
     # (pytest runs this file's tests in order: this one comes after both fuzzers.)
     assert not stack.engine.errored
-    # A fuzzed Sleep may have put the engine to sleep: requests would wait for a wake-up.
-    stack.engine_stub.WakeUp(engine_pb2.WakeUpRequest(), timeout=60)
-    assert not stack.engine_stub.IsSleeping(engine_pb2.IsSleepingRequest(), timeout=10).is_sleeping
+    asleep = stack.engine_stub.IsSleeping(engine_pb2.IsSleepingRequest(), timeout=10)
+    assert not asleep.is_sleeping
     stack.wait_until_idle(timeout=30)
     out = gather(stack.public.Generate(request(token_ids=[5, 6, 7], max_tokens=4), timeout=30))
     assert len(out[0].token_ids) == 4

@@ -88,18 +88,18 @@ class EngineServiceStub:
                 _registered_method=True)
         self.LoadLoraAdapter = channel.unary_unary(
                 '/pagedserve.v1.EngineService/LoadLoraAdapter',
-                request_serializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
                 _registered_method=True)
         self.UnloadLoraAdapter = channel.unary_unary(
                 '/pagedserve.v1.EngineService/UnloadLoraAdapter',
-                request_serializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
                 _registered_method=True)
         self.ListLoraAdapters = channel.unary_unary(
                 '/pagedserve.v1.EngineService/ListLoraAdapters',
-                request_serializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
 
 
@@ -180,6 +180,7 @@ class EngineServiceServicer:
         """Registers a PEFT LoRA adapter by name (vLLM's load_lora_adapter); requests name it in
         `lora_name`. Needs an engine started with LoRA enabled (else FAILED_PRECONDITION); a bad
         adapter is INVALID_ARGUMENT with the reason, a name in use ALREADY_EXISTS.
+        The LoRA messages are shared with the public API: common.proto.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -252,18 +253,18 @@ def add_EngineServiceServicer_to_server(servicer, server):
             ),
             'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoraAdapter,
-                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.SerializeToString,
             ),
             'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoraAdapter,
-                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
             'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLoraAdapters,
-                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,8 +563,8 @@ class EngineService:
             request,
             target,
             '/pagedserve.v1.EngineService/LoadLoraAdapter',
-            pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
-            pagedserve_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -589,8 +590,8 @@ class EngineService:
             request,
             target,
             '/pagedserve.v1.EngineService/UnloadLoraAdapter',
-            pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
-            pagedserve_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+            pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -616,8 +617,8 @@ class EngineService:
             request,
             target,
             '/pagedserve.v1.EngineService/ListLoraAdapters',
-            pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
-            pagedserve_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
+            pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb7\x01\n\tChatInput\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_message\"\xee\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pagedserve.v1.ChatInputH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12G\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x30.pagedserve.v1.GenerateRequest.TraceHeadersEntry\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\nbeam_width\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\r\n\x0b_beam_widthB\x11\n\x0f_length_penalty\"\x84\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x31\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.StopReason\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\n \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\x90\x02\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12*\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x34\n\x0epooling_params\x18\x04 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x45\n\rtrace_headers\x18\x05 \x03(\x0b\x32..pagedserve.v1.EncodeRequest.TraceHeadersEntry\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"2\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"w\n\x0e\x45ncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nembeddings\x18\x02 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x8c\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.pagedserve.v1.ChatInputH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xa6\x04\n\x15TextGenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x45\n\x06\x45ncode\x12\x1c.pagedserve.v1.EncodeRequest\x1a\x1d.pagedserve.v1.EncodeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb7\x01\n\tChatInput\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_message\"\x81\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pagedserve.v1.ChatInputH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12G\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x30.pagedserve.v1.GenerateRequest.TraceHeadersEntry\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\nbeam_width\x18\t \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\n \x01(\x02H\x03\x88\x01\x01\x12\x11\n\tlora_name\x18\x0b \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\r\n\x0b_beam_widthB\x11\n\x0f_length_penalty\"\x84\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x31\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.StopReason\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\n \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\xa3\x02\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12*\n\ttoken_ids\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x34\n\x0epooling_params\x18\x04 \x01(\x0b\x32\x1c.pagedserve.v1.PoolingParams\x12\x45\n\rtrace_headers\x18\x05 \x03(\x0b\x32..pagedserve.v1.EncodeRequest.TraceHeadersEntry\x12\x11\n\tlora_name\x18\x06 \x01(\t\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"2\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"w\n\x0e\x45ncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\nembeddings\x18\x02 \x03(\x0b\x32\x18.pagedserve.v1.Embedding\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x8c\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.pagedserve.v1.ChatInputH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xd5\x06\n\x15TextGenerationService\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x45\n\x06\x45ncode\x12\x1c.pagedserve.v1.EncodeRequest\x1a\x1d.pagedserve.v1.EncodeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.pagedserve.v1.HealthRequest\x1a\x1d.pagedserve.v1.HealthResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12`\n\x0fLoadLoraAdapter\x12%.pagedserve.v1.LoadLoraAdapterRequest\x1a&.pagedserve.v1.LoadLoraAdapterResponse\x12\x66\n\x11UnloadLoraAdapter\x12\'.pagedserve.v1.UnloadLoraAdapterRequest\x1a(.pagedserve.v1.UnloadLoraAdapterResponse\x12\x63\n\x10ListLoraAdapters\x12&.pagedserve.v1.ListLoraAdaptersRequest\x1a\'.pagedserve.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,27 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATINPUT']._serialized_start=124
   _globals['_CHATINPUT']._serialized_end=307
   _globals['_GENERATEREQUEST']._serialized_start=310
-  _globals['_GENERATEREQUEST']._serialized_end=804
-  _globals['_GENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=687
-  _globals['_GENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=738
-  _globals['_GENERATERESPONSE']._serialized_start=807
-  _globals['_GENERATERESPONSE']._serialized_end=1195
-  _globals['_ENCODEREQUEST']._serialized_start=1198
-  _globals['_ENCODEREQUEST']._serialized_end=1470
-  _globals['_ENCODEREQUEST_TRACEHEADERSENTRY']._serialized_start=687
-  _globals['_ENCODEREQUEST_TRACEHEADERSENTRY']._serialized_end=738
-  _globals['_EMBEDDING']._serialized_start=1472
-  _globals['_EMBEDDING']._serialized_end=1522
-  _globals['_ENCODERESPONSE']._serialized_start=1524
-  _globals['_ENCODERESPONSE']._serialized_end=1643
-  _globals['_TOKENIZEREQUEST']._serialized_start=1646
-  _globals['_TOKENIZEREQUEST']._serialized_end=1786
-  _globals['_TOKENIZERESPONSE']._serialized_start=1788
-  _globals['_TOKENIZERESPONSE']._serialized_end=1879
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1881
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1977
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1979
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2013
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2016
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2566
+  _globals['_GENERATEREQUEST']._serialized_end=823
+  _globals['_GENERATEREQUEST_TRACEHEADERSENTRY']._serialized_start=706
+  _globals['_GENERATEREQUEST_TRACEHEADERSENTRY']._serialized_end=757
+  _globals['_GENERATERESPONSE']._serialized_start=826
+  _globals['_GENERATERESPONSE']._serialized_end=1214
+  _globals['_ENCODEREQUEST']._serialized_start=1217
+  _globals['_ENCODEREQUEST']._serialized_end=1508
+  _globals['_ENCODEREQUEST_TRACEHEADERSENTRY']._serialized_start=706
+  _globals['_ENCODEREQUEST_TRACEHEADERSENTRY']._serialized_end=757
+  _globals['_EMBEDDING']._serialized_start=1510
+  _globals['_EMBEDDING']._serialized_end=1560
+  _globals['_ENCODERESPONSE']._serialized_start=1562
+  _globals['_ENCODERESPONSE']._serialized_end=1681
+  _globals['_TOKENIZEREQUEST']._serialized_start=1684
+  _globals['_TOKENIZEREQUEST']._serialized_end=1824
+  _globals['_TOKENIZERESPONSE']._serialized_start=1826
+  _globals['_TOKENIZERESPONSE']._serialized_end=1917
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1919
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2015
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2017
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2051
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2054
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2907
 # @@protoc_insertion_point(module_scope)

@@ -71,6 +71,21 @@ class TextGenerationServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.TextGenerationService/LoadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pagedserve.v1.TextGenerationService/UnloadLoraAdapter',
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/pagedserve.v1.TextGenerationService/ListLoraAdapters',
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -125,6 +140,27 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters by name, forwarded to every engine replica (admin-only with API keys).
+        Load: an error from any replica (named in the message) unloads it from the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The adapters loaded on every replica, in the first replica's order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +198,21 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_common__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +405,87 @@ class TextGenerationService:
             '/pagedserve.v1.TextGenerationService/GetModelInfo',
             pagedserve_dot_v1_dot_common__pb2.GetModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.TextGenerationService/LoadLoraAdapter',
+            pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.TextGenerationService/UnloadLoraAdapter',
+            pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.TextGenerationService/ListLoraAdapters',
+            pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
