@@ -87,8 +87,9 @@ def sampler_overhead(llm: LLM, batch: int, repeats: int = 20) -> tuple[float, fl
         batch_rows = rows(grammar)
         times = []
         for _ in range(repeats):
+            step_logits = logits.clone()  # the mask goes in place; each step starts afresh
             start = time.perf_counter()
-            sampler(logits, SamplingMetadata.build(batch_rows, vocab, "cpu"))
+            sampler(step_logits, SamplingMetadata.build(batch_rows, vocab, "cpu"))
             times.append(1000.0 * (time.perf_counter() - start))
         medians.append(statistics.median(times))
     return medians[0], medians[1]

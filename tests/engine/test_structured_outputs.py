@@ -226,10 +226,12 @@ def test_completed_grammar_wins_over_min_tokens(llm: LLM) -> None:
     ]
     plain = SamplingParams(temperature=0.0, min_tokens=6, max_tokens=6)
     outputs = llm.generate(["Is it raining?"] * 4, [*constrained, plain], use_tqdm=False)
+    eos = llm.get_tokenizer().eos_token_id
     for output in outputs[:3]:
         out = output.outputs[0]
         assert out.text in choices and out.finish_reason == "stop", (out.text, out.token_ids)
-        assert len(out.token_ids) < 6  # ended before min_tokens, on the grammar's EOS
+        # Ended before min_tokens on the grammar's EOS, not on a token forced past the mask.
+        assert len(out.token_ids) < 6 and out.token_ids[-1] == eos, out.token_ids
     assert len(outputs[3].outputs[0].token_ids) == 6
 
 
