@@ -264,6 +264,30 @@ def test_structural_tag(llm: LLM) -> None:
         jsonschema.validate(json.loads(match.group(1)), schema)
 
 
+def test_structural_tag_legacy_form(llm: LLM) -> None:
+    """vLLM's older structural tag (structures + triggers): free text until a trigger, then
+    the tag's schema; checked on the matcher with the model's own tokens. A malformed one
+    is a ValueError naming the field."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<answer>", "schema": schema, "end": "</answer>"}],
+        "triggers": ["<answer>"],
+    }
+    backend = llm.llm_engine.structured_output_manager._get_backend()
+    compiled = backend.compile(StructuredOutputsParams(structural_tag=tag))
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        matcher = backend.new_matcher(compiled)
+        return all(matcher.accept_token(t) for t in tokenizer(text).input_ids)
+
+    assert accepts('Sure. <answer>{"city": "Paris"}</answer> Done.')
+    assert not accepts('Sure. <answer>{"town": 1}</answer>')
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag"):
+        llm.generate("x", _params(0, structural_tag={"structures": [{"begin": "<a>"}]}))
+
+
 def test_bad_specs_are_rejected_naming_the_field(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"exactly one of.*json, regex"):
         StructuredOutputsParams(json={"type": "object"}, regex="a+")
