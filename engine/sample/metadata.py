@@ -67,8 +67,10 @@ class SamplingMetadata:
     min_tokens_row_ids: torch.Tensor | None  # [M] int64
     min_tokens_token_ids: torch.Tensor | None  # [M] int64
     max_num_logprobs: int | None  # largest `logprobs` of any row; None: no row asks
-    # Structured outputs: bit j of word w in a row = token 32 w + j allowed; None: no grammar.
-    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32
+    # Structured outputs, only for the G rows with a grammar (rows without one pay nothing):
+    # bit j of word w of bitmask row g = token 32 w + j allowed in batch row grammar_row_ids[g].
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32; None: no grammar
+    grammar_row_ids: torch.Tensor | None = None  # [G] int64; None: every row has a grammar
     # allowed_token_ids: rows with a restriction, and the (row, token) pairs they keep.
     allowed_row_mask: torch.Tensor | None = None  # [B] bool
     allowed_row_ids: torch.Tensor | None = None  # [A] int64
@@ -128,7 +130,10 @@ class SamplingMetadata:
             seen_rows, seen_ids, _ = _distinct_tokens(chosen, token_lists, vocab_size, device)
 
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        min_tokens_rows, min_tokens_ids = _min_tokens_indices(rows, vocab_size)
+        grammar_rows, bitmask = _grammar_bitmask(rows, vocab_size)
+        min_tokens_rows, min_tokens_ids = _min_tokens_indices(
+            rows, vocab_size, _grammar_complete_rows(rows, grammar_rows, bitmask, vocab_size)
+        )
         metadata = SamplingMetadata(
             vocab_size=vocab_size,
             temperature=floats([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
@@ -152,6 +157,10 @@ class SamplingMetadata:
             min_tokens_token_ids=ints(min_tokens_ids) if min_tokens_rows else None,
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
+        if bitmask is not None:
+            metadata.grammar_bitmask = bitmask.to(device)
+            if len(grammar_rows) < len(rows):
+                metadata.grammar_row_ids = ints(grammar_rows)
         _add_token_controls(metadata, rows, vocab_size, device)
         return metadata
 
@@ -175,14 +184,60 @@ def _distinct_tokens(
     return keys // vocab_size, keys % vocab_size, counts
 
 
-def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int) -> tuple[list[int], list[int]]:
+def _grammar_bitmask(
+    rows: list[SamplingRow], vocab_size: int
+) -> tuple[list[int], torch.Tensor | None]:
+    """The batch indices of the rows with a grammar and their masks, [G, ceil(V / 32)] int32
+    (None when no row has one): one row per constrained request, so the sampler's masking
+    costs in proportion to the constrained rows, not the batch."""
+    grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not grammar_rows:
+        return grammar_rows, None
+    bitmask = torch.full((len(grammar_rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    for g, i in enumerate(grammar_rows):
+        rows[i].grammar.fill_bitmask(bitmask, g)
+    return grammar_rows, bitmask
+
+
+def _grammar_complete_rows(
+    rows: list[SamplingRow], grammar_rows: list[int], bitmask: torch.Tensor | None, vocab_size: int
+) -> set[int]:
+    """Rows still short of min_tokens whose grammar allows nothing but a stop token: the
+    value is complete. There the grammar wins over min_tokens (as vLLM does): banning the
+    stops would leave no token at all, so the request ends with "stop" instead."""
+    complete: set[int] = set()
+    for g, i in enumerate(grammar_rows):
+        params = rows[i].params
+        if len(rows[i].output_token_ids) >= params.min_tokens:
+            continue
+        assert bitmask is not None
+        words = bitmask[g].clone()  # [ceil(V / 32)] int32
+        for token in params.all_stop_token_ids:
+            if token < vocab_size:
+                words[token // 32] &= ~(1 << (token % 32)) if token % 32 < 31 else 0x7FFFFFFF
+        words[-1] &= _valid_bits(vocab_size)
+        if not bool(words.any()):
+            complete.add(i)
+    return complete
+
+
+def _valid_bits(vocab_size: int) -> int:
+    """The int32 mask of the last bitmask word's bits that are real tokens."""
+    used = vocab_size % 32
+    return -1 if used == 0 else (1 << used) - 1
+
+
+def _min_tokens_indices(
+    rows: list[SamplingRow], vocab_size: int, grammar_complete: set[int]
+) -> tuple[list[int], list[int]]:
     """(row, token) pairs to mask: rows short of min_tokens may not sample a token that would
-    stop them (as in vLLM: EOS only when it stops the request, i.e. without ignore_eos)."""
+    stop them (as in vLLM: EOS only when it stops the request, i.e. without ignore_eos),
+    unless their grammar is complete."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for i, row in enumerate(rows):
         params = row.params
-        if len(row.output_token_ids) >= params.min_tokens:
+        if len(row.output_token_ids) >= params.min_tokens or i in grammar_complete:
             continue
         banned = sorted(t for t in params.all_stop_token_ids if t < vocab_size)
         row_ids.extend([i] * len(banned))
@@ -193,14 +248,8 @@ def _min_tokens_indices(rows: list[SamplingRow], vocab_size: int) -> tuple[list[
 def _add_token_controls(
     metadata: SamplingMetadata, rows: list[SamplingRow], vocab_size: int, device: Any
 ) -> None:
-    """Fills the grammar bitmask and the sparse allowed/bad-words/bias indices, only for
-    the features some row uses."""
-    if any(row.grammar is not None for row in rows):
-        bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
-        for i, row in enumerate(rows):
-            if row.grammar is not None:
-                row.grammar.fill_bitmask(bitmask, i)
-        metadata.grammar_bitmask = bitmask.to(device)
+    """Fills the sparse allowed/bad-words/bias indices, only for the features some row
+    uses."""
 
     def ints(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)

@@ -26,7 +26,7 @@ from engine.sample.logprobs import LogprobsTensors, compute_logprobs, gather_log
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_min_tokens, apply_penalties
 from engine.sample.rng import uniform
-from engine.sample.token_controls import apply_grammar_bitmask, apply_token_controls
+from engine.sample.token_controls import apply_grammar_bitmask_, apply_token_controls
 
 _BLOCK_SIZE = 256  # tokens per block of the two-level inverse-CDF search
 
@@ -40,14 +40,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless; `logits` are never modified."""
+    """Stateless. The grammar mask is applied to `logits` in place (its rows with a grammar
+    only): callers pass the step's own logits, not ones they read again; nothing else in
+    the sampler modifies them."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
         assert logits.shape[1] == metadata.vocab_size
         if metadata.grammar_bitmask is not None:
             # Before the logprobs: they are those of the masked distribution (as vLLM).
-            logits = apply_grammar_bitmask(logits, metadata.grammar_bitmask)
+            logits = apply_grammar_bitmask_(
+                logits, metadata.grammar_bitmask, metadata.grammar_row_ids
+            )
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)  # [B, V]

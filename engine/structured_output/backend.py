@@ -86,8 +86,32 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(params.grammar)
-    tag = params.structural_tag
-    return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+    return _structural_tag_grammar(params.structural_tag)
+
+
+def _structural_tag_grammar(tag: str | dict[str, Any] | None) -> xgr.Grammar:
+    """xgrammar's structural tag (`{"type": "structural_tag", "format": ...}`), or the
+    older form vLLM's OpenAI API still accepts: `{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}`, read as xgrammar's tag items and triggers."""
+    spec = json.loads(tag) if isinstance(tag, str) else tag
+    if isinstance(spec, dict) and "structures" in spec:
+        structures, triggers = spec["structures"], spec.get("triggers", [])
+        if not (
+            isinstance(structures, list)
+            and all(isinstance(s, dict) and {"begin", "end"} <= s.keys() for s in structures)
+            and isinstance(triggers, list)
+        ):
+            raise ValueError(
+                "structures must be a list of {begin, schema, end} objects and triggers a list"
+            )
+        items = [
+            xgr.StructuralTagItem(
+                begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
+            )
+            for s in structures
+        ]
+        return xgr.Grammar.from_structural_tag(items, triggers)
+    return xgr.Grammar.from_structural_tag(json.dumps(spec))
 
 
 class GrammarMatcher:

@@ -29,7 +29,7 @@ from engine.core.sched_output import (
 from engine.lora.manager import LoRAManager
 from engine.models.loader import load_model
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
-from engine.sample.token_controls import apply_grammar_bitmask
+from engine.sample.token_controls import apply_grammar_bitmask_
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
 from engine.worker.profiler import TorchProfiler
@@ -382,23 +382,28 @@ def _mask_drafts(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch
     and rolls back, so verification picks exactly the tokens constrained greedy decoding
     would. logits: [sum(k + 1), V].
     """
-    if all(_matcher(e.request) is None for e in entries):
+    constrained = [(e, _matcher(e.request)) for e in entries]
+    num_positions = sum(len(e.spec_token_ids) + 1 for e, m in constrained if m is not None)
+    if not num_positions:
         return logits
-    bitmask = torch.full((logits.shape[0], -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+    # Only the constrained requests' positions get a mask row, applied in place.
+    bitmask = torch.full((num_positions, -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+    row_ids: list[int] = []
     offset = 0
-    for entry in entries:
+    for entry, matcher in constrained:
         drafts = entry.spec_token_ids
-        matcher = _matcher(entry.request)
         if matcher is not None:
             num_walked = 0
             for i in range(len(drafts) + 1):
-                matcher.fill_bitmask(bitmask, offset + i)
+                matcher.fill_bitmask(bitmask, len(row_ids) + i)
                 if i == len(drafts) or not matcher.accept_token(drafts[i]):
                     break
                 num_walked += 1
             matcher.rollback(num_walked)
+            row_ids.extend(range(offset, offset + len(drafts) + 1))
         offset += len(drafts) + 1
-    return apply_grammar_bitmask(logits, bitmask.to(logits.device))
+    rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
+    return apply_grammar_bitmask_(logits, bitmask, rows)
 
 
 def _keep_freed_memory_mapped() -> None:

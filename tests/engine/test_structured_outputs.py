@@ -208,6 +208,86 @@ def test_n_samples_and_seeds(llm: LLM) -> None:
         jsonschema.validate(json.loads(c.text), schema)
 
 
+def test_completed_grammar_wins_over_min_tokens(llm: LLM) -> None:
+    """A choice is complete after a token or two while min_tokens asks for 6: the grammar
+    then allows only EOS, which min_tokens would ban. As in vLLM, the completed grammar
+    wins: the request ends with "stop" on the choice alone, greedy and random, alongside
+    an unconstrained min_tokens request that still honours min_tokens."""
+    choices = ["yes", "no"]
+    constrained = [
+        SamplingParams(
+            temperature=t,
+            seed=s,
+            min_tokens=6,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(choice=choices),
+        )
+        for t, s in [(0.0, 0), (0.8, 1), (0.8, 2)]
+    ]
+    plain = SamplingParams(temperature=0.0, min_tokens=6, max_tokens=6)
+    outputs = llm.generate(["Is it raining?"] * 4, [*constrained, plain], use_tqdm=False)
+    eos = llm.get_tokenizer().eos_token_id
+    for output in outputs[:3]:
+        out = output.outputs[0]
+        assert out.text in choices and out.finish_reason == "stop", (out.text, out.token_ids)
+        # Ended before min_tokens on the grammar's EOS, not on a token forced past the mask.
+        assert len(out.token_ids) < 6 and out.token_ids[-1] == eos, out.token_ids
+    assert len(outputs[3].outputs[0].token_ids) == 6
+
+
+def test_structural_tag(llm: LLM) -> None:
+    """xgrammar's structural tag: the JSON value inside <answer>..</answer> follows the
+    schema and the output is exactly the tag."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<answer>",
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "</answer>",
+        },
+    }
+    params = [_params(s, 60, structural_tag=tag) for s in range(3)]
+    params.append(_params(3, 60, structural_tag=json.dumps(tag)))  # JSON text too
+    outputs = llm.generate(["The capital of France:"] * 4, params, use_tqdm=False)
+    for output in outputs:
+        out = output.outputs[0]
+        assert out.finish_reason == "stop", out.text
+        match = re.fullmatch(r"<answer>(.*)</answer>", out.text, re.DOTALL)
+        assert match, out.text
+        jsonschema.validate(json.loads(match.group(1)), schema)
+
+
+def test_structural_tag_legacy_form(llm: LLM) -> None:
+    """vLLM's older structural tag (structures + triggers): free text until a trigger, then
+    the tag's schema; checked on the matcher with the model's own tokens. A malformed one
+    is a ValueError naming the field."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<answer>", "schema": schema, "end": "</answer>"}],
+        "triggers": ["<answer>"],
+    }
+    backend = llm.llm_engine.structured_output_manager._get_backend()
+    compiled = backend.compile(StructuredOutputsParams(structural_tag=tag))
+    tokenizer = llm.get_tokenizer()
+
+    def accepts(text: str) -> bool:
+        matcher = backend.new_matcher(compiled)
+        return all(matcher.accept_token(t) for t in tokenizer(text).input_ids)
+
+    assert accepts('Sure. <answer>{"city": "Paris"}</answer> Done.')
+    assert not accepts('Sure. <answer>{"town": 1}</answer>')
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag"):
+        llm.generate("x", _params(0, structural_tag={"structures": [{"begin": "<a>"}]}))
+
+
 def test_bad_specs_are_rejected_naming_the_field(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"exactly one of.*json, regex"):
         StructuredOutputsParams(json={"type": "object"}, regex="a+")

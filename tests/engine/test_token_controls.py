@@ -110,20 +110,28 @@ def test_bad_values_are_rejected_naming_the_field(llm: LLM, kwargs, field) -> No
     assert llm.llm_engine.kv_cache_manager.usage == 0.0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])  # xgrammar's kernel / the table
-def test_grammar_bitmask_matches_a_bit_by_bit_reference(dtype) -> None:
-    """The vectorised bitmask against bit-by-bit unpacking, with a vocabulary that is not a
-    multiple of 32 and negative (high-bit) words."""
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("constrained", [None, [0, 3, 4]])  # every row / some rows
+def test_grammar_bitmask_matches_a_bit_by_bit_reference(dtype, constrained) -> None:
+    """The vectorised in-place bitmask against bit-by-bit unpacking, with a vocabulary that
+    is not a multiple of 32 and negative (high-bit) words; rows without a grammar keep
+    their logits bit for bit."""
     import torch
 
-    from engine.sample.token_controls import apply_grammar_bitmask
+    from engine.sample.token_controls import apply_grammar_bitmask_
 
     num_rows, vocab = 5, 100
-    logits = torch.randn(num_rows, vocab, dtype=getattr(torch, dtype))
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (num_rows, 4), dtype=torch.int32)
-    allowed = torch.tensor(
-        [[(int(bitmask[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(5)]
-    ).bool()
-    out = apply_grammar_bitmask(logits, bitmask)
-    assert torch.equal(out, torch.where(allowed, logits, float("-inf")))
-    assert not torch.equal(out, logits)  # the input itself is untouched
+    logits = torch.randn(num_rows, vocab).to(getattr(torch, dtype))
+    rows = list(range(num_rows)) if constrained is None else constrained
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), 4), dtype=torch.int32)
+    allowed = torch.ones(num_rows, vocab, dtype=torch.bool)
+    for g, r in enumerate(rows):
+        allowed[r] = torch.tensor(
+            [(int(bitmask[g, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+        )
+    expected = torch.where(allowed, logits, float("-inf"))
+    row_ids = None if constrained is None else torch.tensor(constrained)
+    out = apply_grammar_bitmask_(logits, bitmask, row_ids)
+    assert out.data_ptr() == logits.data_ptr()  # in place: no copy of the logits
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits).any() and not torch.isinf(logits[allowed]).any()
