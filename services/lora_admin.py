@@ -86,8 +86,7 @@ class PublicLoraRpcs:
             replicas,
             lambda r: r.stub.LoadLoraAdapter(request, timeout=timeout, metadata=metadata),
         )
-        errors = [e for e in replies if isinstance(e, ServiceError)]
-        if errors:
+        if errors := _errors(replies):
             # Keep the replicas consistent: an adapter only some of them have would make
             # requests naming it fail or not depending on the replica they are routed to.
             undo = common_pb2.UnloadLoraAdapterRequest(lora_name=request.lora_name)
@@ -110,15 +109,13 @@ class PublicLoraRpcs:
     async def UnloadLoraAdapter(
         self, request: common_pb2.UnloadLoraAdapterRequest, context: Any
     ) -> common_pb2.UnloadLoraAdapterResponse:
-        replicas = self._lora_replicas()
         metadata = outgoing_metadata(context)
         timeout = _timeout(context)
         replies = await self._on_every_replica(
-            replicas,
+            self._lora_replicas(),
             lambda r: r.stub.UnloadLoraAdapter(request, timeout=timeout, metadata=metadata),
         )
-        errors = [e for e in replies if isinstance(e, ServiceError)]
-        if errors:
+        if errors := _errors(replies):
             raise errors[0]
         logger.info("LoRA adapter unloaded", extra={"lora_name": request.lora_name})
         return common_pb2.UnloadLoraAdapterResponse()
@@ -148,3 +145,8 @@ class PublicLoraRpcs:
 def _timeout(context: Any) -> float:
     remaining = context.time_remaining()
     return _LORA_RPC_TIMEOUT_S if remaining is None else min(remaining, _LORA_RPC_TIMEOUT_S)
+
+
+def _errors(replies: list[Any]) -> list[ServiceError]:
+    """The replicas' failures among `_on_every_replica`'s replies (each names its replica)."""
+    return [reply for reply in replies if isinstance(reply, ServiceError)]
