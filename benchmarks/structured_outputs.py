@@ -8,7 +8,12 @@ earlier), divided by 64: time per output token at batch 64. The constrained run'
 are compiled (and cached) by a warm-up request first, so it is the per-token cost of masks
 and grammar state, not of compilation (reported separately).
 
-    .venv/bin/python benchmarks/structured_outputs.py [--batch 64] [--max-tokens 48] [--repeats 2]
+`--schemas long` (the default) uses record-list schemas whose answers cannot end before
+`--max-tokens` (arrays with a high `minItems`), so every step of both runs is a full-batch
+decode step and the two medians rest on the same number of steps; `--schemas tests` uses the
+test suite's twelve schemas, whose answers mostly end after 10-20 tokens.
+
+    .venv/bin/python benchmarks/structured_outputs.py [--batch 64] [--max-tokens 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -28,6 +33,44 @@ from engine.structured_output import StructuredOutputsParams
 from tests.engine.test_structured_outputs import SCHEMAS
 
 
+def _long_schemas() -> list[dict]:
+    """Realistic extraction schemas (nested objects, enums, bounded strings and numbers) with
+    lists long enough that no answer completes within the benchmark's token budget."""
+    tag = {"enum": ["new", "used", "refurbished", "sale", "limited"]}
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 2, "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "pattern": "^[a-z]{2,8}@[a-z]{2,8}\\.(com|org)$"},
+        },
+        "required": ["name", "age", "email"],
+    }
+    product = {
+        "type": "object",
+        "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            "price": {"type": "number", "minimum": 0, "maximum": 10000},
+            "tags": {"type": "array", "items": tag, "minItems": 1, "maxItems": 3},
+            "in_stock": {"type": "boolean"},
+        },
+        "required": ["sku", "price", "tags", "in_stock"],
+    }
+    point = {
+        "type": "object",
+        "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+        "required": ["x", "y"],
+    }
+    return [
+        {
+            "type": "object",
+            "properties": {key: {"type": "array", "items": item, "minItems": 40}},
+            "required": [key],
+        }
+        for key, item in (("people", person), ("products", product), ("path", point))
+    ]
+
+
 def _run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[float]:
     """Durations (s) of the steps in which every request was decoding."""
     engine = llm.llm_engine
@@ -45,12 +88,12 @@ def _run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[flo
     return durations
 
 
-def compile_times(llm: LLM) -> list[float]:
+def compile_times(llm: LLM, schemas: list[dict]) -> list[float]:
     """Cold compile time (ms) of each schema, on the engine's backend."""
     manager = llm.llm_engine.structured_output_manager
     backend = manager._get_backend()  # built once; not part of any schema's time
     times = []
-    for schema in SCHEMAS:
+    for schema in schemas:
         start = time.perf_counter()
         backend.compile(StructuredOutputsParams(json=schema))
         times.append(1000.0 * (time.perf_counter() - start))
@@ -129,16 +172,20 @@ def mask_application(llm: LLM, batch: int, repeats: int = 20) -> tuple[float, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--schemas", choices=("long", "tests"), default="long")
     parser.add_argument("--sampler-only", action="store_true", help="skip the engine runs")
     args = parser.parse_args()
     llm = LLM(kv_cache_memory_bytes=256 * 2**20, max_num_seqs=args.batch)
-    times = compile_times(llm)
-    print(
-        f"compile (xgrammar, {len(SCHEMAS)} schemas, ms): median {statistics.median(times):.1f}, "
-        f"max {max(times):.1f}, all {[round(t, 1) for t in times]}"
-    )
+    bench_schemas = _long_schemas() if args.schemas == "long" else SCHEMAS
+    for name, schemas in (("test", SCHEMAS), ("long", _long_schemas())):
+        times = compile_times(llm, schemas)
+        print(
+            f"compile (xgrammar, {len(schemas)} {name} schemas, ms): median "
+            f"{statistics.median(times):.1f}, max {max(times):.1f}, "
+            f"all {[round(t, 1) for t in times]}"
+        )
     plain_ms, grammar_ms = sampler_overhead(llm, args.batch)
     print(
         f"sampling step, batch {args.batch} (metadata + sampler, ms): unconstrained "
@@ -156,7 +203,7 @@ def main() -> None:
     def params(i: int, constrained: bool) -> SamplingParams:
         so = None
         if constrained:
-            schema = SCHEMAS[i % len(SCHEMAS)]
+            schema = bench_schemas[i % len(bench_schemas)]
             so = StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True)
         return SamplingParams(
             temperature=0.8, seed=i, max_tokens=args.max_tokens, structured_outputs=so
@@ -164,7 +211,8 @@ def main() -> None:
 
     constrained = [params(i, True) for i in range(args.batch)]
     plain = [params(i, False) for i in range(args.batch)]
-    llm.generate(prompts[: len(SCHEMAS)], constrained[: len(SCHEMAS)], use_tqdm=False)  # warm
+    warm = len(bench_schemas)
+    llm.generate(prompts[:warm], constrained[:warm], use_tqdm=False)  # compiles, warms
     per_token: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
     for _ in range(args.repeats):  # alternate, so load changes hit both alike
         for name, batch_params in (("unconstrained", plain), ("json_schema", constrained)):
@@ -175,6 +223,19 @@ def main() -> None:
     counts = {k: len(v) for k, v in per_token.items()}
     print(f"batch {args.batch}, ms per output token (median over full-batch steps {counts}):")
     print(f"  unconstrained {base:.3f}  json_schema {json_ms:.3f}  ratio {json_ms / base:.3f}")
+    print(f"schemas: {args.schemas}; CPU: {_cpu_model()}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ other rows of the batch or their order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,32 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
+Argmax = Callable[[torch.Tensor], torch.Tensor]  # [B, V] fp32 -> [B] int64, ties -> lowest id
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def native_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Rows over the threads (torch's CPU argmax is single-threaded: ≈5 ms for [64, 49152])."""
+    return native.argmax(logits.contiguous())
+
+
+def select_argmax(op_impl: str) -> Argmax:
+    """The greedy argmax for a model whose ops use `op_impl` (engine/models/ops.py's
+    `select_op_impl`), chosen once when the runner is built: the native kernel where the
+    model's ops are native, torch's elsewhere (`attention_backend="torch"` means torch)."""
+    return native_argmax if op_impl == "native" else torch_argmax
+
+
 class Sampler:
     """Stateless. The grammar mask is applied to `logits` in place (its rows with a grammar
     only): callers pass the step's own logits, not ones they read again; nothing else in
-    the sampler modifies them."""
+    the sampler modifies them. `argmax` is the greedy implementation (`select_argmax`)."""
+
+    def __init__(self, argmax: Argmax = torch_argmax) -> None:
+        self._argmax = argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
@@ -68,28 +91,16 @@ class Sampler:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = None
         if not metadata.all_random:
-            greedy = _argmax(logits)  # [B]; ties -> lowest id
+            greedy = self._argmax(logits)  # [B]; ties -> lowest id
             if metadata.all_greedy:
                 return greedy
         sampled = sample_random(logits, metadata)  # [B]
         if greedy is None:
             return sampled
         return torch.where(metadata.temperature == 0.0, greedy, sampled)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.stride(1) == 1
-        and native.native_kernels_available()
-    ):
-        return native.argmax(logits)  # threaded; torch's CPU argmax is single-threaded
-    return logits.argmax(dim=-1)
 
 
 def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -28,7 +28,9 @@ from engine.core.sched_output import (
 )
 from engine.lora.manager import LoRAManager
 from engine.models.loader import load_model
+from engine.models.ops import select_op_impl
 from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
+from engine.sample.sampler import select_argmax
 from engine.sample.token_controls import apply_grammar_bitmask_
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
@@ -67,7 +69,10 @@ class ModelRunner:
         )
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = self.attn_backend.whole_step_decode(self.model)
-        self.sampler = Sampler()
+        # The sampler sees fp32 logits whatever the model dtype: its argmax follows the ops'
+        # choice for fp32 on this backend and device.
+        logits_ops = select_op_impl(self.attn_backend.name, self.device, torch.float32)
+        self.sampler = Sampler(select_argmax(logits_ops))
         self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
         self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora

@@ -502,3 +502,26 @@ def test_sampler_does_not_modify_logits() -> None:
     sample(logits, rows)
     assert torch.equal(logits, before)
     assert math.isfinite(float(logits.sum()))
+
+
+def test_argmax_implementations_agree_and_are_chosen_from_the_ops():
+    from engine import native
+    from engine.sample.sampler import native_argmax, select_argmax, torch_argmax
+
+    assert select_argmax("torch") is torch_argmax
+    assert select_argmax("triton") is torch_argmax
+    assert select_argmax("native") is native_argmax
+    if not native.native_kernels_available():
+        pytest.skip("native CPU kernels unavailable (no C compiler)")
+    logits = randn(9, 1001, seed=3)
+    logits[2, 5] = logits[2, 700] = logits[2].max() + 1.0  # a tie: the lower id wins
+    logits[4] = 0.0  # an all-equal row
+    rows = [make_row(seed=i, temperature=0.0) for i in range(9)]
+    metadata = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+    greedy_native = Sampler(native_argmax)(logits.clone(), metadata).sampled_token_ids
+    greedy_torch = Sampler(torch_argmax)(logits.clone(), metadata).sampled_token_ids
+    assert torch.equal(greedy_native, greedy_torch)
+    assert greedy_native[2] == 5 and greedy_native[4] == 0
+    # Non-contiguous logits are accepted (a column slice of a wider tensor).
+    wide = torch.cat([logits, logits], dim=1)[:, :1001]
+    assert torch.equal(native_argmax(wide), torch_argmax(logits))
