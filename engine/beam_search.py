@@ -150,15 +150,16 @@ class BeamSearchInstance:
         full = len(self.finished) == k and params.early_stopping is True
         self.done = all_stopped or not self._improvable or full or not self.running
 
-    def output(self) -> BeamSearchOutput:
+    def output(self, aborted: bool = False) -> BeamSearchOutput:
         """The best k finished beams; if the search ended before k finished (no live beam
-        left), the best running ones fill in, as in vLLM."""
+        left), the best running ones fill in, as in vLLM. `aborted`: the search was stopped
+        early; the running beams that fill in end with finish_reason "abort"."""
         beams = list(self.finished)
         if len(beams) < self.params.beam_width:
             for beam in self.running:
                 generated = max(1, len(beam.tokens) - self.num_prompt_tokens)
                 beam.score = beam.cum_logprob / generated**self.params.length_penalty
-                beam.finish_reason = "length"
+                beam.finish_reason = "abort" if aborted else "length"
             beams += self.running
             beams.sort(key=lambda b: -b.score)
         return BeamSearchOutput(sequences=beams[: self.params.beam_width])

@@ -4,6 +4,10 @@ The same bookkeeping as `LLM.beam_search` (engine/beam_search.py): every step se
 live beam to the engine as a one-token greedy request asking for its top logprobs, all
 beams concurrently; the engine's prefix cache shares their common blocks. The final beams
 go back to the caller as outputs 0..k-1, best first, one message each.
+
+An Abort of the request cancels the step's engine calls (they are the request's
+`LiveRequest.calls`) and ends the search there: the beams found so far go back, the
+unfinished ones with finish_reason ABORT.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
+
 from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
 from services import convert
+from services.engine_relay import LiveRequest
 
 
 async def run_beam_search(
@@ -26,32 +33,47 @@ async def run_beam_search(
     metadata: Any,
     cache_salt: str = "",
     lora_name: str = "",
+    live: LiveRequest | None = None,
 ) -> BeamSearchOutput:
     """`cache_salt`: the tenant's, so beams share cached blocks only within the tenant;
-    `lora_name`: the adapter every beam step runs with (empty: the base model)."""
+    `lora_name`: the adapter every beam step runs with (empty: the base model); `live`: the
+    request's entry, whose `aborted` flag stops the search (see the module doc)."""
+    live = live if live is not None else LiveRequest()
     instance = BeamSearchInstance(prompt_token_ids, params, eos_token_ids)
     step = 0
     while not instance.done:
+        if live.aborted:
+            return instance.output(aborted=True)
         step_params = common_pb2.SamplingParams(
             temperature=0.0, max_tokens=1, logprobs=instance.num_candidates, ignore_eos=True
         )
-        calls = [
-            _top_logprobs(
-                stub.Generate(
-                    engine_pb2.EngineGenerateRequest(
-                        request_id=f"{request_id}/beam-{step}-{i}",
-                        prompt_token_ids=beam.tokens,
-                        sampling_params=step_params,
-                        cache_salt=cache_salt,
-                        lora_name=lora_name,
-                    ),
-                    timeout=timeout,
-                    metadata=metadata,
-                )
+        live.calls = [
+            stub.Generate(
+                engine_pb2.EngineGenerateRequest(
+                    request_id=f"{request_id}/beam-{step}-{i}",
+                    prompt_token_ids=beam.tokens,
+                    sampling_params=step_params,
+                    cache_salt=cache_salt,
+                    lora_name=lora_name,
+                ),
+                timeout=timeout,
+                metadata=metadata,
             )
             for i, beam in enumerate(instance.running)
         ]
-        instance.advance(list(await asyncio.gather(*calls)))
+        try:
+            tops = await asyncio.gather(*(_top_logprobs(call) for call in live.calls))
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            # Our own task cancelled (the client went away) is not an Abort: re-raise.
+            task = asyncio.current_task()
+            if not live.aborted or (task is not None and task.cancelling()):
+                raise
+            return instance.output(aborted=True)
+        finally:
+            for call in live.calls:
+                call.cancel()
+            live.calls = []
+        instance.advance(list(tops))
         step += 1
     return instance.output()
 
@@ -59,12 +81,9 @@ async def run_beam_search(
 async def _top_logprobs(call: Any) -> dict[int, float]:
     """The top logprobs of the one position a one-token engine request computes."""
     top: dict[int, float] = {}
-    try:
-        async for msg in call:
-            for position in msg.logprobs:
-                top.update({e.token_id: e.logprob for e in position.top})
-    finally:
-        call.cancel()
+    async for msg in call:
+        for position in msg.logprobs:
+            top.update({e.token_id: e.logprob for e in position.top})
     return top
 
 

@@ -198,6 +198,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
                 outgoing_metadata(context),
                 cache_salt=current_tenant_name() or "",
                 lora_name=request.lora_name,
+                live=live,
             )
         for response in beam_responses(
             output, request_id, prompt_ids, self.tokenizer, params.skip_special_tokens

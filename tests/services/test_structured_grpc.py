@@ -104,3 +104,32 @@ def test_beam_width_returns_the_final_beams(stack, offline_llm):
         assert outputs[index].token_ids == beam.tokens[len(PROMPT) :]
         assert outputs[index].num_messages == 1
     stack.wait_until_idle()
+
+
+def test_abort_stops_a_beam_search(stack):
+    """An Abort ends a beam search between or during its steps: the beams so far come back
+    with finish_reason ABORT, and the engine is left with no request and no block."""
+    import threading
+    import time
+
+    req = request(token_ids=PROMPT, max_tokens=4000, ignore_eos=True, request_id="beam-abort")
+    req.beam_width = 4
+    result: dict = {}
+
+    def run() -> None:
+        result["outputs"] = gather(stack.public.Generate(req, timeout=120))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(2.0)  # some of the 4000 steps (tens of seconds in all) have run
+    reply = stack.public.Abort(common_pb2.AbortRequest(request_ids=["beam-abort"]), timeout=10)
+    assert list(reply.aborted_request_ids) == ["beam-abort"]
+    aborted_at = time.monotonic()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - aborted_at < 10
+    outputs = result["outputs"]
+    assert 1 <= len(outputs) <= 4  # 4 beams after the first step; 1 if aborted before it
+    for out in outputs.values():
+        assert out.finish_reason == common_pb2.FINISH_REASON_ABORT
+        assert len(out.token_ids) < 4000
+    stack.wait_until_idle()
