@@ -5,11 +5,13 @@
                                    /reset clears it, /exit or EOF quits
     pagedserve tokenize "text"     token ids and token strings
     pagedserve health              the server's health; exit status 0 when SERVING
+    pagedserve lora load|unload|list   LoRA adapters on every engine replica (admin key)
     pagedserve bench serve         the serving benchmark (clients/bench.py)
     pagedserve bench plot          latency against request rate from saved results
 
 Every command takes --address (default $PAGEDSERVE_ADDRESS, else localhost:50051) and the TLS
-flags; generate and chat take the sampling flags (vLLM's names).
+flags; generate and chat take the sampling flags (vLLM's names) and --lora-name (an adapter
+loaded with `pagedserve lora load`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from clients.client import Client
 from clients.errors import PagedServeError
 from clients.outputs import ResultBuilder
 
-CLIENT_COMMANDS = ("generate", "chat", "tokenize", "health", "bench")
+CLIENT_COMMANDS = ("generate", "chat", "tokenize", "health", "lora", "bench")
 
 # Sampling flags: SamplingParams fields; logprobs have no place on a terminal.
 _SAMPLING_FLAGS: dict[str, type] = {
@@ -58,8 +60,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling(ns: argparse.Namespace) -> dict[str, Any]:
+    """The generate() keyword arguments: the sampling flags that were given, and the adapter."""
     names = [*_SAMPLING_FLAGS, *_SAMPLING_SWITCHES, "stop", "stop_token_ids"]
-    return {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+    kwargs = {name: getattr(ns, name) for name in names if getattr(ns, name) is not None}
+    if ns.lora_name:
+        kwargs["lora_name"] = ns.lora_name
+    return kwargs
 
 
 def _client(ns: argparse.Namespace) -> Client:
@@ -171,6 +177,21 @@ def run_health(ns: argparse.Namespace) -> int:
     return 0 if status.healthy and status.status == "SERVING" else 1
 
 
+def run_lora(ns: argparse.Namespace) -> int:
+    """`lora load NAME PATH`, `lora unload NAME`, `lora list` (admin RPCs)."""
+    with _client(ns) as client:
+        if ns.lora_command == "load":
+            lora_int_id = client.load_lora_adapter(ns.name, ns.path)
+            print(f"loaded {ns.name} (lora_int_id {lora_int_id})")
+        elif ns.lora_command == "unload":
+            client.unload_lora_adapter(ns.name)
+            print(f"unloaded {ns.name}")
+        else:
+            for adapter in client.list_lora_adapters():
+                print(f"{adapter.lora_name}\t{adapter.lora_int_id}\t{adapter.lora_path}")
+    return 0
+
+
 # ---- the parser ---------------------------------------------------------------------------
 
 
@@ -193,6 +214,9 @@ def add_client_commands(commands: Any) -> None:
     for sub in (generate, chat):
         _connection(sub, None)
         _add_sampling_args(sub)
+        sub.add_argument(
+            "--lora-name", default="", help="a loaded LoRA adapter (default: the base model)"
+        )
     generate.set_defaults(client_main=run_generate)
     chat.set_defaults(client_main=run_chat)
 
@@ -208,6 +232,18 @@ def add_client_commands(commands: Any) -> None:
     health = commands.add_parser("health", help="exit status 0 when the server is SERVING")
     _connection(health, 5.0)
     health.set_defaults(client_main=run_health)
+
+    lora = commands.add_parser("lora", help="LoRA adapters on the engines (admin API key)")
+    lora_commands = lora.add_subparsers(dest="lora_command", required=True)
+    load = lora_commands.add_parser("load", help="load a PEFT adapter directory under a name")
+    load.add_argument("name", help="the name requests give in --lora-name / lora_name")
+    load.add_argument("path", help="the adapter directory on the engines' hosts")
+    unload = lora_commands.add_parser("unload", help="unload an adapter by name")
+    unload.add_argument("name")
+    listing = lora_commands.add_parser("list", help="the loaded adapters: name, id, path")
+    for sub in (load, unload, listing):
+        _connection(sub, 60.0)
+        sub.set_defaults(client_main=run_lora)
 
     bench = commands.add_parser("bench", help="serving benchmark").add_subparsers(
         dest="bench_command", required=True

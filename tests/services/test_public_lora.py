@@ -280,3 +280,39 @@ def test_lora_through_the_python_clients(lora_stack) -> None:
 
         tokens, names = asyncio.run(async_calls())
         assert tokens == result.outputs[0].token_ids and names == []
+
+
+def test_lora_from_the_command_line(lora_stack, capsys) -> None:
+    """`pagedserve lora load|list|unload` and `generate --lora-name` against the real
+    services: the CLI's answer with the adapter is the public API's with it."""
+    from clients.cli import main
+
+    stack, adapter = lora_stack
+    address = ["--address", f"127.0.0.1:{stack.public_port}"]
+    assert main(["lora", "load", "cli-sql", str(adapter), *address]) == 0
+    assert "loaded cli-sql (lora_int_id " in capsys.readouterr().out
+    assert main(["lora", "list", *address]) == 0
+    assert capsys.readouterr().out.split("\t")[::2] == ["cli-sql", f"{adapter}\n"]
+
+    flags = ["--temperature", "0", "--max-tokens", "6", "--ignore-eos", *address]
+    assert main(["generate", "Hello there", "--lora-name", "cli-sql", *flags]) == 0
+    with_adapter = capsys.readouterr().out.rstrip("\n")
+    expected = gather(
+        stack.public.Generate(
+            generation_pb2.GenerateRequest(
+                text="Hello there",
+                sampling_params=common_pb2.SamplingParams(**GREEDY),
+                lora_name="cli-sql",
+            ),
+            timeout=60,
+        )
+    )[0].text
+    assert with_adapter == expected
+    assert main(["generate", "Hello there", *flags]) == 0
+    assert capsys.readouterr().out.rstrip("\n") != with_adapter  # the base model's
+
+    assert main(["lora", "unload", "cli-sql", *address]) == 0
+    assert capsys.readouterr().out == "unloaded cli-sql\n"
+    assert main(["lora", "unload", "cli-sql", *address]) == 1  # NOT_FOUND, printed
+    assert "cli-sql" in capsys.readouterr().err
+    assert listed(stack) == []
