@@ -95,6 +95,9 @@ class EngineBackend:
         # Set by the pool: whether `model_info` may serve (None: accept anything).
         self.accepts_model: Callable[[EngineBackend], bool] | None = None
         self.serves_another_model = False  # set by the pool's check
+        # Set by the pool: awaited when the replica is about to become available, before
+        # anything is routed to it (services/lora_sync.py).
+        self.before_available: Callable[[EngineBackend], Awaitable[None]] | None = None
         self._on_health_change = on_health_change
         self._poll_interval_s = poll_interval_s
         self._poke = asyncio.Event()
@@ -144,6 +147,8 @@ class EngineBackend:
                 await self._read_load()
             if serving and self.accepts_model is not None and not self.accepts_model(self):
                 serving, reason = False, "serves another model than the other replicas"
+            if serving and not self.available and self.before_available is not None:
+                await self.before_available(self)  # still unrouted: e.g. its LoRA adapters
         except grpc.aio.AioRpcError as exc:
             serving, reason = False, f"{exc.code().name}: {exc.details()}"
         await self._set_available(serving, reason)

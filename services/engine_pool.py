@@ -33,6 +33,7 @@ from services import routing
 from services.engine_client import ChannelOption, EngineBackend, OnHealthChange
 from services.errors import ServiceError
 from services.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.lora_sync import sync_lora_adapters
 
 logger = logging.getLogger("services.engine_pool")
 
@@ -139,6 +140,7 @@ class EnginePool:
             channel_options=self._channel_options,
         )
         replica.accepts_model = self._accepts_model
+        replica.before_available = self._before_available
         self.replicas[address] = replica
         replica.start()
         logger.info("engine replica added", extra={"engine_address": address})
@@ -197,6 +199,16 @@ class EnginePool:
                 },
             )
         return False
+
+    async def _before_available(self, replica: EngineBackend) -> None:
+        """A replica about to join: the LoRA adapters its peers serve, loaded first."""
+        peers = [
+            r
+            for r in self.replicas.values()
+            if r.available and r is not replica and not r.serves_another_model
+        ]
+        if peers:
+            await sync_lora_adapters(replica, peers)
 
     async def _replica_health_changed(self, available: bool, reason: str) -> None:
         """The service is available while any replica is."""

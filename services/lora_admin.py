@@ -4,11 +4,14 @@
 A request naming an adapter (`lora_name`) may be routed to any replica, so an adapter is
 usable only once every replica has it:
 
-    Load    every replica loads it; if one refuses (or cannot be reached), the replicas that
-            did load it unload it again, and the error names the refusing replica's address
-            with its own status (INVALID_ARGUMENT for a bad adapter, ALREADY_EXISTS, ...)
-    Unload  every replica unloads it; the first error names its replica
-    List    the adapters every replica lists, in the first replica's order
+    Load    every available replica loads it; if one refuses (or cannot be reached), the
+            replicas that did load it unload it again, and the error names the refusing
+            replica's address with its own status (INVALID_ARGUMENT for a bad adapter,
+            ALREADY_EXISTS, ...). A replica that is down, or joins later, gets it when it
+            becomes available, before anything is routed to it (services/lora_sync.py).
+    Unload  every replica unloads it, down ones too (one that came back still holding it
+            would serve it alone); the first error names its replica
+    List    the adapters every available replica lists, in the first replica's order
 
 Replicas number their adapters independently: `lora_int_id` in the answers is the first
 replica's (replicas sorted by address). Admin-only with API keys (`services.tenancy`).
@@ -40,18 +43,20 @@ Reply = TypeVar("Reply")
 class PublicLoraRpcs:
     backend: EnginePool  # provided by TextGenerationServicer
 
-    def _lora_replicas(self) -> list[EngineBackend]:
-        """Every replica of the pool (down ones too: they must not miss an adapter), but
-        those serving another model, which get no requests (`EnginePool._accepts_model`)."""
+    def _lora_replicas(self, available_only: bool) -> list[EngineBackend]:
+        """The replicas of the pool (only the available ones, or down ones too), but those
+        serving another model, which get no requests (`EnginePool._accepts_model`)."""
         replicas = [
             self.backend.replicas[a]
             for a in sorted(self.backend.replicas)
             if not self.backend.replicas[a].serves_another_model
+            and (self.backend.replicas[a].available or not available_only)
         ]
         if not replicas:
+            known = "reachable" if available_only else "known"
             raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no engine replica is known yet ({self.backend.address})",
+                f"no engine replica is {known} yet ({self.backend.address})",
             )
         return replicas
 
@@ -79,7 +84,7 @@ class PublicLoraRpcs:
     async def LoadLoraAdapter(
         self, request: common_pb2.LoadLoraAdapterRequest, context: Any
     ) -> common_pb2.LoadLoraAdapterResponse:
-        replicas = self._lora_replicas()
+        replicas = self._lora_replicas(available_only=True)
         metadata = outgoing_metadata(context)
         timeout = _timeout(context)
         replies = await self._on_every_replica(
@@ -112,7 +117,7 @@ class PublicLoraRpcs:
         metadata = outgoing_metadata(context)
         timeout = _timeout(context)
         replies = await self._on_every_replica(
-            self._lora_replicas(),
+            self._lora_replicas(available_only=False),
             lambda r: r.stub.UnloadLoraAdapter(request, timeout=timeout, metadata=metadata),
         )
         if errors := _errors(replies):
@@ -124,7 +129,7 @@ class PublicLoraRpcs:
     async def ListLoraAdapters(
         self, request: common_pb2.ListLoraAdaptersRequest, context: Any
     ) -> common_pb2.ListLoraAdaptersResponse:
-        replicas = self._lora_replicas()
+        replicas = self._lora_replicas(available_only=True)
         metadata = outgoing_metadata(context)
         timeout = _timeout(context)
         replies = await self._on_every_replica(

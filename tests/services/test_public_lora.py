@@ -316,3 +316,75 @@ def test_lora_from_the_command_line(lora_stack, capsys) -> None:
     assert main(["lora", "unload", "cli-sql", *address]) == 1  # NOT_FOUND, printed
     assert "cli-sql" in capsys.readouterr().err
     assert listed(stack) == []
+
+
+def test_a_replica_that_joins_later_gets_the_adapters_before_any_request(lora_stack) -> None:
+    """Load while replica B is down: A alone loads it and the call succeeds; when B comes
+    up, the tokenizer service loads the adapter onto it before routing anything there."""
+    from tests.services.helpers import wait_for
+    from tests.services.processes import free_port
+
+    stack, adapter = lora_stack
+    replica_a, port_b = f"127.0.0.1:{stack.engine_port}", free_port()
+    replica_b = f"127.0.0.1:{port_b}"
+
+    async def start_front() -> TokenizerServer:
+        config = TokenizerServerConfig(
+            address="127.0.0.1:0",
+            engine_address=f"{replica_a},{replica_b}",
+            engine_poll_interval_s=0.2,
+        )
+        server = TokenizerServer(config, stack.files)
+        await server.start()
+        assert await server.backend.wait_until_available(30.0)
+        return server
+
+    front = stack.loop.run(start_front())
+    channels = [grpc.insecure_channel(a) for a in (f"127.0.0.1:{front.port}", replica_b)]
+    engine_b, server_b = None, None
+    public = generation_pb2_grpc.TextGenerationServiceStub(channels[0])
+    engine_b_stub = engine_pb2_grpc.EngineServiceStub(channels[1])
+
+    def names(stub) -> list[str]:
+        reply = stub.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=30)
+        return [a.lora_name for a in reply.adapters]
+
+    try:
+        request = common_pb2.LoadLoraAdapterRequest(lora_name="late", lora_path=str(adapter))
+        public.LoadLoraAdapter(request, timeout=60)  # B is down: A alone loads it
+        assert names(public) == names(stack.engine_stub) == ["late"]
+
+        engine_b = AsyncLLMEngine.from_engine_args(
+            EngineArgs(model=str(stack.model_dir), skip_tokenizer_init=True, **LORA_ENGINE_ARGS)
+        )
+
+        async def start_b() -> EngineServer:
+            config = EngineServerConfig(address=replica_b, log_stats_interval_s=0)
+            server = EngineServer(config)
+            await server.start()
+            await server.attach_engine(engine_b)
+            return server
+
+        server_b = stack.loop.run(start_b())
+        wait_for(lambda: front.backend.replicas[replica_b].available, timeout=60)
+        assert names(engine_b_stub) == ["late"]  # loaded before B was routable
+        assert engine_tokens(stack, "a-late", "late") == _tokens(engine_b_stub, "late")
+        assert names(public) == ["late"]
+        public.UnloadLoraAdapter(common_pb2.UnloadLoraAdapterRequest(lora_name="late"), timeout=30)
+        assert names(engine_b_stub) == names(stack.engine_stub) == []
+    finally:
+        for channel in channels:
+            channel.close()
+        stop(stack, front, *([server_b] if server_b is not None else []))
+        if engine_b is not None:
+            engine_b.shutdown()
+
+
+def _tokens(stub, lora_name: str) -> list[int]:
+    msg = engine_pb2.EngineGenerateRequest(
+        request_id="b-" + lora_name,
+        prompt_token_ids=PROMPT,
+        sampling_params=common_pb2.SamplingParams(**GREEDY),
+        lora_name=lora_name,
+    )
+    return [t for r in stub.Generate(msg, timeout=60) for t in r.token_ids]
