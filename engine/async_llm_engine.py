@@ -25,16 +25,15 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from engine.engine_thread import (
+from engine.engine_commands import (
     END_OF_STREAM,
     AbortCommand,
     AddCommand,
     EngineDeadError,
     EngineStats,
-    EngineThread,
     OutputStream,
-    raise_if_dead,
 )
+from engine.engine_thread import EngineThread, raise_if_dead
 from engine.input_processor import InputProcessor
 from engine.kv_event_publisher import KVEventBatch, KVEventSubscription
 from engine.llm_engine import LLMEngine, PromptType
