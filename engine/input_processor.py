@@ -17,11 +17,17 @@ PromptType = str | Mapping[str, Any]
 
 class InputProcessor:
     def __init__(
-        self, config: EngineConfig, num_blocks: int, get_tokenizer: Callable[[], Any]
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        get_tokenizer: Callable[[], Any],
+        get_stop_tokenizer: Callable[[], Any] | None = None,
     ) -> None:
         self.config = config
         self.num_blocks = num_blocks  # the KV-cache size, decided once by the model runner
         self._get_tokenizer = get_tokenizer
+        # Stop strings are matched with this one (engine/stop_tokenizer.py).
+        self._get_stop_tokenizer = get_stop_tokenizer or get_tokenizer
 
     def process(
         self, prompt: PromptType, params: SamplingParams | PoolingParams
@@ -46,6 +52,8 @@ class InputProcessor:
                 raise ValueError(
                     f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}."
                 )
+        if params.stop and params.detokenize:
+            self._get_stop_tokenizer()  # a ValueError naming `stop` when there is none
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(
                 self._get_tokenizer(), params.bad_words

@@ -39,6 +39,7 @@ from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger, StepStats
+from engine.stop_tokenizer import StopStringTokenizer
 from engine.structured_output.config import DecodingConfig
 from engine.structured_output.manager import StructuredOutputManager
 from engine.tracing import (
@@ -125,8 +126,13 @@ class LLMEngine:
             config.speculative_config,
         )
         self._last_logged_drafts = (0, 0)  # (scheduled, accepted) at the last stats line
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor = InputProcessor(config, num_blocks, self.get_tokenizer)
+        stop_tokenizer = StopStringTokenizer(
+            self.tokenizer, model_config.tokenizer_dir or model_config.model_dir
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, stop_tokenizer)
+        self.input_processor = InputProcessor(
+            config, num_blocks, self.get_tokenizer, stop_tokenizer
+        )
         self.log_stats = log_stats
         self.stat_logger = StatLogger()
         self._seed_rng = random.Random(model_config.seed)

@@ -8,6 +8,7 @@ samples of a request back under the caller's request id. A pooling request gets 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +69,12 @@ class _PoolingState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(
+        self, tokenizer: Any | None, get_stop_tokenizer: Callable[[], Any] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        # For stop strings when the engine has no tokenizer (engine/stop_tokenizer.py).
+        self._get_stop_tokenizer = get_stop_tokenizer
         self.parents: dict[str, _ParentState] = {}
         self._parent_of: dict[str, str] = {}  # sample request id -> parent request id
         self.pooling: dict[str, _PoolingState] = {}  # request id -> live pooling request
@@ -99,9 +104,12 @@ class OutputProcessor:
         params = request.sampling_params
         assert params is not None
         detokenizer = None
-        if self.tokenizer is not None and params.detokenize:
+        tokenizer = self.tokenizer
+        if tokenizer is None and params.stop and self._get_stop_tokenizer is not None:
+            tokenizer = self._get_stop_tokenizer()
+        if tokenizer is not None and params.detokenize:
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
+                tokenizer,
                 prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,

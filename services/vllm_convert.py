@@ -24,6 +24,7 @@ from engine.core.kv_events import (
     KVCacheEvent,
     block_hash_to_int64,
 )
+from engine.structured_output import StructuredOutputsParams
 from services.errors import ServiceError, invalid_argument
 
 _NO_RANK = 1 << 30
@@ -75,24 +76,11 @@ def check_input_ids(input_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 def sampling_params_from_vllm(msg: vllm_pb2.SamplingParams, *, stream: bool) -> SamplingParams:
     """`engine.SamplingParams` for a protocol request: deltas when streamed, one final
-    output otherwise; no detokenization (the engine has no tokenizer). The fields the
-    sampler does not have yet are refused here, in one place."""
-    constraint = msg.WhichOneof("constraint")
-    if constraint is not None:
-        raise invalid_argument(
-            f"sampling_params.{constraint}: structured outputs are not supported"
-        )
-    if msg.logit_bias:
-        raise invalid_argument("sampling_params.logit_bias: not supported")
-    if msg.HasField("truncate_prompt_tokens"):
-        raise invalid_argument("sampling_params.truncate_prompt_tokens: not supported")
-    if msg.stop:
-        # Stop strings need text; this engine sees token ids only. vLLM's servicer would
-        # detokenize; a gateway that tokenizes can match them itself (smg does).
-        raise invalid_argument(
-            "sampling_params.stop: stop strings need detokenization, which this engine does "
-            "not do; use stop_token_ids"
-        )
+    output otherwise. Every field maps to the engine's own (structured outputs, logit
+    bias, prompt truncation; stop strings are matched with the model directory's
+    tokenizer, loaded on first use: engine/stop_tokenizer.py); `grammar_from_first_token`
+    needs nothing, as this engine runs no reasoning parser and starts every grammar at the
+    first generated token. Bad values are the engine's ValueError, as INVALID_ARGUMENT."""
     kwargs: dict[str, object] = {
         "n": msg.n or 1,
         "temperature": msg.temperature if msg.HasField("temperature") else 1.0,
@@ -107,16 +95,40 @@ def sampling_params_from_vllm(msg: vllm_pb2.SamplingParams, *, stream: bool) -> 
         "stop_token_ids": list(msg.stop_token_ids),
         "ignore_eos": msg.ignore_eos,
         "include_stop_str_in_output": msg.include_stop_str_in_output,
-        "detokenize": False,
+        "skip_special_tokens": msg.skip_special_tokens,
+        "spaces_between_special_tokens": msg.spaces_between_special_tokens,
+        # Text only where stop strings must be matched (engine/stop_tokenizer.py): the
+        # protocol's outputs are token ids.
+        "detokenize": bool(msg.stop),
         "output_kind": RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     }
-    for name in ("logprobs", "prompt_logprobs", "seed"):
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    for name in ("logprobs", "prompt_logprobs", "seed", "truncate_prompt_tokens"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    constraint = msg.WhichOneof("constraint")
+    if constraint is not None:
+        kwargs["structured_outputs"] = _structured_outputs(msg, constraint)
     try:
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
         raise invalid_argument(f"sampling_params: {exc}") from None
+
+
+def _structured_outputs(msg: vllm_pb2.SamplingParams, constraint: str) -> StructuredOutputsParams:
+    """The `constraint` oneof as vLLM's StructuredOutputsParams (the engine compiles and
+    enforces it; a spec the grammar library rejects is the engine's ValueError)."""
+    value = getattr(msg, constraint)
+    if constraint == "choice":
+        value = list(value.choices)
+    field = {"json_schema": "json"}.get(constraint, constraint)
+    try:
+        return StructuredOutputsParams(**{field: value})
+    except (ValueError, TypeError) as exc:
+        raise invalid_argument(f"sampling_params.{constraint}: {exc}") from None
 
 
 # ---- outputs ----------------------------------------------------------------------------

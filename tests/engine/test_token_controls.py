@@ -135,3 +135,39 @@ def test_grammar_bitmask_matches_a_bit_by_bit_reference(dtype, constrained) -> N
     assert out.data_ptr() == logits.data_ptr()  # in place: no copy of the logits
     assert torch.equal(logits, expected)
     assert torch.isinf(logits).any() and not torch.isinf(logits[allowed]).any()
+
+
+def test_stop_strings_without_an_engine_tokenizer(tmp_path) -> None:
+    """skip_tokenizer_init (token ids in and out, as the engine service runs): stop strings
+    are matched with the model directory's tokenizer, loaded on first use; a directory
+    without one refuses them naming `stop`, and the engine goes on serving."""
+    from engine import EngineArgs, LLMEngine
+    from tests.model_utils import make_tiny_llama
+
+    def engine(model_dir) -> LLMEngine:
+        args = EngineArgs(
+            model=str(model_dir), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22
+        )
+        return LLMEngine.from_engine_args(args)
+
+    def run(eng: LLMEngine, request_id: str, **params) -> object:
+        eng.add_request(request_id, {"prompt_token_ids": [5, 9, 13]}, SamplingParams(**params))
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    return out.outputs[0]
+        raise AssertionError("no output")
+
+    bare = engine(make_tiny_llama(tmp_path / "bare"))
+    with pytest.raises(ValueError, match="stop"):
+        bare.add_request("s", {"prompt_token_ids": [5, 9]}, SamplingParams(stop=["x"]))
+    assert len(run(bare, "ok", temperature=0, max_tokens=3).token_ids) == 3
+
+    eng = engine(make_tiny_llama(tmp_path / "tok", with_tokenizer=True))
+    greedy = run(eng, "g", temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
+    assert eng.tokenizer is None  # the engine itself still has none
+    text = eng.output_processor._get_stop_tokenizer().decode(greedy.token_ids[3:5]).strip()
+    assert text
+    stopped = run(eng, "s", temperature=0, max_tokens=8, ignore_eos=True, stop=[text])
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == text
+    assert len(stopped.token_ids) < 8

@@ -127,6 +127,36 @@ def test_completions_and_chat_match_our_tokenizer_service(stack, gateway, stream
     assert got == ours(stack, 10, chat=question)
 
 
+def test_response_format_and_stop_through_the_gateway(stack, gateway):
+    """What smg sends for `response_format` (a json_schema constraint) and `stop` is
+    enforced by our engines: the JSON validates, the stop string ends the answer there."""
+    import jsonschema
+
+    gw, _ = gateway
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Pick a colour."}],
+        "max_tokens": 40,
+        "temperature": 0.8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    }
+    jsonschema.validate(json.loads(gw.text("/v1/chat/completions", body)), schema)
+
+    prompt = "Once upon a time"
+    full = ours(stack, 12, text=prompt)
+    stop = full.split()[2]  # a word in the middle of the greedy answer
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    expected = gather(
+        stack.public.Generate(request(text=prompt, temperature=0, max_tokens=12, stop=[stop]))
+    )[0].text
+    assert gw.text("/v1/completions", body) == expected == full[: full.index(stop)]
+
+
 def test_requests_succeed_with_one_engine_killed(stack, gateway):
     """Runs last in this module: it leaves one engine dead."""
     gw, engines = gateway

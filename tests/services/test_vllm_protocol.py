@@ -97,10 +97,11 @@ def test_n_seed_and_stop_token_ids(stack, vllm, offline_llm):
     [
         (lambda r: setattr(r, "text", "hello"), INVALID, "text"),
         (lambda r: r.tokenized.ClearField("input_ids"), INVALID, "input_ids"),
-        (lambda r: r.sampling_params.logit_bias.__setitem__(5, 1.0), INVALID, "logit_bias"),
-        (lambda r: setattr(r.sampling_params, "json_schema", "{}"), INVALID, "json_schema"),
-        (lambda r: r.sampling_params.stop.append("x"), INVALID, "stop"),
-        (lambda r: setattr(r.sampling_params, "truncate_prompt_tokens", 4), INVALID, "truncate"),
+        (lambda r: r.sampling_params.logit_bias.__setitem__(49152, 1.0), INVALID, "logit_bias"),
+        (lambda r: setattr(r.sampling_params, "json_schema", "{nope"), INVALID, "json"),
+        (lambda r: setattr(r.sampling_params, "regex", "(unclosed"), INVALID, "regex"),
+        (lambda r: r.sampling_params.choice.SetInParent(), INVALID, "choice"),
+        (lambda r: setattr(r.sampling_params, "truncate_prompt_tokens", 0), INVALID, "truncate"),
         (lambda r: setattr(r.sampling_params, "top_p", 1.5), INVALID, "top_p"),
         (lambda r: r.mm_inputs.mm_hashes.append("h"), UNIMPLEMENTED, "mm_inputs"),
         (lambda r: setattr(r, "kv_transfer_params_json", "{}"), UNIMPLEMENTED, "kv_transfer"),
@@ -116,6 +117,52 @@ def test_bad_fields_are_refused_by_name(stack, vllm, mutate, code, field):
         list(vllm.Generate(request, timeout=30))
     assert info.value.code() == code
     assert field in info.value.details()
+    stack.wait_until_idle()
+
+
+def test_constraints_stop_strings_and_token_controls_match_offline(stack, vllm, offline_llm):
+    """What a gateway such as smg sends (response_format, stop, logit_bias, truncation) is
+    enforced as the engine's own SamplingParams: the outputs equal the offline engine's."""
+    from engine.structured_output import StructuredOutputsParams
+
+    prompt = token_prompts(1, seed=11)[0]
+    tokenizer = offline_llm.get_tokenizer()
+
+    def offline(prompt_ids=prompt, **params) -> list[int]:
+        out = offline_llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(**params))
+        return list(out[0].outputs[0].token_ids)
+
+    def served(request_id: str, **sampling) -> vllm_pb2.GenerateComplete:
+        (reply,) = list(vllm.Generate(generate_request(prompt, request_id, **sampling)))
+        return reply.complete
+
+    choice = served("choice", temperature=0.7, seed=3, max_tokens=12)
+    choice_req = generate_request(prompt, "choice2", temperature=0.7, seed=3, max_tokens=12)
+    choice_req.sampling_params.choice.choices.extend(["yes", "no way"])
+    (reply,) = list(vllm.Generate(choice_req, timeout=60))
+    expected = offline(
+        temperature=0.7, seed=3, max_tokens=12,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no way"]),
+    )  # fmt: skip
+    assert list(reply.complete.output_ids) == expected
+    assert tokenizer.decode(expected, skip_special_tokens=True) in ("yes", "no way")
+    assert list(choice.output_ids) != expected  # the constraint changed the answer
+
+    greedy = offline(temperature=0, max_tokens=10, ignore_eos=True)
+    # A stop string the greedy answer contains, ending before its last token.
+    text = next(t for i in range(2, 8) if (t := tokenizer.decode(greedy[i : i + 2]).strip()))
+    stopped = served("stop", temperature=0, max_tokens=10, ignore_eos=True, stop=[text])
+    assert stopped.finish_reason == "stop" and stopped.matched_stop_str == text
+    assert list(stopped.output_ids) == offline(
+        temperature=0, max_tokens=10, ignore_eos=True, stop=[text]
+    )
+    assert len(stopped.output_ids) < 10
+
+    biased = served("bias", temperature=0, max_tokens=4, ignore_eos=True, logit_bias={7: 100.0})
+    assert list(biased.output_ids) == [7, 7, 7, 7]
+    truncated = served("trunc", temperature=0, max_tokens=5, truncate_prompt_tokens=3)
+    assert truncated.prompt_tokens == 3
+    assert list(truncated.output_ids) == offline(prompt[-3:], temperature=0, max_tokens=5)
     stack.wait_until_idle()
 
 
