@@ -29,6 +29,8 @@ logger = logging.getLogger("services.engine_client")
 _CHECK_TIMEOUT_S = 1.0
 
 OnHealthChange = Callable[[bool, str], Awaitable[None]]
+# How long a channel replaced by a credential reload keeps its open calls (streams).
+RETIRE_GRACE_S = 600.0
 ChannelOption = tuple[str, int | str]
 
 
@@ -79,14 +81,9 @@ class EngineBackend:
         """`credentials` (TLS / mTLS to the engine) and `extra_options` (e.g. the TLS
         name override) come from `services.tls.EngineLinkTLS`; None: plaintext."""
         self.address = address
-        self.channel = open_engine_channel(
-            address,
-            credentials=credentials,
-            options=channel_options,
-            max_message_bytes=max_message_bytes,
-        )
-        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
-        self._health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._channel_options = channel_options
+        self._max_message_bytes = max_message_bytes
+        self._open(credentials)
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
         self.load = ReplicaLoad()
@@ -101,7 +98,27 @@ class EngineBackend:
         self._on_health_change = on_health_change
         self._poll_interval_s = poll_interval_s
         self._poke = asyncio.Event()
+        self._retiring: set[asyncio.Task[None]] = set()  # old channels closing
         self._poll_task: asyncio.Task[None] | None = None
+
+    def _open(self, credentials: grpc.ChannelCredentials | None) -> None:
+        self.channel = open_engine_channel(
+            self.address,
+            credentials=credentials,
+            options=self._channel_options,
+            max_message_bytes=self._max_message_bytes,
+        )
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self._health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def replace_credentials(self, credentials: grpc.ChannelCredentials | None) -> None:
+        """New calls go over a new channel with `credentials` (a rotated client
+        certificate); calls open on the old one finish there, as a TLS session keeps the
+        certificate it was set up with, within `RETIRE_GRACE_S`, after which it closes."""
+        old = self.channel
+        self._open(credentials)
+        self._retiring.add(asyncio.create_task(old.close(RETIRE_GRACE_S)))
+        self._retiring = {t for t in self._retiring if not t.done()}
 
     def start(self) -> None:
         self._poll_task = asyncio.create_task(self._poll_loop())

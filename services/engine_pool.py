@@ -130,6 +130,13 @@ class EnginePool:
             await replica.close()
         self.replicas.clear()
 
+    def replace_credentials(self, credentials: grpc.ChannelCredentials | None) -> None:
+        """A reloaded client certificate: every replica's new calls use it (and replicas
+        added later); calls already open finish on the old channels."""
+        self._credentials = credentials
+        for replica in self.replicas.values():
+            replica.replace_credentials(credentials)
+
     def _add(self, address: str) -> None:
         replica = EngineBackend(
             address,

@@ -12,6 +12,7 @@ import logging
 from pagedserve.v1 import generation_pb2_grpc
 from services.auth import ApiKeys
 from services.engine_pool import EnginePool, Resolver, resolve_all
+from services.errors import ConfigError
 from services.generation_servicer import TextGenerationServicer
 from services.grpc_server import (
     TEXT_GENERATION_SERVICE,
@@ -101,10 +102,20 @@ class TokenizerServer:
         return self.port
 
     def reload(self) -> None:
-        """SIGHUP: the TLS certificate and the API key file again (live streams keep going;
-        a file that cannot be read keeps what was loaded, with one error line)."""
+        """SIGHUP: the TLS certificate, the engine link's client certificate and CA, and
+        the API key file again (live streams keep going; a file that cannot be read keeps
+        what was loaded, with one error line)."""
         if self.tls is not None:
             self.tls.reload()
+        engine_tls = self.config.engine_tls
+        if engine_tls.enabled:
+            try:
+                credentials = engine_tls.credentials()
+            except ConfigError as exc:
+                logger.error("engine tls reload failed; keeping the current certificate: %s", exc)
+            else:
+                self.backend.replace_credentials(credentials)
+                logger.info("engine tls certificates reloaded")
         if self.guard is not None and self.config.api_key_file:
             try:
                 self.guard.keys = ApiKeys.from_file(self.config.api_key_file)

@@ -126,6 +126,48 @@ def test_engine_link_without_a_client_certificate_is_refused(mtls, pki, stack):
         stop(stack, tokenizer)
 
 
+def test_reload_rotates_the_engine_link_client_certificate(mtls, pki, stack, tmp_path):
+    """The tokenizer's client certificate for the engine link is re-read on reload
+    (SIGHUP): new calls present the new one (a certificate the engine does not trust makes
+    it unreachable; a good one brings it back), and a stream opened before runs to its end."""
+    engine, _ = mtls
+    cert, key = tmp_path / "link.pem", tmp_path / "link-key.pem"
+    shutil.copy(pki.cert("client"), cert)
+    shutil.copy(pki.key("client"), key)
+    tokenizer = start_tokenizer_server(
+        stack,
+        engine.port,
+        engine_tls=EngineLinkTLS(pki.cert("ca"), str(cert), str(key), server_name="localhost"),
+    )
+
+    async def reload() -> None:
+        tokenizer.reload()
+
+    plaintext = Client(f"127.0.0.1:{tokenizer.port}", retry=NO_RETRY, timeout=60)
+    try:
+        with plaintext as client:
+            with client.generate(token_ids=[5, 6, 7], max_tokens=600, ignore_eos=True) as stream:
+                deltas = iter(stream)
+                num_tokens = len(next(deltas).token_ids)
+                shutil.copy(pki.cert("stranger"), cert)  # not signed by the engine's CA
+                shutil.copy(pki.key("stranger"), key)
+                stack.loop.run(reload())
+                wait_for(lambda: not tokenizer.backend.available, timeout=20)
+                with pytest.raises(UnavailableError):
+                    client.generate_text(token_ids=[5, 6], max_tokens=2)
+                num_tokens += sum(len(d.token_ids) for d in deltas)  # the old channel's
+            assert num_tokens == 600
+
+            shutil.copy(pki.cert("client"), cert)
+            shutil.copy(pki.key("client"), key)
+            stack.loop.run(reload())
+            wait_for(lambda: tokenizer.backend.available, timeout=20)
+            result = client.generate_text(token_ids=[5, 6], max_tokens=2)
+            assert len(result.outputs[0].token_ids) == 2
+    finally:
+        stop(stack, tokenizer)
+
+
 def _engine_server(stack, **config) -> EngineServer:
     """Built in the servers' loop (grpc.aio servers belong to one), not started."""
 
