@@ -100,6 +100,21 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.const
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 to about an ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625,
+    where 1 - 2 / (e^2x + 1) would cancel, that formula above. (libdevice's tanh has no
+    interpreter implementation, and the tests run the kernels in the interpreter.)"""
+    z = x * x
+    small = (
+        (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1)
+        * z
+        - 3.33332819422e-1
+    ) * z * x + x
+    large = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return tl.where(tl.abs(x) < 0.625, small, large)
+
+
+@triton.jit
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
@@ -111,6 +126,7 @@ def _paged_attention_kernel(
     partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PADDED] fp32 (split-KV)
     partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain (split-KV)
     scale_log2,  # softmax scale * log2(e)
+    soft_cap_log2,  # attention logit soft-cap * log2(e) (read when HAS_SOFT_CAP)
     num_reqs,
     kv_tiles_per_split,
     stride_q_token,
@@ -131,6 +147,7 @@ def _paged_attention_kernel(
     HEAD_DIM_PADDED: tl.constexpr,  # int, power of two >= HEAD_DIM
     NUM_SPLITS: tl.constexpr,  # int, 1 = no split-KV
     SLIDING_WINDOW: tl.constexpr,  # int, each row sees its last SLIDING_WINDOW keys; 0 = all
+    HAS_SOFT_CAP: tl.constexpr,  # bool, scores -> cap * tanh(scores / cap) (Gemma 2)
     UPCAST: tl.constexpr,  # bool, compute the dots in fp32 (interpreter + bf16)
     DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
 ):
@@ -200,6 +217,9 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:
+            # cap * tanh(s / cap), both sides in the log2 domain (the ratio is the same).
+            scores = soft_cap_log2 * _tanh(scores / soft_cap_log2)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if SLIDING_WINDOW > 0:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
@@ -304,6 +324,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's query rows over its paged context.
 
@@ -317,7 +338,8 @@ def paged_attention(
     split-KV by occupancy (decode-only launches on CUDA); pass an int to force it.
     `sliding_window`: each query row sees only the keys at its last `sliding_window`
     positions (its own included), as transformers' sliding-window mask; split-KV is not used
-    with a window (the window already bounds the walk).
+    with a window (the window already bounds the walk). `logits_soft_cap`: each score
+    (after the scale) becomes cap * tanh(score / cap), as Gemma 2 does.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -334,6 +356,8 @@ def paged_attention(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
     if sliding_window is not None:
         num_splits = 1
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
     if num_splits is None:
         num_splits = choose_num_splits(
             query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len
@@ -364,6 +388,7 @@ def paged_attention(
         partial_out_ptr=partial_out,
         partial_lse_ptr=partial_lse,
         scale_log2=scale * LOG2_E,
+        soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
         num_reqs=num_reqs,
         kv_tiles_per_split=kv_tiles_per_split,
         stride_q_token=query.stride(0),
@@ -384,6 +409,7 @@ def paged_attention(
         HEAD_DIM_PADDED=tiles.head_dim_padded,
         NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
         UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,

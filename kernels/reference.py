@@ -13,9 +13,11 @@ def ref_paged_attention(
     seq_lens: torch.Tensor,  # [num_reqs]
     query_start_loc: torch.Tensor,  # [num_reqs + 1]
     scale: float,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are zero
     """Causal attention per request: gather its keys/values position by position, then
-    softmax(q k^T * scale) v in fp32 with query token i at position seq_len - q_len + i."""
+    softmax(q k^T * scale) v in fp32 with query token i at position seq_len - q_len + i
+    (scores soft-capped to cap * tanh(s / cap) where `logits_soft_cap` is given)."""
     out = torch.zeros_like(query)
     block_size = kv_cache.shape[2]
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -34,6 +36,8 @@ def ref_paged_attention(
         value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, key) * scale  # [H, q_len, seq_len]
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         visible = positions[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         scores = scores.masked_fill(~visible[None], float("-inf"))

@@ -58,6 +58,8 @@ class AttentionParams:
     # Each query attends to the last `sliding_window` positions up to its own (itself
     # included), as transformers' sliding-window mask does; None = the whole context.
     sliding_window: int | None = None
+    # Gemma 2: each score (after the scale) becomes cap * tanh(score / cap); None = as is.
+    logits_soft_cap: float | None = None
 
     def window_start(self, position: int) -> int:
         """The first key position a query at `position` sees."""
@@ -141,6 +143,7 @@ class AttentionBackend(ABC):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each request's query tokens over its cached context."""
 
@@ -154,10 +157,18 @@ class AttentionBackend(ABC):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Writes this step's keys/values, then attends (the order every backend needs)."""
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend(query, kv_cache, metadata, scale, sliding_window=sliding_window)
+        return self.attend(
+            query,
+            kv_cache,
+            metadata,
+            scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
 
     def whole_step_decode(self, model: Any) -> WholeStepDecode | None:
         """A fused path that replaces `model`'s forward for one-token decode steps, if the
@@ -192,9 +203,10 @@ class SplitAttentionBackend(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         self.writer(key, value, kv_cache, metadata.slot_mapping)
-        params = AttentionParams(scale, sliding_window)
+        params = AttentionParams(scale, sliding_window, logits_soft_cap)
         return self._attend(query, kv_cache, metadata, params, key, value)
 
     def attend(
@@ -205,8 +217,9 @@ class SplitAttentionBackend(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        params = AttentionParams(scale, sliding_window)
+        params = AttentionParams(scale, sliding_window, logits_soft_cap)
         return self._attend(query, kv_cache, metadata, params, None, None)
 
     def _attend(

@@ -58,6 +58,7 @@ def native_decode(
         max_len,
         params.scale,
         sliding_window=params.sliding_window,
+        logits_soft_cap=params.logits_soft_cap,
     )
 
 
@@ -82,6 +83,7 @@ def native_prefill(
         metadata.num_decodes,
         params.scale,
         sliding_window=params.sliding_window,
+        logits_soft_cap=params.logits_soft_cap,
     )
 
 

@@ -210,14 +210,21 @@ def _decode_group(
         out = query.new_empty(num_reqs, num_kv_heads, group_size, head_dim)  # [R, Hkv, G, D]
         for h in range(num_kv_heads):
             scores = torch.bmm(q[:, h], key[:, :, h].transpose(1, 2))  # [R, G, max_len]
+            scores = _soft_cap(scores, params.logits_soft_cap)
             probs = _softmax(scores, None if pad is None else pad[:, None, :])
             out[:, h] = torch.bmm(probs, value[:, :, h])  # [R, G, D]
     else:
         # One grouped matmul; it copies the keys into head-major order first.
         scores = torch.matmul(q, key.permute(0, 2, 3, 1))  # [R, Hkv, G, max_len]
+        scores = _soft_cap(scores, params.logits_soft_cap)
         probs = _softmax(scores, None if pad is None else pad[:, None, None, :])
         out = torch.matmul(probs, value.transpose(1, 2))  # [R, Hkv, G, D]
     return out.view(num_reqs, num_heads, head_dim)
+
+
+def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping: cap * tanh(scores / cap) (None: as is)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def _softmax(scores: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
@@ -265,6 +272,13 @@ def _prefill_one(
         # the unfused math path on CPU, about twice as slow for a 128-token chunk.
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    if params.logits_soft_cap is not None:  # SDPA has no soft-capping: the matmuls by hand
+        if mask is None:
+            mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril_()
+        scores = torch.einsum("qhd,khd->hqk", query, k) * params.scale  # [H, query_len, seq_len]
+        scores = _soft_cap(scores, params.logits_soft_cap)
+        probs = _softmax(scores, ~mask).to(v.dtype)  # [H, query_len, seq_len]
+        return torch.einsum("hqk,khd->qhd", probs, v)  # [query_len, H, D]
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None],  # [1, H, query_len, D]: 4-D takes the fused kernel
         k.transpose(0, 1)[None],  # [1, H, seq_len, D]

@@ -58,6 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
@@ -74,6 +75,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale=scale,
                 out=out[:num_decodes],
                 sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
@@ -88,5 +90,6 @@ class TritonAttentionBackend(AttentionBackend):
                 scale=scale,
                 out=out,
                 sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         return out

@@ -62,6 +62,7 @@ class DecoderSpec:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before the rotation
     gemma_norm: bool = False  # Gemma: x / rms(x) * (1 + w), in fp32
     query_pre_attn_scalar: float | None = None  # Gemma: scale = this ** -0.5, not head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
 
 
 def make_norm(hidden_size: int, eps: float, spec: DecoderSpec, impl: OpImpl) -> nn.Module:
@@ -106,6 +107,7 @@ class Attention(nn.Module):
             )
         self.head_dim = get_head_dim(hf_config)
         self.scale = (spec.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.logits_soft_cap = spec.attn_logit_softcapping
         self.attn_backend = attn_backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
@@ -153,6 +155,7 @@ class Attention(nn.Module):
             attn_metadata,
             self.scale,
             sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
         return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 

@@ -34,8 +34,9 @@ def paged_decode_attention(
     max_len: int,  # >= max(seq_lens)
     scale: float,
     sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
+    logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) (Gemma 2)
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
-    """Attention of one query token per request over its paged context, in place."""
+    """Attention of one query token per request over its paged context."""
     num_reqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads, cache_head_dim = kv_cache.shape[2:]
     _check(query, kv_cache, block_tables, seq_lens, num_reqs, num_heads, head_dim)
@@ -46,34 +47,28 @@ def paged_decode_attention(
         )
     if num_reqs == 0:
         return query.new_empty(0, num_heads, head_dim)
-    library = load_library()
-    num_threads = torch.get_num_threads()
-    scores = query.new_empty(num_reqs, num_heads, max_len)  # [R, H, max_len]
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    sizes = (num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_len, sliding_window or 0)
-    library.paged_decode_scores(
-        scores.data_ptr(),
+    scores = query.new_empty(num_reqs, num_heads, max_len)  # [R, H, max_len] scratch
+    out = query.new_empty(num_reqs, num_heads, head_dim)
+    load_library().paged_decode_attention_f32(
+        out.data_ptr(),
         query.data_ptr(),
         query.stride(0),
-        key_cache.data_ptr(),
+        scores.data_ptr(),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),
-        *sizes,
+        num_reqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        max_len,
+        sliding_window or 0,
         scale,
-        num_threads,
-    )
-    probs = scores.softmax(-1)  # [R, H, max_len]; padded keys (-inf) get 0
-    out = query.new_empty(num_reqs, num_heads, head_dim)
-    library.paged_decode_values(
-        out.data_ptr(),
-        probs.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        *sizes,
-        num_threads,
+        logits_soft_cap or 0.0,
+        torch.get_num_threads(),
     )
     return out
 
@@ -117,6 +112,7 @@ def paged_prefill_attention(
     first_req: int,
     scale: float,
     sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
+    logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) (Gemma 2)
 ) -> None:
     """Causal attention of requests first_req.. (prefill chunks, any cached context) over
     their paged keys/values, which must already hold this step's tokens."""
@@ -164,6 +160,7 @@ def paged_prefill_attention(
         block_size,
         sliding_window or 0,
         scale,
+        logits_soft_cap or 0.0,
         torch.get_num_threads(),
     )
 

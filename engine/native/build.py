@@ -54,15 +54,13 @@ _FLAGS = (
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 _SIGNATURES = {
-    # out, query, query_stride, key_cache, block_tables, block_table_stride, seq_lens,
-    # num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_len, window, scale,
-    # num_threads (window: sliding-window size, 0 = none)
-    "paged_decode_scores": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr]
+    # out, query, query_stride, scores, key_cache, value_cache, block_tables,
+    # block_table_stride, seq_lens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+    # max_len, window, scale, cap, num_threads (window: sliding-window size, 0 = none; cap:
+    # attention logit soft-capping, 0 = none)
+    "paged_decode_attention_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
     + [_i64] * 7
-    + [ctypes.c_float, ctypes.c_int],
-    # out, probs, value_cache, block_tables, block_table_stride, seq_lens,
-    # num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_len, window, num_threads
-    "paged_decode_values": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 7 + [ctypes.c_int],
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
     # out, residual_out, x, x_stride, residual, weight, rows, cols, eps, num_threads
     "rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int],
     # x, x_stride, cos, sin, rows, num_heads, head_dim, num_threads
@@ -73,10 +71,10 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # out, out_stride, query, query_stride, key_cache, value_cache, block_tables,
     # block_table_stride, query_start_loc, seq_lens, first_req, num_reqs, num_heads,
-    # num_kv_heads, head_dim, block_size, window, scale, num_threads
+    # num_kv_heads, head_dim, block_size, window, scale, cap, num_threads
     "paged_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
     + [_i64] * 7
-    + [ctypes.c_float, ctypes.c_int],
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
     # hidden, residual, layers, num_layers, scratch, cos, sin, table, seq_len, slot,
     # hidden_size, num_heads, num_kv_heads, head_dim, inter, block_size, window, eps, scale,
     # threads

@@ -4,25 +4,22 @@
  * paged prefill attention, one decode token through all layers (batch-1 decode), argmax.
  *
  * Paged decode attention (one query token per request, read straight from the paged KV
- * cache, no gathered copy of the context) is two passes with a softmax in between (done by
- * torch, whose exp is vectorised):
- *
- *   paged_decode_scores:  scores[r, h, t] = scale * q[r, h] . k[r, t]   (t < seq_len[r];
- *                         -inf for seq_len[r] <= t < max_len)
- *   paged_decode_values:  out[r, h] = sum_t probs[r, h, t] * v[r, t]    (t < seq_len[r])
- *
- * where k[r, t] is the key of request r's token t: row t % block_size of block
- * block_tables[r, t / block_size] in the cache. Layout (engine/attention/backend.py):
+ * cache, no gathered copy of the context) has one implementation, `decode_item`, used by
+ * both the batched decode (`paged_decode_attention_f32`) and the whole-step batch-1 decode
+ * (`decode_token_f32`): scores, softmax and the weighted sum of values for the query heads of
+ * a range of KV heads of one request. k[r, t], request r's key of token t, is row
+ * t % block_size of block block_tables[r, t / block_size] in the cache. Layout
+ * (engine/attention/backend.py):
  *
  *   cache:         [num_blocks, block_size, num_kv_heads, head_dim]   (keys or values)
  *   query:         [num_reqs, num_heads, head_dim], row stride query_stride
  *   block_tables:  [num_reqs, *] int32, row stride block_table_stride
- *   scores/probs:  [num_reqs, num_heads, max_len], contiguous
  *   out:           [num_reqs, num_heads, head_dim], contiguous
  *
  * Query head h reads KV head h / (num_heads / num_kv_heads) (GQA/MQA). The inner loops over
  * head_dim are `omp simd` so the compiler vectorises them without -ffast-math (only those
- * reductions are reassociated).
+ * reductions are reassociated). Attention logits may be soft-capped (Gemma 2):
+ * s -> cap * tanh(s / cap), after the scale and before the mask, as transformers does.
  *
  * The elementwise ops (RMSNorm with the residual add, rotary embedding in place, the KV
  * write) each replace several torch ops: on a decode step's small tensors the per-op cost,
@@ -63,68 +60,6 @@ INLINE void axpy(float *restrict y, float alpha, const float *restrict x, int64_
     for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-/* Asks for the cache lines of KV heads [kvh0, kvh1) of one token row: the same row of the
- * next block, while this block is worked on. Blocks are scattered over the pool, so the
- * hardware prefetcher, which follows sequential streams, cannot guess the next one. */
-INLINE void prefetch_row(const float *row, int64_t kvh0, int64_t kvh1, int64_t head_dim) {
-    const char *first = (const char *)(row + kvh0 * head_dim);
-    const char *last = (const char *)(row + kvh1 * head_dim);
-    for (const char *p = first; p < last; p += 64) __builtin_prefetch(p, 0, 3);
-}
-
-/* One request, KV heads [kvh0, kvh1): the scores of their query heads over seq_len keys.
- * Blocks are the outer loop, so a block's rows (all KV heads) are read front to back. */
-INLINE void scores_one(float *restrict row, const float *restrict q, const float *key_cache,
-                       const int32_t *table, int64_t seq_len, int64_t max_len, int64_t kvh0,
-                       int64_t kvh1, int64_t group, int64_t head_dim, int64_t block_size,
-                       int64_t token_stride, float scale, int64_t first) {
-    for (int64_t h = kvh0 * group; h < kvh1 * group; ++h)
-        for (int64_t t = 0; t < first; ++t) row[h * max_len + t] = -INFINITY;
-    for (int64_t start = first / block_size * block_size; start < seq_len; start += block_size) {
-        const float *block = key_cache + (int64_t)table[start / block_size] * block_size * token_stride;
-        const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        const float *next = start + block_size < seq_len
-                                ? key_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
-                                : NULL;
-        for (int64_t t = start > first ? start : first; t < end; ++t) {
-            const float *k = block + (t - start) * token_stride;
-            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
-            for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
-                for (int64_t g = 0; g < group; ++g) {
-                    const int64_t h = kvh * group + g;
-                    row[h * max_len + t] = scale * dot(q + h * head_dim, k + kvh * head_dim, head_dim);
-                }
-        }
-    }
-    for (int64_t h = kvh0 * group; h < kvh1 * group; ++h)
-        for (int64_t t = seq_len; t < max_len; ++t) row[h * max_len + t] = -INFINITY;
-}
-
-/* One request, KV heads [kvh0, kvh1): out rows of their query heads = probs . values. */
-INLINE void values_one(float *restrict o, const float *restrict p, const float *value_cache,
-                       const int32_t *table, int64_t seq_len, int64_t max_len, int64_t kvh0,
-                       int64_t kvh1, int64_t group, int64_t head_dim, int64_t block_size,
-                       int64_t token_stride, int64_t first) {
-    for (int64_t i = kvh0 * group * head_dim; i < kvh1 * group * head_dim; ++i) o[i] = 0.0f;
-    for (int64_t start = first / block_size * block_size; start < seq_len; start += block_size) {
-        const float *block =
-            value_cache + (int64_t)table[start / block_size] * block_size * token_stride;
-        const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        const float *next = start + block_size < seq_len
-                                ? value_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
-                                : NULL;
-        for (int64_t t = start > first ? start : first; t < end; ++t) {
-            const float *v = block + (t - start) * token_stride;
-            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
-            for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
-                for (int64_t g = 0; g < group; ++g) {
-                    const int64_t h = kvh * group + g;
-                    axpy(o + h * head_dim, p[h * max_len + t], v + kvh * head_dim, head_dim);
-                }
-        }
-    }
-}
-
 /* The common head sizes get their own copies with head_dim a constant, so the loops above
  * are fully unrolled; other sizes take the generic copy. */
 #define DISPATCH_HEAD_DIM(call, head_dim) \
@@ -149,60 +84,6 @@ INLINE void values_one(float *restrict o, const float *restrict p, const float *
  * (itself included; 0 = no window). */
 INLINE int64_t window_first(int64_t position, int64_t window) {
     return window > 0 && position + 1 > window ? position + 1 - window : 0;
-}
-
-/* Work items: (request, KV-head chunk). With enough requests to keep every thread busy a
- * chunk is all KV heads (each block is then read as one contiguous run); with few requests
- * (batch-1 decode) it is one KV head, so the heads spread over the threads. */
-static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_threads) {
-    return num_reqs >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
-}
-
-void paged_decode_scores(float *scores, const float *query, int64_t query_stride,
-                         const float *key_cache, const int32_t *block_tables,
-                         int64_t block_table_stride, const int32_t *seq_lens, int64_t num_reqs,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, int64_t max_len, int64_t window, float scale,
-                         int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, num_threads);
-    const int64_t num_chunks = num_kv_heads / chunk;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < num_reqs; ++r) {
-        for (int64_t c = 0; c < num_chunks; ++c) {
-            float *row = scores + r * num_heads * max_len;
-            const float *q = query + r * query_stride;
-            const int32_t *table = block_tables + r * block_table_stride;
-            DISPATCH_HEAD_DIM(scores_one(row, q, key_cache, table, seq_lens[r], max_len, c * chunk,
-                                         (c + 1) * chunk, group, D, block_size, token_stride, scale,
-                                         window_first(seq_lens[r] - 1, window)),
-                              head_dim)
-        }
-    }
-}
-
-void paged_decode_values(float *out, const float *probs, const float *value_cache,
-                         const int32_t *block_tables, int64_t block_table_stride,
-                         const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         int64_t max_len, int64_t window, int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, num_threads);
-    const int64_t num_chunks = num_kv_heads / chunk;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < num_reqs; ++r) {
-        for (int64_t c = 0; c < num_chunks; ++c) {
-            float *o = out + r * num_heads * head_dim;
-            const float *p = probs + r * num_heads * max_len;
-            const int32_t *table = block_tables + r * block_table_stride;
-            DISPATCH_HEAD_DIM(values_one(o, p, value_cache, table, seq_lens[r], max_len, c * chunk,
-                                         (c + 1) * chunk, group, D, block_size, token_stride,
-                                         window_first(seq_lens[r] - 1, window)),
-                              head_dim)
-        }
-    }
 }
 
 /* ---- Elementwise ops of a decoder layer, fp32, one pass each ------------------------- */
@@ -397,6 +278,129 @@ void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t rows
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(out + r * inter, x + r * x_stride, inter);
 }
 
+/* ---- Paged decode attention ---------------------------------------------------------------
+ *
+ * One request's query token (at position seq_len - 1) for the query heads
+ * h = kvh * group + g, kvh in [kvh0, kvh1), g in [g0, g1); it sees keys [first, seq_len).
+ * q, out and scores are indexed by h: q + h * head_dim, out + h * head_dim,
+ * scores + h * scores_stride + t (scores_stride >= seq_len). Three passes, each over the
+ * blocks front to back (a block's rows hold all KV heads, read as one run when the range is
+ * all of them): scores, softmax (max, vectorised exp, sum), then out = probs . values. */
+
+/* Soft-capping of one attention logit (cap 0: none). */
+INLINE float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
+
+/* Asks for the cache lines of KV heads [kvh0, kvh1) of one token row: the same row of the
+ * next block, while this block is worked on. Blocks are scattered over the pool, so the
+ * hardware prefetcher, which follows sequential streams, cannot guess the next one. */
+INLINE void prefetch_row(const float *row, int64_t kvh0, int64_t kvh1, int64_t head_dim) {
+    const char *first = (const char *)(row + kvh0 * head_dim);
+    const char *last = (const char *)(row + kvh1 * head_dim);
+    for (const char *p = first; p < last; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+INLINE void decode_item(float *restrict out, const float *restrict q, float *restrict scores,
+                        int64_t scores_stride, const float *key_cache, const float *value_cache,
+                        const int32_t *table, int64_t seq_len, int64_t first, int64_t kvh0,
+                        int64_t kvh1, int64_t g0, int64_t g1, int64_t group, int64_t head_dim,
+                        int64_t block_size, int64_t token_stride, float scale, float cap) {
+    const int64_t first_block = first / block_size * block_size;
+    for (int64_t start = first_block; start < seq_len; start += block_size) {
+        const float *block = key_cache + (int64_t)table[start / block_size] * block_size * token_stride;
+        const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
+        const float *next = end < seq_len
+                                ? key_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
+                                : NULL;
+        for (int64_t t = start > first ? start : first; t < end; ++t) {
+            const float *k = block + (t - start) * token_stride;
+            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
+            for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
+                for (int64_t g = g0; g < g1; ++g) {
+                    const int64_t h = kvh * group + g;
+                    const float s = scale * dot(q + h * head_dim, k + kvh * head_dim, head_dim);
+                    scores[h * scores_stride + t] = soft_cap(s, cap);
+                }
+        }
+    }
+    for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
+        for (int64_t g = g0; g < g1; ++g) {
+            float *row = scores + (kvh * group + g) * scores_stride;
+            float best = -INFINITY;
+            for (int64_t t = first; t < seq_len; ++t) best = row[t] > best ? row[t] : best;
+            vfloat sum = (vfloat){0};
+            int64_t t = first;
+            for (; t + LANES <= seq_len; t += LANES) {
+                const vfloat p = vexp(vload(row + t) - best);
+                vstore(row + t, p);
+                sum += p;
+            }
+            float total = vsum_lanes(sum);
+            for (; t < seq_len; ++t) {
+                row[t] = expf(row[t] - best);
+                total += row[t];
+            }
+            const float inv = 1.0f / total;
+#pragma omp simd
+            for (t = first; t < seq_len; ++t) row[t] *= inv;
+        }
+    for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t d = 0; d < head_dim; ++d) out[(kvh * group + g) * head_dim + d] = 0.0f;
+    for (int64_t start = first_block; start < seq_len; start += block_size) {
+        const float *block =
+            value_cache + (int64_t)table[start / block_size] * block_size * token_stride;
+        const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
+        const float *next = end < seq_len
+                                ? value_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
+                                : NULL;
+        for (int64_t t = start > first ? start : first; t < end; ++t) {
+            const float *v = block + (t - start) * token_stride;
+            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
+            for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
+                for (int64_t g = g0; g < g1; ++g) {
+                    const int64_t h = kvh * group + g;
+                    axpy(out + h * head_dim, scores[h * scores_stride + t], v + kvh * head_dim,
+                         head_dim);
+                }
+        }
+    }
+}
+
+/* Work items: (request, KV-head chunk). With enough requests to keep every thread busy a
+ * chunk is all KV heads (each block is then read as one contiguous run); with few requests
+ * (batch-1 decode) it is one KV head, so the heads spread over the threads. */
+static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_threads) {
+    return num_reqs >= 4 * (int64_t)num_threads ? num_kv_heads : 1;
+}
+
+/* out[r, h] = softmax(cap(scale * q[r, h] . k[r, t])) . v[r, t] over t in request r's window;
+ * scores is scratch of [num_reqs, num_heads, max_len] floats (max_len >= every seq_len). */
+void paged_decode_attention_f32(float *out, const float *query, int64_t query_stride,
+                                float *scores, const float *key_cache, const float *value_cache,
+                                const int32_t *block_tables, int64_t block_table_stride,
+                                const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t max_len, int64_t window, float scale, float cap,
+                                int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, num_threads);
+    const int64_t num_chunks = num_kv_heads / chunk;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        for (int64_t c = 0; c < num_chunks; ++c) {
+            const int64_t seq_len = seq_lens[r];
+            DISPATCH_HEAD_DIM(
+                decode_item(out + r * num_heads * head_dim, query + r * query_stride,
+                            scores + r * num_heads * max_len, max_len, key_cache, value_cache,
+                            block_tables + r * block_table_stride, seq_len,
+                            window_first(seq_len - 1, window), c * chunk, (c + 1) * chunk, 0,
+                            group, group, D, block_size, token_stride, scale, cap),
+                head_dim)
+        }
+    }
+}
+
 /* ---- Paged prefill attention --------------------------------------------------------------
  *
  * Causal attention for prefill chunks (any number of query tokens per request, after any
@@ -492,7 +496,8 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const float *key_cache, const float *value_cache,
                          const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
                          int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
-                         int64_t token_stride, float scale, int64_t window, float *scratch) {
+                         int64_t token_stride, float scale, float cap, int64_t window,
+                         float *scratch) {
     const int64_t num_rows = (row1 - row0) * group;
     float *keys = scratch;                          /* [PREFILL_SEGMENT / LANES][head_dim][LANES] */
     float *probs = keys + PREFILL_SEGMENT * head_dim; /* [SCORE_ROWS][PREFILL_SEGMENT] */
@@ -555,7 +560,10 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                 for (int m = 0; m < SCORE_ROWS; ++m) {
                     const vint seen = (lane < (int32_t)(visible[m] - c * LANES)) &
                                       (lane >= (int32_t)(from[m] - c * LANES));
-                    const vfloat x = vselect(seen, sc[m] * scale, (vfloat){0} - INFINITY);
+                    vfloat x = sc[m] * scale;
+                    if (cap > 0.0f)
+                        for (int l = 0; l < LANES; ++l) x[l] = soft_cap(x[l], cap);
+                    x = vselect(seen, x, (vfloat){0} - INFINITY);
                     vstore(probs + m * stride + c * LANES, x);
                     best[m] = vselect(x > best[m], x, best[m]);
                 }
@@ -616,7 +624,8 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
                              int64_t block_table_stride, const int32_t *query_start_loc,
                              const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t block_size, int64_t window, float scale, int num_threads) {
+                             int64_t block_size, int64_t window, float scale, float cap,
+                             int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     /* Items are numbered request by request: item_start[r - first_req] is r's first. */
@@ -654,8 +663,8 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
             DISPATCH_HEAD_DIM(
                 prefill_item(out + start * out_stride, out_stride, query + start * query_stride,
                              query_stride, key_cache, value_cache, table, seq_lens[r] - q_len,
-                             row0, row1, kvh, group, D, block_size, token_stride, scale, window,
-                             scratch),
+                             row0, row1, kvh, group, D, block_size, token_stride, scale, cap,
+                             window, scratch),
                 head_dim)
         }
         free(scratch);
@@ -725,44 +734,6 @@ INLINE void gemv_rows(float *restrict y, const float *restrict w, const float *r
     }
 }
 
-/* Attention of one query token, head h, over seq_len paged keys/values. */
-INLINE void decode_head(float *restrict out, const float *restrict q, float *restrict scores,
-                        const float *key_cache, const float *value_cache, const int32_t *table,
-                        int64_t first, int64_t seq_len, int64_t kvh, int64_t head_dim,
-                        int64_t block_size, int64_t token_stride, float scale) {
-    /* Keys [first, seq_len): scores[t - first]. */
-    table += first / block_size;
-    const int64_t skipped = first / block_size * block_size;
-    first -= skipped;
-    seq_len -= skipped;
-    scores -= first;
-    float best = -INFINITY;
-    for (int64_t t = first; t < seq_len; ++t) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const float s = scale * dot(q, key_cache + slot * token_stride + kvh * head_dim, head_dim);
-        scores[t] = s;
-        best = s > best ? s : best;
-    }
-    float total = 0.0f;
-    int64_t t = first;
-    for (; t + LANES <= seq_len; t += LANES) {
-        const vfloat p = vexp(vload(scores + t) - best);
-        vstore(scores + t, p);
-        total += vsum_lanes(p);
-    }
-    for (; t < seq_len; ++t) {
-        scores[t] = expf(scores[t] - best);
-        total += scores[t];
-    }
-    for (int64_t d = 0; d < head_dim; ++d) out[d] = 0.0f;
-    for (t = first; t < seq_len; ++t) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        axpy(out, scores[t], value_cache + slot * token_stride + kvh * head_dim, head_dim);
-    }
-    const float inv = 1.0f / total;
-    for (int64_t d = 0; d < head_dim; ++d) out[d] *= inv;
-}
-
 void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int64_t num_layers,
                       float *scratch, const float *cos, const float *sin, const int32_t *table,
                       int64_t seq_len, int64_t slot, int64_t hidden_size, int64_t num_heads,
@@ -804,9 +775,9 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < num_heads; ++h)
-            decode_head(attn + h * head_dim, qkv + h * head_dim, scores + h * seq_len, key_cache,
-                        value_cache, table, window_first(seq_len - 1, window), seq_len, h / group,
-                        head_dim, block_size, token_stride, scale);
+            decode_item(attn, qkv, scores, seq_len, key_cache, value_cache, table, seq_len,
+                        window_first(seq_len - 1, window), h / group, h / group + 1, h % group,
+                        h % group + 1, group, head_dim, block_size, token_stride, scale, 0.0f);
         gemv_rows(hidden, FIELD(F_O_WEIGHT), FIELD(F_O_BIAS), attn, hidden_size, q_size);
 #pragma omp single
         rms_row(normed, residual, hidden, residual, FIELD(F_POST_NORM), hidden_size, eps);

@@ -87,9 +87,41 @@ FAMILY_SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Gemma 2: attention logit soft-capping small enough to bend most scores (the random
+    # models' scores reach a few units), on the default (native C) and the torch backends.
+    "gemma2-softcap-alternating": (
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            num_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=6,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma2-softcap-gqa-torch-backend": (
+        "Gemma2ForCausalLM",
+        dict(
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=9,
+            query_pre_attn_scalar=32,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # Engine settings of a shape beyond the regimes below (default: the device's backend).
-SHAPE_ENGINE_KWARGS = {"mistral-window-torch-backend": dict(attention_backend="torch")}
+SHAPE_ENGINE_KWARGS = {
+    "mistral-window-torch-backend": dict(attention_backend="torch"),
+    "gemma2-softcap-gqa-torch-backend": dict(attention_backend="torch"),
+}
 # A window frees blocks as decodes go, so the cache that forces preemption is shape-specific
 # (the scheduler is deterministic: these sizes preempt, checked below).
 SHAPE_REGIMES = {

@@ -79,14 +79,17 @@ class CompileCase:
 def _attention_cases() -> list[CompileCase]:
     attention = importlib.import_module("kernels.paged_attention")
     cases = []
-    for dtype, head_dim, queries_per_kv, max_query_len, num_splits in [
-        (torch.bfloat16, 128, 4, 1, 1),  # Llama-3-8B decode
-        (torch.bfloat16, 128, 4, 1, 4),  # split-KV decode
-        (torch.bfloat16, 128, 4, 512, 1),  # prefill
-        (torch.float16, 64, 3, 512, 1),  # SmolLM2-135M prefill
-        (torch.float32, 128, 4, 512, 1),
-        (torch.bfloat16, 256, 8, 1, 1),
-        (torch.bfloat16, 96, 1, 512, 1),
+    # (dtype, head_dim, queries per KV head, max query len, splits, sliding window, soft cap)
+    for dtype, head_dim, queries_per_kv, max_query_len, num_splits, window, soft_cap in [
+        (torch.bfloat16, 128, 4, 1, 1, 0, False),  # Llama-3-8B decode
+        (torch.bfloat16, 128, 4, 1, 4, 0, False),  # split-KV decode
+        (torch.bfloat16, 128, 4, 512, 1, 0, False),  # prefill
+        (torch.float16, 64, 3, 512, 1, 0, False),  # SmolLM2-135M prefill
+        (torch.float32, 128, 4, 512, 1, 0, False),
+        (torch.bfloat16, 256, 8, 1, 1, 0, False),
+        (torch.bfloat16, 96, 1, 512, 1, 0, False),
+        (torch.bfloat16, 256, 2, 1, 1, 4096, True),  # Gemma-2-9B local layer, decode
+        (torch.bfloat16, 256, 2, 512, 1, 4096, True),  # ... prefill
     ]:
         tiles = attention._tile_config(queries_per_kv, head_dim, max_query_len, dtype)
         name = TRITON_TYPES[dtype]
@@ -101,6 +104,7 @@ def _attention_cases() -> list[CompileCase]:
             "partial_out_ptr": "*fp32",
             "partial_lse_ptr": "*fp32",
             "scale_log2": "fp32",
+            "soft_cap_log2": "fp32",
         }
         constexprs = {
             "NUM_HEADS": 32,
@@ -112,11 +116,13 @@ def _attention_cases() -> list[CompileCase]:
             "HEAD_DIM": head_dim,
             "HEAD_DIM_PADDED": tiles.head_dim_padded,
             "NUM_SPLITS": num_splits,
+            "SLIDING_WINDOW": window,
+            "HAS_SOFT_CAP": soft_cap,
             "UPCAST": False,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
         }
         label = f"paged_attention {name} d={head_dim} qpk={queries_per_kv} q={max_query_len}"
-        label += f" splits={num_splits}"
+        label += f" splits={num_splits} window={window} soft_cap={soft_cap}"
         cases.append(
             CompileCase(
                 label,
