@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.models.layers import (
     DecoderLayer,
+    GatedMLP,
     DecoderSpec,
     get_head_dim,
     layer_sliding_windows,
@@ -34,8 +35,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, spec, attn_backend, impl, window)
-            for window in layer_sliding_windows(hf_config)
+            DecoderLayer(hf_config, spec, attn_backend, impl, window, layer_idx)
+            for layer_idx, window in enumerate(layer_sliding_windows(hf_config))
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, impl)
         self.rotary_emb = RotaryEmbedding.from_parameters(
@@ -73,6 +74,10 @@ class DecoderForCausalLM(nn.Module):
     model_class: ClassVar[type[nn.Module]] = DecoderModel  # the layer stack
     # Checkpoint tensors we compute instead of loading (old checkpoints store inv_freq).
     ignored_weight_suffixes: ClassVar[tuple[str, ...]] = (".rotary_emb.",)
+    # Mixture-of-experts families: per-expert checkpoint modules -> stacked parameters
+    # (engine.models.weight_loader), and renames applied to checkpoint names first.
+    expert_weights_mapping: ClassVar[dict[str, tuple[str, int | None]] | None] = None
+    weight_name_substitutions: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(
         self, config: Any, attn_backend: AttentionBackend, op_impl: OpImpl = "torch"
@@ -144,7 +149,14 @@ class DecoderForCausalLM(nn.Module):
         ignored = self.ignored_weight_suffixes
         if self.lm_head is None:
             ignored = (*ignored, "lm_head.weight")  # some tied checkpoints keep a copy
-        load_weights(self, weights, self.packed_modules_mapping, ignored)
+        load_weights(
+            self,
+            weights,
+            self.packed_modules_mapping,
+            ignored,
+            self.expert_weights_mapping,
+            self.weight_name_substitutions,
+        )
 
     def decode_layer_weights(self) -> list[dict[str, torch.Tensor | None]] | None:
         """Each layer's tensors by role, for a whole-step decode outside the modules (the
@@ -155,8 +167,8 @@ class DecoderForCausalLM(nn.Module):
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None:
-                return None
+            if attn.q_norm is not None or not isinstance(mlp, GatedMLP):
+                return None  # q/k norms or experts: not what the whole-step path computes
             layers.append(
                 {
                     "input_norm": layer.input_layernorm.weight,

@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.models.linear import Linear
+from engine.models.moe import FusedMoE, MoESpec
 from engine.models.ops import (
     GeluTanhAndMul,
     GemmaRMSNorm,
@@ -63,6 +64,7 @@ class DecoderSpec:
     gemma_norm: bool = False  # Gemma: x / rms(x) * (1 + w), in fp32
     query_pre_attn_scalar: float | None = None  # Gemma: scale = this ** -0.5, not head_dim's
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    moe: MoESpec | None = None  # Mixtral, Qwen3-MoE: experts instead of the gated MLP
 
 
 def make_norm(hidden_size: int, eps: float, spec: DecoderSpec, impl: OpImpl) -> nn.Module:
@@ -195,11 +197,16 @@ class DecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         impl: OpImpl,
         sliding_window: int | None = None,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.self_attn = Attention(hf_config, spec, attn_backend, impl, sliding_window)
-        self.mlp = GatedMLP(hf_config, spec, impl)
+        self.mlp: nn.Module
+        if spec.moe is not None and layer_idx not in spec.moe.dense_layers:
+            self.mlp = FusedMoE(hf_config, spec.moe, impl)
+        else:
+            self.mlp = GatedMLP(hf_config, spec, impl)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
 

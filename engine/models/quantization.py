@@ -79,6 +79,12 @@ def quantize_model(
     model: nn.Module, quantization: str, hf_config: Any, gguf_file: Path | None = None
 ) -> int:
     """Switches `model`'s projections to quantized weights; returns how many layers."""
+    if any(hasattr(m, "expert_param_shards") for m in model.modules()):
+        # The experts' stacked weights are not `Linear`s: quantizing only the attention
+        # would give a half-quantized model that no reference computes.
+        raise NotImplementedError(
+            f"quantization={quantization!r} is not supported for mixture-of-experts models."
+        )
     if quantization == "int8":
         return _quantize_int8(model)
     if quantization == "gguf":

@@ -7,6 +7,12 @@ A model class declares how the checkpoint's names map onto its parameters:
   at rows ``sum(output_sizes[:i])`` (see `engine.models.linear.Linear`). A family whose
   checkpoint already stores the fused tensor (Phi-3) simply leaves the module out.
 - `ignored_weight_suffixes`: checkpoint tensors we compute ourselves (rotary inv_freq).
+- `expert_weights_mapping` (mixture-of-experts families): the per-expert checkpoint module
+  -> (stacked parameter, shard), e.g. ``{"w1": ("w13_weight", 0), "w3": ("w13_weight", 1),
+  "w2": ("w2_weight", None)}``: ``...experts.{e}.w1.weight`` fills expert e's first shard of
+  ``...w13_weight``. A module holding stacked expert weights declares their shards' row
+  sizes in `expert_param_shards`. `weight_name_substitutions` renames first (Mixtral's
+  ``.block_sparse_moe.`` is our ``.mlp.``).
 
 Every parameter (or shard) must be filled exactly by a tensor of its shape; unexpected,
 missing or misshapen tensors raise ValueError naming them.
@@ -14,6 +20,7 @@ missing or misshapen tensors raise ValueError naming them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -53,11 +60,31 @@ def _target_name(ckpt_name: str, packed: Mapping[str, tuple[str, ...]]) -> tuple
     return ckpt_name, None
 
 
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<leaf>\w+)\.weight$")
+
+
+def _expert_shards(model: nn.Module) -> dict[str, list[tuple[int, int] | None]]:
+    """Stacked expert parameter -> (row offset, rows) per shard, or [None] if unsharded."""
+    shards: dict[str, list[tuple[int, int] | None]] = {}
+    for module_name, module in model.named_modules():
+        for leaf, sizes in getattr(module, "expert_param_shards", {}).items():
+            offsets: list[tuple[int, int] | None] = [None]
+            if sizes is not None:
+                offsets, start = [], 0
+                for size in sizes:
+                    offsets.append((start, size))
+                    start += size
+            shards[f"{module_name}.{leaf}"] = offsets
+    return shards
+
+
 def load_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     packed_modules_mapping: Mapping[str, tuple[str, ...]],
     ignored: tuple[str, ...] = (),
+    expert_weights_mapping: Mapping[str, tuple[str, int | None]] | None = None,
+    weight_name_substitutions: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Copies checkpoint tensors into `model`'s (fused) parameters; checks every name.
 
@@ -65,30 +92,58 @@ def load_weights(
     """
     params = dict(model.named_parameters())
     shard_rows = _shard_rows(model, packed_modules_mapping)
-    pending: set[tuple[str, int | None]] = set()
+    expert_shards = _expert_shards(model)
+    pending: set[tuple[str, object]] = set()
     for name in params:
         if name in shard_rows:
             pending |= {(name, i) for i in range(len(shard_rows[name]))}
+        elif name in expert_shards:
+            num_experts, num_shards = params[name].shape[0], len(expert_shards[name])
+            pending |= {(name, (e, i)) for e in range(num_experts) for i in range(num_shards)}
         else:
             pending.add((name, None))
     for ckpt_name, tensor in weights:
         if ckpt_name in ignored or any(s.startswith(".") and s in ckpt_name for s in ignored):
             continue
-        name, shard = _target_name(ckpt_name, packed_modules_mapping)
+        renamed = ckpt_name
+        for old, new in weight_name_substitutions:
+            renamed = renamed.replace(old, new)
+        expert = _EXPERT_NAME.match(renamed) if expert_weights_mapping else None
+        if expert is not None and expert["leaf"] in expert_weights_mapping:  # type: ignore[operator]
+            leaf, index = expert_weights_mapping[expert["leaf"]]  # type: ignore[index]
+            name = f"{expert['prefix']}.{leaf}"
+            if name not in params or int(expert["expert"]) >= params[name].shape[0]:
+                raise ValueError(f"unexpected weight {ckpt_name!r} for {type(model).__name__}.")
+            target = params[name].data[int(expert["expert"])]
+            rows = expert_shards[name][index or 0]
+            if rows is not None:
+                target = target.narrow(0, *rows)
+            _copy(ckpt_name, tensor, target)
+            pending.discard((name, (int(expert["expert"]), index or 0)))
+            continue
+        name, shard = _target_name(renamed, packed_modules_mapping)
         if name not in params:
             raise ValueError(f"unexpected weight {ckpt_name!r} for {type(model).__name__}.")
+        if name in expert_shards:  # all experts stacked in one tensor (transformers 5's form)
+            _copy(ckpt_name, tensor, params[name].data)
+            pending = {p for p in pending if p[0] != name}
+            continue
         target = params[name].data
         if shard is not None:
             start, size = shard_rows[name][shard]
             target = target.narrow(0, start, size)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(target.shape)}."
-            )
-        with torch.no_grad():
-            target.copy_(tensor)
+        _copy(ckpt_name, tensor, target)
         pending.discard((name, shard))
     if pending:
         missing = sorted(name if shard is None else f"{name}[{shard}]" for name, shard in pending)
         raise ValueError(f"missing weights: {', '.join(missing[:8])} ({len(missing)} in all).")
+
+
+def _copy(ckpt_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(target.shape)}."
+        )
+    with torch.no_grad():
+        target.copy_(tensor)

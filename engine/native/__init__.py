@@ -21,6 +21,7 @@ from engine.native.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
+from engine.native.moe import moe_grouped_gemm
 from engine.native.build import (
     KERNEL_CACHE_DIR_ENV,
     NATIVE_KERNELS_ENV,
@@ -40,6 +41,7 @@ __all__ = [
     "decode_token",
     "kernel_cache_dir",
     "load_library",
+    "moe_grouped_gemm",
     "native_kernels_available",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -1,4 +1,4 @@
-"""Builds and loads the native kernels (engine/native/cpu_kernels.c).
+"""Builds and loads the native kernels (engine/native/*.c).
 
 `cpu_kernels.c` is compiled on first use with the system C compiler (``$CC``, else
 ``cc``/``gcc``) for the machine it runs on (``-march=native``), and the shared library is
@@ -33,7 +33,7 @@ KERNEL_CACHE_DIR_ENV = "PAGEDSERVE_KERNEL_CACHE_DIR"
 NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
-_EXTRA_SOURCES = (Path(__file__).with_name("quant_kernels.c"),)
+_EXTRA_SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_kernels.c", "moe_kernels.c"))
 _HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_rows.h", "quant_fused_avx2.h"))
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
 # one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).
@@ -81,6 +81,8 @@ _SIGNATURES = {
     "decode_token_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
     + [_i64] * 9
     + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    # out, x, x_stride, rows (or NULL), w, offsets, num_experts, n, k, num_threads
+    "moe_grouped_gemm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # out, x, row_stride, rows, cols, num_threads
     "argmax_rows_f32": [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
 }

@@ -116,11 +116,45 @@ FAMILY_SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Mixture of experts, top-2 routing: grouped through the native kernel (default) and
+    # the torch reference (torch backend); Qwen3-MoE with and without renormalisation, a
+    # dense layer among the sparse ones.
+    "mixtral-8x-top2": (
+        "MixtralForCausalLM",
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, num_layers=2),
+    ),
+    "mixtral-4x-top2-mha-torch-backend": (
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, num_kv_heads=4),
+    ),
+    "qwen3moe-renormalized-dense-layer": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            num_layers=3,
+            head_dim=16,
+        ),
+    ),
+    "qwen3moe-top3-unnormalized": (
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_experts=5,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 # Engine settings of a shape beyond the regimes below (default: the device's backend).
 SHAPE_ENGINE_KWARGS = {
     "mistral-window-torch-backend": dict(attention_backend="torch"),
     "gemma2-softcap-gqa-torch-backend": dict(attention_backend="torch"),
+    "mixtral-4x-top2-mha-torch-backend": dict(attention_backend="torch"),
 }
 # A window frees blocks as decodes go, so the cache that forces preemption is shape-specific
 # (the scheduler is deterministic: these sizes preempt, checked below).
