@@ -51,8 +51,7 @@ class MoESpec:
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
-                f"num_experts_per_tok={self.top_k} must be in [1, num_experts="
-                f"{self.num_experts}]."
+                f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]."
             )
 
 

@@ -142,8 +142,7 @@ def load_weights(
 def _copy(ckpt_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(
-            f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-            f"expected {tuple(target.shape)}."
+            f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}."
         )
     with torch.no_grad():
         target.copy_(tensor)

@@ -117,3 +117,83 @@ def write_tiny_llama_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# (num_heads, num_kv_heads) per family. transformers' GGUF reader does not map qwen3's
+# `attention.key_length`, so a qwen3 file must have Qwen3's default head_dim of 128.
+FAMILY_HEADS = {"qwen2": (4, 2), "qwen3": (2, 1), "gemma2": (4, 2), "phi3": (4, 2)}
+
+
+def _family_extras(architecture: str, head_dim: int, kv_rows: int) -> list[tuple[str, int]]:
+    """Per-family F32 tensors of a layer beyond llama's: (name, size)."""
+    return {
+        "qwen2": [("attn_q.bias", HIDDEN), ("attn_k.bias", kv_rows), ("attn_v.bias", kv_rows)],
+        "qwen3": [("attn_q_norm.weight", head_dim), ("attn_k_norm.weight", head_dim)],
+        "gemma2": [("post_attention_norm.weight", HIDDEN), ("post_ffw_norm.weight", HIDDEN)],
+        "phi3": [],
+    }[architecture]
+
+
+def write_tiny_family_gguf(
+    path: Path, architecture: str, tokenizer_fields: list[Any], qtype: QType = QType.Q8_0
+) -> Path:
+    """A 2-layer model of `architecture` (qwen2, qwen3, gemma2, phi3) with every projection
+    in `qtype` blocks and the norms and biases in F32, named as llama.cpp names them."""
+    import gguf
+
+    num_heads, num_kv_heads = FAMILY_HEADS[architecture]
+    head_dim = HIDDEN // num_heads
+    q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(f"tiny-test-{architecture}")
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+    if architecture == "gemma2":
+        writer.add_sliding_window(6)
+        writer.add_attn_logit_softcapping(5.0)
+        writer.add_final_logit_softcapping(10.0)
+    for field in tokenizer_fields:
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    seed = iter(range(10_000))
+    rng = np.random.default_rng(1)
+
+    def add_blocks(name: str, rows: int, cols: int) -> None:
+        data = random_blocks(qtype, rows, cols, next(seed), 0.02)
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
+
+    def add_f32(name: str, size: int, around: float) -> None:
+        writer.add_tensor(name, (around + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    add_blocks("token_embd.weight", VOCAB, HIDDEN)
+    add_f32("output_norm.weight", HIDDEN, 1.0)
+    for i in range(2):
+        add_f32(f"blk.{i}.attn_norm.weight", HIDDEN, 1.0)
+        add_f32(f"blk.{i}.ffn_norm.weight", HIDDEN, 1.0)
+        for name, size in _family_extras(architecture, head_dim, kv_rows):
+            add_f32(f"blk.{i}.{name}", size, 0.0 if name.endswith("bias") else 1.0)
+        if architecture == "phi3":
+            add_blocks(f"blk.{i}.attn_qkv.weight", q_rows + 2 * kv_rows, HIDDEN)
+            add_blocks(f"blk.{i}.ffn_up.weight", 2 * INTERMEDIATE, HIDDEN)
+        else:
+            add_blocks(f"blk.{i}.attn_q.weight", q_rows, HIDDEN)
+            add_blocks(f"blk.{i}.attn_k.weight", kv_rows, HIDDEN)
+            add_blocks(f"blk.{i}.attn_v.weight", kv_rows, HIDDEN)
+            add_blocks(f"blk.{i}.ffn_gate.weight", INTERMEDIATE, HIDDEN)
+            add_blocks(f"blk.{i}.ffn_up.weight", INTERMEDIATE, HIDDEN)
+        add_blocks(f"blk.{i}.attn_output.weight", HIDDEN, q_rows)
+        add_blocks(f"blk.{i}.ffn_down.weight", HIDDEN, INTERMEDIATE)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

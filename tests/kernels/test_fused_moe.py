@@ -92,7 +92,10 @@ def test_routing_matches_transformers_routers():
     for router, renormalize in (
         (MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8)), True),
         (Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8)), False),
-        (Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8, norm_topk_prob=True)), True),
+        (
+            Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=16, num_experts=8, norm_topk_prob=True)),
+            True,
+        ),
     ):
         torch.nn.init.normal_(router.weight)
         logits, expected_weights, expected_ids = router(x)
