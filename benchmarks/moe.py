@@ -30,12 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import cpu_model, make_prompts  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.models.moe import FusedMoE, per_expert_loop, select_experts  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.throughput import cpu_model, make_prompts
+from engine.llm import LLM
+from engine.models.moe import FusedMoE, per_expert_loop, select_experts
+from engine.sampling_params import SamplingParams
 
 # Mixtral's proportions scaled down: 8 experts, top-2, intermediate = 3.5 x hidden.
+# `--experts 64 --top-k 8 --intermediate 128` gives Qwen3-MoE's many small experts instead.
 SHAPE = dict(
     vocab_size=32000,
     hidden_size=512,
@@ -118,8 +119,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=SHAPE["num_local_experts"])
+    parser.add_argument("--top-k", type=int, default=SHAPE["num_experts_per_tok"])
+    parser.add_argument("--intermediate", type=int, default=SHAPE["intermediate_size"])
     args = parser.parse_args()
+    SHAPE.update(
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        intermediate_size=args.intermediate,
+    )
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"model: {SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, "
+        f"{args.experts} experts of {args.intermediate}, top-{args.top_k}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "mixtral-tiny")
         prompts = make_prompts(args.batch, args.prompt_len, SHAPE["vocab_size"], seed=0)
@@ -135,9 +148,10 @@ def main() -> None:
             runs["transformers"].append(transformers_tok_s(path, prompts, args.max_tokens))
         medians = {name: statistics.median(v) for name, v in runs.items()}
         for name, value in medians.items():
+            runs_text = ", ".join(f"{v:.1f}" for v in runs[name])
             print(
                 f"{name:>16}: {value:8.1f} output tok/s  (grouped / this: "
-                f"{medians['grouped'] / value:.2f}x; runs {', '.join(f'{v:.1f}' for v in runs[name])})"
+                f"{medians['grouped'] / value:.2f}x; runs {runs_text})"
             )
 
 

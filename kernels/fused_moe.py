@@ -17,6 +17,8 @@ Grid: (number of row tiles over all experts, cdiv(n, BLOCK_N)). fp32 accumulatio
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -119,7 +121,7 @@ def moe_grouped_gemm(
     num_experts, n, k = weight.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns, weight expects k={k}.")
-    if len(offsets) != num_experts + 1 or any(b < a for a, b in zip(offsets, offsets[1:])):
+    if len(offsets) != num_experts + 1 or any(b < a for a, b in itertools.pairwise(offsets)):
         raise ValueError(f"offsets must be {num_experts + 1} ascending row offsets.")
     num_rows = offsets[-1]
     if rows is not None:

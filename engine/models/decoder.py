@@ -17,8 +17,8 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.models.layers import (
     DecoderLayer,
-    GatedMLP,
     DecoderSpec,
+    GatedMLP,
     get_head_dim,
     layer_sliding_windows,
 )

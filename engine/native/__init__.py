@@ -21,7 +21,6 @@ from engine.native.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from engine.native.moe import moe_grouped_gemm
 from engine.native.build import (
     KERNEL_CACHE_DIR_ENV,
     NATIVE_KERNELS_ENV,
@@ -30,6 +29,7 @@ from engine.native.build import (
     load_library,
     native_kernels_available,
 )
+from engine.native.moe import moe_grouped_gemm
 
 __all__ = [
     "DECODE_LAYER_FIELDS",
