@@ -219,9 +219,15 @@ def test_validation_errors_propagate_and_spare_other_requests(model_dir) -> None
                     async for _ in engine.generate(prompt, params, "bad", **kwargs):
                         pass
                 assert type(info.value) is exc_type and str(info.value) == message
+            # An id in use: "held" is certainly running once its first token has come (240
+            # tokens cannot all be decoded between that and the next call).
+            held = engine.generate(ids([3]), greedy(240), "held")
+            await held.__anext__()
             with pytest.raises(ValueError, match="already in use"):
-                async for _ in engine.generate(ids([3]), greedy(4), "good"):
+                async for _ in engine.generate(ids([3]), greedy(4), "held"):
                     pass
+            await engine.abort("held")
+            await held.aclose()
             with pytest.raises(TypeError, match="SamplingParams"):
                 async for _ in engine.generate(ids([3]), PoolingParams(), "wrong"):  # type: ignore[arg-type]
                     pass
