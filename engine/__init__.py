@@ -17,6 +17,7 @@ from engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from engine.pooler_config import PoolerConfig
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -31,6 +32,7 @@ __all__ = [
     "LLMEngine",
     "LoRARequest",
     "Logprob",
+    "PoolerConfig",
     "PoolingOutput",
     "PoolingParams",
     "PoolingRequestOutput",

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.pooler_config import PoolerConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 _DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
@@ -210,6 +212,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig | None = None  # None: LoRA off
+    # Resolved (every field set): how pooling requests pool. engine/pooler_config.py
+    pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
 
 
 @dataclass
@@ -255,11 +259,15 @@ class EngineArgs:
     # until the quantized kernels beat fp32 at every batch size (docs/engine.md): today the
     # GGUF path wins at batch 1 and loses at batch 16 and more.
     quantization: str | None = None
+    # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
+    # unset fields come from a sentence-transformers model directory, else LAST, normalize.
+    pooler_config: PoolerConfig | dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        pooler_config = PoolerConfig.from_value(self.pooler_config)
         device = _resolve_device(self.device)
         model_dir = resolve_model(self.model)
         hf_config = load_hf_config(model_dir)
@@ -320,6 +328,7 @@ class EngineArgs:
             otlp_traces_endpoint=self.otlp_traces_endpoint,
             speculative_config=speculative_config,
             lora_config=lora_config,
+            pooler_config=pooler_config.resolve(model_dir),
         )
 
 

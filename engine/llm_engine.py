@@ -210,7 +210,8 @@ class LLMEngine:
         """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``.
 
         With `PoolingParams` it is a pooling request: its one output is a
-        `PoolingRequestOutput` holding the last prompt token's final hidden state."""
+        `PoolingRequestOutput` holding the prompt's final hidden states pooled as the
+        engine's `PoolerConfig` says (LAST, MEAN or CLS)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
@@ -229,6 +230,9 @@ class LLMEngine:
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         text, prompt_token_ids = self.input_processor.process(prompt, params)
+        if isinstance(params, PoolingParams):  # the engine's copy, checked and completed
+            params = params.clone()
+            params.verify(self.config.pooler_config, self.config.model_config)
 
         # vLLM's `cache_salt` in the prompt dict: prompts with different salts never share
         # prefix-cache blocks (the services salt by tenant).
@@ -251,7 +255,7 @@ class LLMEngine:
                 priority=priority,
                 cache_salt=salt,
                 trace_headers=headers,
-                pooling_params=params.clone(),
+                pooling_params=params,
                 lora_request=lora_request,
             )
             self.output_processor.add_pooling_request(text, pooling)

@@ -135,9 +135,13 @@ class Request:
     @property
     def needs_all_prompt_positions(self) -> bool:
         """Whether every prompt position must be computed here, so that no prefix-cache hit
-        may stand in for one: pooling reads hidden states, prompt logprobs read logits."""
+        may stand in for one: MEAN and CLS pooling read every position's hidden state,
+        prompt logprobs every position's logits (LAST pooling reads only the last token's,
+        which is always computed)."""
+        if self.pooling_params is not None:
+            return self.pooling_params.skip_reading_prefix_cache
         params = self.sampling_params
-        return params is None or params.prompt_logprobs is not None
+        return params is not None and params.prompt_logprobs is not None
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

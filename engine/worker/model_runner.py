@@ -3,7 +3,8 @@
 It owns the model, the per-layer KV caches and the sampler. From a `SchedulerOutput` it
 builds flat tensors (decode tokens first, then prefill chunks), runs the model, computes
 logits only where something is sampled (or prompt logprobs are asked for), pools the final
-hidden state of pooling requests whose prompt completes, and returns a `ModelRunnerOutput`.
+hidden states of pooling requests (engine/worker/pooler.py: LAST, MEAN or CLS, accumulated
+over prefill chunks), and returns a `ModelRunnerOutput`.
 Speculative entries (greedy, with draft tokens) are verified: see `_verify_drafts`.
 """
 
@@ -16,7 +17,6 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.backend import get_attention_backend
 from engine.config import CacheConfig, EngineConfig, default_cpu_kv_cache_bytes
@@ -34,6 +34,7 @@ from engine.sample.sampler import select_argmax
 from engine.sample.token_controls import apply_grammar_bitmask_
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
+from engine.worker.pooler import Pooler
 from engine.worker.profiler import TorchProfiler
 from engine.worker.sleep import SleepMode
 
@@ -73,6 +74,7 @@ class ModelRunner:
         # choice for fp32 on this backend and device.
         logits_ops = select_op_impl(self.attn_backend.name, self.device, torch.float32)
         self.sampler = Sampler(select_argmax(logits_ops))
+        self.pooler = Pooler(config.pooler_config.pooling_type or "LAST")
         self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
         self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora
@@ -218,7 +220,10 @@ class ModelRunner:
 
         sampling = [i for i, e in enumerate(batch) if e.samples and not e.spec_token_ids]
         speculative = [i for i, e in enumerate(batch) if e.spec_token_ids]
-        pooling = [i for i, e in enumerate(batch) if e.pools]
+        # Every chunk of a pooling request's prompt: MEAN and CLS accumulate over chunks.
+        self.pooler.drop(scheduler_output.finished_request_ids)
+        self.pooler.drop(scheduler_output.preempted_request_ids)
+        pooling = [i for i, e in enumerate(batch) if e.request.is_pooling]
         prompt_lp = [i for i, e in enumerate(batch) if self._wants_prompt_logprobs(e)]
         output = ModelRunnerOutput()
         if sampling:
@@ -226,7 +231,7 @@ class ModelRunner:
         if speculative:
             self._verify_drafts(batch, speculative, inputs, hidden, output)
         if pooling:
-            self._pool(batch, pooling, inputs, hidden, output)
+            self.pooler(batch, pooling, inputs, hidden, output)
         for i in prompt_lp:
             self._prompt_logprobs(batch[i], inputs, i, hidden, output)
         return output
@@ -308,28 +313,6 @@ class ModelRunner:
             while num_accepted < len(drafts) and drafts[num_accepted] == greedy[num_accepted]:
                 num_accepted += 1
             output.spec_output_token_ids[entry.request_id] = greedy[: num_accepted + 1]
-
-    def _pool(
-        self,
-        batch: list[ScheduledRequest],
-        rows: list[int],
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """LAST-token pooling: the final normed hidden state of each prompt's last token,
-        L2-normalised where asked, as float32 on the CPU."""
-        last_token = torch.tensor(
-            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device
-        )
-        pooled = hidden[last_token].float()  # [num_rows, hidden_size]
-        normalize = torch.tensor(
-            [batch[i].request.pooling_params.normalize for i in rows],  # type: ignore[union-attr]
-            device=self.device,
-        )
-        pooled = torch.where(normalize[:, None], F.normalize(pooled, p=2.0, dim=-1), pooled)
-        for row, vector in zip(rows, pooled.cpu().unbind(0)):
-            output.pooled[batch[row].request_id] = vector  # [hidden_size]
 
     @staticmethod
     def _wants_prompt_logprobs(entry: ScheduledRequest) -> bool:

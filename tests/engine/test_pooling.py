@@ -1,6 +1,7 @@
-"""Pooling (`LLM.encode`, `PoolingParams`): the last prompt token's final normed hidden
-state against transformers, normalisation, chunked prefill, mixed batches with generation,
-prefix caching, preemption, aborts and block accounting. Tiny random Llama models."""
+"""Pooling (`LLM.encode`, `PoolingParams`) of type LAST, the default: the last prompt token's
+final normed hidden state against transformers, normalisation, chunked prefill, mixed batches
+with generation, prefix caching, preemption, aborts and block accounting. Tiny random Llama
+models. MEAN, CLS and `dimensions`: test_pooling_types.py."""
 
 from __future__ import annotations
 
@@ -67,15 +68,19 @@ def assert_no_leak(llm: LLM) -> None:
 
 def test_pooling_params_defaults_validation_clone() -> None:
     params = PoolingParams()
-    assert params.normalize is True
+    assert params.normalize is None  # the engine's PoolerConfig.normalize (True here)
+    assert params.dimensions is None
     assert params.output_kind == RequestOutputKind.FINAL_ONLY
     with pytest.raises(ValueError, match="normalize"):
         PoolingParams(normalize="yes")  # type: ignore[arg-type]
+    for bad in (0, -3, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="dimensions"):
+            PoolingParams(dimensions=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="output_kind"):
         PoolingParams(output_kind=RequestOutputKind.DELTA)
     clone = params.clone()
     clone.normalize = False
-    assert params.normalize is True
+    assert params.normalize is None
 
 
 def test_encode_matches_transformers(model_dir, prompts, hf_last_hidden) -> None:
@@ -169,17 +174,17 @@ def test_mixed_batches_keep_generation_tokens(model_dir, prompts, regime) -> Non
     assert_no_leak(llm)
 
 
-def test_pooling_computes_every_prompt_token_despite_prefix_cache(
-    model_dir, prompts, hf_last_hidden
-) -> None:
+def test_last_pooling_takes_prefix_cache_hits(model_dir, prompts, hf_last_hidden) -> None:
+    """LAST pooling reads only the last token's hidden state, which is always computed, so
+    it may take prefix-cache hits (as in vLLM); MEAN and CLS may not (test_pooling_types)."""
     llm = make_llm(model_dir)
     prompt = prompts[-1]  # 75 tokens: 4 full blocks
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
     (output,) = llm.encode([{"prompt_token_ids": prompt}], use_tqdm=False)
-    assert output.num_cached_tokens == 0
+    assert output.num_cached_tokens == 64
     ref = hf_last_hidden[-1]
     torch.testing.assert_close(output.outputs.data, ref / ref.norm(), rtol=1e-4, atol=1e-4)
-    # The blocks the pooling request wrote are published: generation can still hit them.
+    # The blocks stay published after the pooling request: generation still hits them.
     (gen,) = llm.generate(
         [{"prompt_token_ids": [*prompt, 9]}], SamplingParams(max_tokens=2), use_tqdm=False
     )
@@ -210,4 +215,4 @@ def test_llm_engine_pooling_requests_and_aborts(model_dir, prompts) -> None:
     (output,) = outputs
     assert output.metrics is not None and output.metrics.finished_time is not None
     assert engine.kv_cache_manager.get_num_free_blocks() == engine.get_cache_config().num_blocks
-    assert params.normalize is True  # the caller's params are not changed
+    assert params.normalize is None  # the caller's params are not changed
