@@ -270,16 +270,19 @@ class Client:
         *,
         token_ids: Sequence[Sequence[int]] | None = None,
         normalize: bool | None = None,
+        dimensions: int | None = None,
         request_id: str = "",
         trace_headers: Mapping[str, str] | None = None,
         timeout: float | None = None,
         lora_name: str = "",
     ) -> list[list[float]]:
-        """One pooled embedding per text (or per token-id list), in input order."""
+        """One pooled embedding per text (or per token-id list), in input order; with
+        `dimensions`, Matryoshka embeddings cut to that size before normalisation."""
         request = requests.encode_request(
             texts,
             token_ids,
             normalize=normalize,
+            dimensions=dimensions,
             request_id=request_id,
             trace_headers=trace_headers,
             lora_name=lora_name,

@@ -160,6 +160,7 @@ def encode_request(
     token_ids: Sequence[Sequence[int]] | None = None,
     *,
     normalize: bool | None = None,
+    dimensions: int | None = None,
     request_id: str = "",
     trace_headers: Mapping[str, str] | None = None,
     lora_name: str = "",
@@ -170,7 +171,7 @@ def encode_request(
         lora_name=lora_name,
         texts=[texts] if isinstance(texts, str) else list(texts or []),
         token_ids=[common_pb2.TokenIds(ids=ids) for ids in token_ids or []],
-        pooling_params=common_pb2.PoolingParams(normalize=normalize),
+        pooling_params=common_pb2.PoolingParams(normalize=normalize, dimensions=dimensions),
         trace_headers=dict(trace_headers or {}),
     )
 

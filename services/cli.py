@@ -43,7 +43,8 @@ DEFAULT_PORT = 50051
 DEFAULT_ENGINE_ADDR = "127.0.0.1:50052"
 DEMO_PROMPT = "What is the capital of France?"
 # EngineArgs fields the command sets itself rather than taking as flags.
-_NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init"}
+# `pooler_config` is a dataclass: its `pooling_type` is the `--pooling-type` flag.
+_NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init", "pooler_config"}
 
 
 def _env(name: str, default: Any) -> Any:
@@ -62,6 +63,7 @@ def engine_arg_fields() -> list[dataclasses.Field]:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     from engine.config import SchedulingPolicy
+    from engine.pooler_config import POOLING_TYPES
 
     group = parser.add_argument_group("engine (EngineArgs, vLLM's names)")
     for field in engine_arg_fields():
@@ -78,6 +80,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             kind = int if "int" in annotation else float if "float" in annotation else str
             group.add_argument(flag, type=kind, default=field.default, help=help_text)
+    group.add_argument(
+        "--pooling-type",
+        type=str.upper,
+        choices=POOLING_TYPES,
+        default=None,
+        help="how Encode pools hidden states: LAST token, MEAN of all prompt tokens, or CLS "
+        "(first token); default: the model's sentence-transformers config, else LAST",
+    )
     group.add_argument(
         "--max-engine-requests",
         type=int,
@@ -207,6 +217,8 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     from engine import EngineArgs
 
     values = {f.name: getattr(ns, f.name) for f in engine_arg_fields()}
+    if ns.pooling_type is not None:
+        values["pooler_config"] = {"pooling_type": ns.pooling_type}
     # The engine service never sees text.
     return EngineArgs(model=ns.model, skip_tokenizer_init=True, **values)
 

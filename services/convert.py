@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine import Logprob, RequestOutput, SamplingParams
+from engine import Logprob, PoolingParams, RequestOutput, SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from pagedserve.v1 import common_pb2, engine_pb2
 
@@ -199,6 +199,16 @@ class EngineResponseBuilder:
                 self.pending_prompt_logprobs = []
             responses.append(msg)
         return responses
+
+
+def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """`engine.PoolingParams` from the proto: unset fields are left to the engine's
+    `PoolerConfig`. Raises ValueError naming the field for an invalid value (the engine
+    checks `dimensions` against the model when the request is added)."""
+    return PoolingParams(
+        normalize=msg.normalize if msg.HasField("normalize") else None,
+        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+    )
 
 
 def token_ids_prompt(token_ids: Sequence[int], cache_salt: str = "") -> dict[str, Any]:

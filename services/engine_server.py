@@ -36,7 +36,6 @@ from engine import (
     AsyncLLMEngine,
     EngineConfig,
     EngineDeadError,
-    PoolingParams,
     RequestOutputKind,
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -166,9 +165,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
     ) -> engine_pb2.EngineEncodeResponse:
         engine = self._ready_engine()
         request_id = _check_request_id(request.request_id)
-        pooling = request.pooling_params
-        normalize = pooling.normalize if pooling.HasField("normalize") else True
-        params = PoolingParams(normalize=normalize)
+        params = convert.pooling_params_from_proto(request.pooling_params)
         lora_request = self.lora_request_for(request.lora_name)
         final = None
         with self.requests.admit(request_id, None):

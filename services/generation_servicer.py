@@ -255,6 +255,12 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
         self.checker().check_encode(request)
         if request.texts and request.token_ids:
             raise invalid_argument("texts, token_ids: set one of them, not both")
+        # Checked once here rather than by each engine call (the engine checks `dimensions`
+        # against the model).
+        try:
+            convert.pooling_params_from_proto(request.pooling_params)
+        except ValueError as exc:
+            raise invalid_argument(f"pooling_params.{exc}") from None
         with self._tokenizing():
             prompts = [
                 pre.check_prompt_length(pre.encode_text(text, True, f"texts[{i}]"), f"texts[{i}]")

@@ -110,6 +110,10 @@ def test_bad_input_raises_invalid_argument_naming_the_field(client):
         client.detokenize([10**6])
     with pytest.raises(TypeError, match="max_token"):
         client.generate_text(token_ids=PROMPT, max_token=3)
+    with pytest.raises(InvalidArgumentError, match=r"pooling_params\.dimensions must be"):
+        client.encode(token_ids=[PROMPT], dimensions=0)
+    with pytest.raises(InvalidArgumentError, match="does not support Matryoshka"):
+        client.encode(token_ids=[PROMPT], dimensions=32)  # the tiny model declares none
 
 
 def test_deadline_raises_and_aborts_the_request(client, stack):

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import common_pb2, generation_pb2_grpc
-from services.cli import build_parser, flags_from, subparser
+from services.cli import build_parser, engine_args_from, flags_from, subparser
 from services.supervisor import wait_until_serving
 from tests.services.helpers import gather, request
 
@@ -38,9 +38,13 @@ def _env(**extra: str) -> dict[str, str]:
 def test_child_flags_round_trip():
     parser = build_parser()
     argv = ["serve", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--port", "1234"]
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args([*argv, "--pooling-type", "mean"])
     engine_ns = subparser(parser, "engine").parse_args(flags_from(ns, subparser(parser, "engine")))
     assert engine_ns.max_num_seqs == 7 and engine_ns.enable_prefix_caching is False
+    assert engine_args_from(engine_ns).pooler_config == {"pooling_type": "MEAN"}
+    assert engine_args_from(parser.parse_args(argv)).pooler_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["engine", "--pooling-type", "max"])
     tokenizer_flags = flags_from(ns, subparser(parser, "tokenizer"))
     assert subparser(parser, "tokenizer").parse_args(tokenizer_flags).port == 1234
 

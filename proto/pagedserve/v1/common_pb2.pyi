@@ -98,10 +98,12 @@ class ChoiceConstraint(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolingParams(_message.Message):
-    __slots__ = ("normalize",)
+    __slots__ = ("normalize", "dimensions")
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     normalize: bool
-    def __init__(self, normalize: _Optional[bool] = ...) -> None: ...
+    dimensions: int
+    def __init__(self, normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...
 
 class StopReason(_message.Message):
     __slots__ = ("token_id", "text")
