@@ -90,8 +90,9 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: Any = None,
     ) -> list[PoolingRequestOutput]:
-        """Pools each prompt (the final hidden state of its last token, L2-normalised by
-        default); outputs come back in prompt order."""
+        """Pools each prompt's final hidden states as the engine's `pooler_config` says
+        (LAST token by default, MEAN or CLS), cut to `dimensions` and L2-normalised where
+        the params ask; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()

@@ -118,6 +118,8 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
         input_ids = vllm_convert.check_input_ids(request.tokenized.input_ids, vocab_size)
         final = None
         with self.requests.admit(request.request_id, None):
+            # The protocol's EmbedRequest has no pooling fields (no `dimensions`): the
+            # engine's pooler_config decides the pooling type and normalisation.
             stream = engine.encode(
                 convert.token_ids_prompt(input_ids),
                 PoolingParams(),
