@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import cpu_model, make_prompts
 from engine.llm import LLM
-from engine.models.moe import FusedMoE, per_expert_loop, select_experts
+from engine.models.moe import FusedMoE, select_experts
 from engine.sampling_params import SamplingParams
+from kernels.reference import ref_moe_experts
 
 # Mixtral's proportions scaled down: 8 experts, top-2, intermediate = 3.5 x hidden.
 # `--experts 64 --top-k 8 --intermediate 128` gives Qwen3-MoE's many small experts instead.
@@ -65,7 +66,7 @@ def make_model(path: Path) -> Path:
 
 def _per_expert_forward(self: FusedMoE, x: torch.Tensor) -> torch.Tensor:
     weights, ids = select_experts(self.gate(x), self.moe.top_k, self.moe.renormalize)
-    return per_expert_loop(x, self.w13_weight, self.w2_weight, weights, ids)
+    return ref_moe_experts(x, self.w13_weight, self.w2_weight, weights, ids)
 
 
 def engine_tok_s(path: Path, prompts, max_tokens: int, per_expert: bool) -> float:

@@ -51,6 +51,7 @@ from kernels._common import (
     is_interpreter,
     next_power_of_2,
 )
+from kernels._math import tanh
 from kernels.split_kv import choose_num_splits, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -97,21 +98,6 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.const
         lo = tl.where(owns, mid, lo)
         hi = tl.where(owns, hi, mid - 1)
     return lo
-
-
-@triton.jit
-def _tanh(x):
-    """tanh in fp32 to about an ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625,
-    where 1 - 2 / (e^2x + 1) would cancel, that formula above. (libdevice's tanh has no
-    interpreter implementation, and the tests run the kernels in the interpreter.)"""
-    z = x * x
-    small = (
-        (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1)
-        * z
-        - 3.33332819422e-1
-    ) * z * x + x
-    large = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-    return tl.where(tl.abs(x) < 0.625, small, large)
 
 
 @triton.jit
@@ -219,7 +205,7 @@ def _paged_attention_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if HAS_SOFT_CAP:
             # cap * tanh(s / cap), both sides in the log2 domain (the ratio is the same).
-            scores = soft_cap_log2 * _tanh(scores / soft_cap_log2)
+            scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if SLIDING_WINDOW > 0:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)

@@ -4,6 +4,7 @@ clarity rather than speed. The tests compare every kernel against these."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def ref_paged_attention(
@@ -100,3 +101,20 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once."""
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def ref_moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """A mixture-of-experts MLP as transformers computes it (one-hot mask, a Python loop
+    over the experts hit, gather and index_add each): the reference of the grouped paths
+    (engine/models/moe.py) and the baseline of benchmarks/moe.py. w13 [E, 2 I, H] holds
+    each expert's gate | up rows, w2 [E, H, I]; weights and ids are [T, top_k]."""
+    out = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # [E, top_k, T]
+    for expert in torch.nonzero(mask.sum(dim=(1, 2))).flatten().tolist():
+        pos, token = torch.where(mask[expert])
+        h = ref_silu_and_mul(F.linear(x[token], w13[expert]))
+        y = F.linear(h, w2[expert]) * weights[token, pos, None]
+        out.index_add_(0, token, y)
+    return out

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.linear import Linear
-from engine.models.ops import GeluTanhAndMul, OpImpl, SiluAndMul, silu_and_mul
+from engine.models.ops import GeluTanhAndMul, OpImpl, SiluAndMul
 
 
 @dataclass(frozen=True)
@@ -173,18 +172,3 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         m = self.moe
         return f"experts={m.num_experts}, top_k={m.top_k}, renormalize={m.renormalize}"
-
-
-def per_expert_loop(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """What transformers does (one-hot mask, a Python loop over the experts hit, gather and
-    index_add each): the baseline of benchmarks/moe.py."""
-    out = torch.zeros_like(x)
-    mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # [E, top_k, T]
-    for expert in torch.nonzero(mask.sum(dim=(1, 2))).flatten().tolist():
-        pos, token = torch.where(mask[expert])
-        h = silu_and_mul(F.linear(x[token], w13[expert]))
-        y = F.linear(h, w2[expert]) * weights[token, pos, None]
-        out.index_add_(0, token, y)
-    return out

@@ -9,12 +9,12 @@ import torch
 
 from engine.models.moe import (
     moe_experts,
-    per_expert_loop,
     select_experts,
     sort_rows,
     torch_grouped_gemm,
 )
 from engine.models.ops import silu_and_mul
+from kernels.reference import ref_moe_experts
 
 
 def _problem(num_tokens, num_experts, top_k, n, k, dtype=torch.float32, seed=0):
@@ -79,7 +79,7 @@ def test_experts_match_transformers_per_expert_loop(impl):
     weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=gen), top_k, False)
     gemm = torch_grouped_gemm if impl == "torch" else _grouped(impl)
     got = moe_experts(x, w13, w2, weights, ids, gemm, silu_and_mul)
-    torch.testing.assert_close(got, per_expert_loop(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref_moe_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_routing_matches_transformers_routers():
