@@ -303,8 +303,12 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stops the engine loop. In-flight `generate` calls end with their abort output,
-        in-flight `encode` calls raise `EngineDeadError`, as do later calls."""
-        self._loop_thread.stop(timeout)
+        in-flight `encode` calls raise `EngineDeadError`, as do later calls. The rank
+        processes of a multi-process engine exit."""
+        try:
+            self._loop_thread.stop(timeout)
+        finally:
+            self.engine.shutdown()
 
     async def _stream_outputs(
         self,

@@ -165,14 +165,47 @@ class DeviceConfig:
     attention_backend: str | None = None  # None: triton on CUDA, cpu (else torch) on CPU
 
 
+ExecutorBackend = Literal["uni", "mp"]
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """vLLM's `ParallelConfig`. One engine is one process on one device today, so every
-    size is 1; `get_parallel_config()` reports it so callers written for vLLM work."""
+    """vLLM's `ParallelConfig`: how one engine's model is split over ranks.
+
+    `distributed_executor_backend`: "uni" runs the model in the engine's own process (a
+    world of one); "mp" starts one worker process per rank (engine/distributed/), which
+    the engine owns. None resolves to "uni" for a world of one, else "mp".
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size}: run more engine replicas "
+                "behind the tokenizer service or a gateway instead (docs/deployment.md)."
+            )
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni", "mp"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'uni', 'mp' or None, got {backend!r}."
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs one process, but tensor_parallel_size"
+                f" x pipeline_parallel_size = {self.world_size}: use 'mp'."
+            )
+        if backend is None:  # resolved once, here: the config is frozen
+            object.__setattr__(
+                self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp"
+            )
 
     @property
     def world_size(self) -> int:
@@ -262,15 +295,29 @@ class EngineArgs:
     # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
     # unset fields come from a sentence-transformers model directory, else LAST, normalize.
     pooler_config: PoolerConfig | dict[str, Any] | None = None
+    # Parallelism (vLLM's names; docs/parallelism.md): ranks are worker processes on
+    # torch.distributed, gloo on CPU and NCCL on CUDA.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from engine.models.loader import load_generation_config, load_hf_config, resolve_model
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
         pooler_config = PoolerConfig.from_value(self.pooler_config)
         device = _resolve_device(self.device)
         model_dir = resolve_model(self.model)
         hf_config = load_hf_config(model_dir)
+        if parallel_config.world_size > 1:
+            from engine.distributed.sharding import verify_parallel_config
+
+            verify_parallel_config(hf_config, parallel_config, self)
         dtype = _resolve_dtype(self.dtype, hf_config, device)
         max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
         max_model_len = self.max_model_len or max_pos
@@ -282,7 +329,9 @@ class EngineArgs:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
         gguf_file = _gguf_source(self.model)
-        quantization = _resolve_quantization(self.quantization, gguf_file, device, dtype)
+        quantization = _resolve_quantization(
+            self.quantization, gguf_file, device, dtype, parallel_config.world_size
+        )
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}
         model_config = ModelConfig(
@@ -327,6 +376,7 @@ class EngineArgs:
             DeviceConfig(device, self.attention_backend),
             otlp_traces_endpoint=self.otlp_traces_endpoint,
             speculative_config=speculative_config,
+            parallel_config=parallel_config,
             lora_config=lora_config,
             pooler_config=pooler_config.resolve(model_dir),
         )
@@ -384,21 +434,31 @@ def _gguf_source(model: str | None) -> Path | None:
 
 
 def _resolve_quantization(
-    quantization: str | None, gguf_file: Path | None, device: str, dtype: str
+    quantization: str | None,
+    gguf_file: Path | None,
+    device: str,
+    dtype: str,
+    world_size: int = 1,
 ) -> str | None:
-    """ "auto" -> "gguf" where it runs (a llama GGUF on CPU, fp32, native kernels built),
-    else None; an explicit method is checked and errors name what is missing."""
+    """ "auto" -> "gguf" where it runs (a llama GGUF on CPU, fp32, native kernels built,
+    one rank), else None; an explicit method is checked and errors name what is missing."""
     allowed = ("auto", "none", "gguf", "int8")
     if quantization is not None and quantization not in allowed:
         raise ValueError(f"quantization must be one of {allowed} or None, got {quantization!r}.")
     if quantization in (None, "none"):
         return None
     if quantization == "auto":
-        if gguf_file is None or device != "cpu" or dtype != "float32":
+        if gguf_file is None or device != "cpu" or dtype != "float32" or world_size > 1:
             return None
         return "gguf" if _gguf_quantization_problem(gguf_file) is None else None
     if device != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only, device is {device!r}.")
+    if world_size > 1:
+        # Quantized blocks are not split between ranks (yet): docs/parallelism.md.
+        raise ValueError(
+            f"quantization={quantization!r} needs tensor_parallel_size x "
+            f"pipeline_parallel_size = 1, got {world_size}."
+        )
     if dtype != "float32":
         raise ValueError(f"quantization={quantization!r} needs dtype float32, got {dtype!r}.")
     if quantization == "gguf":

@@ -50,6 +50,7 @@ class EngineThread:
         self._num_submitted = 0  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._pausing = False  # guarded by _cond: shutdown_background_loop() asked
+        self._failed = False  # guarded by _cond: a rank failed, the next step raises
         # Held by whoever drives the engine: the loop thread, or an `engine_step()` caller
         # while the loop is off. Only its holder touches the engine and the tables below.
         self._drive_lock = threading.Lock()
@@ -62,6 +63,8 @@ class EngineThread:
         # Prefix-cache events for routers; recording is off until someone subscribes.
         self.kv_events = KVEventPublisher(engine.kv_cache_manager.block_pool)
         self.stats = self._snapshot()  # replaced, never mutated: safe to read anywhere
+        # A failed rank (multi-process engines) wakes the loop, whose next step raises.
+        engine.add_failure_listener(self._wake)
 
     # ---- any thread -------------------------------------------------------------------------
 
@@ -200,6 +203,11 @@ class EngineThread:
         self.kv_events.publish()
         self.stats = self._snapshot()
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
     def _next_commands(self) -> list[Command] | None:
         """The queued commands, waiting for one while the engine has nothing to do; None
         once stopping."""
@@ -208,6 +216,7 @@ class EngineThread:
                 not self._stopping
                 and not self._pausing
                 and not self._commands
+                and not self._failed
                 and (self.engine.is_sleeping() or not self.engine.has_unfinished_requests())
             ):
                 self._cond.wait()

@@ -2,18 +2,25 @@
 
 step():
     scheduler_output = scheduler.schedule()
-    runner_output    = runner.execute(scheduler_output)
+    executor.submit(scheduler_output)        # the model runner, here or in rank processes
+    runner_output    = executor.collect()
     updated          = scheduler.update(scheduler_output, runner_output)
     outputs          = output_processor.process(updated, runner_output)
+
+With pipeline parallelism up to `pipeline_parallel_size` steps are submitted before the
+oldest is collected, so the stages work on different batches at once (vLLM's virtual
+engines); a request is in at most one of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +37,9 @@ from engine.config import (
 )
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
+from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.executor import create_executor
 from engine.input_processor import InputProcessor, PromptType
 from engine.lora.request import LoRARequest
 from engine.metrics import EngineMetrics
@@ -76,15 +85,19 @@ class LLMEngine:
         from engine.lora.manager import LoRAManager
         from engine.lora.metrics import LoRAInfoGauge
         from engine.models.loader import load_tokenizer
-        from engine.worker.model_runner import ModelRunner
+        from engine.models.registry import get_model_class
 
         model_config = config.model_config
         self.tokenizer = None
         if not model_config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
-        self.runner = ModelRunner(config)
+        self._failure_listeners: list[Callable[[], None]] = []
+        self.executor = create_executor(config, on_failure=self._on_executor_failure)
+        self.runner = self.executor.runner  # None when the model lives in rank processes
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not collected
         self.lora_manager: LoRAManager | None = None
         if config.lora_config is not None:
+            self._require_runner("LoRA adapters")
             self.lora_manager = LoRAManager(
                 config.lora_config, model_config.hf_config, self.runner.dtype, self.runner.device
             )
@@ -93,14 +106,15 @@ class LLMEngine:
         # The KV-cache size is decided once, by the runner from the memory budget, and
         # handed on as a value; the engine's config is a resolved copy that records it (the
         # caller's config object is not written to).
-        num_blocks = self.runner.num_blocks
+        num_blocks = self.executor.num_blocks
         cache = replace(config.cache_config, num_blocks=num_blocks)
         self.config = config = replace(config, cache_config=cache)
+        hf_config = model_config.hf_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache.block_size,
             cache.enable_prefix_caching,
-            sliding_window=self.runner.kv_cache_sliding_window,
+            sliding_window=get_model_class(hf_config).kv_cache_sliding_window(hf_config),
         )
         # A sequence can never outgrow the whole cache: that is its length limit too.
         self.max_tokens_in_cache = num_blocks * cache.block_size
@@ -181,6 +195,42 @@ class LLMEngine:
 
     def get_parallel_config(self) -> ParallelConfig:
         return self.config.parallel_config
+
+    # ---- the executor -------------------------------------------------------------------
+
+    def _require_runner(self, feature: str) -> Any:
+        """The in-process model runner, which `feature` needs."""
+        if self.runner is None:
+            raise ValueError(
+                f"{feature} need the model in the engine's process: not supported with "
+                "distributed_executor_backend='mp' (tensor_parallel_size="
+                f"{self.config.parallel_config.tensor_parallel_size}, pipeline_parallel_size="
+                f"{self.config.parallel_config.pipeline_parallel_size})."
+            )
+        return self.runner
+
+    def add_failure_listener(self, listener: Callable[[], None]) -> None:
+        """`listener` runs (on another thread) when a rank fails; the next `step()` then
+        raises. The engine thread uses this to wake up and die while idle."""
+        self._failure_listeners.append(listener)
+
+    def _on_executor_failure(self) -> None:
+        for listener in list(self._failure_listeners):
+            listener()
+
+    def check_health(self) -> None:
+        """Raises if a rank of a multi-process engine died or stopped answering."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the rank processes of a multi-process engine (idempotent)."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
     def get_lora_config(self) -> LoRAConfig | None:
         """None without `enable_lora` (as vLLM)."""
@@ -266,6 +316,7 @@ class LLMEngine:
         params.update_from_generation_config(self.config.model_config.eos_token_ids)
         self.input_processor.process_token_controls(params)
         if params.structured_outputs is not None:
+            self._require_runner("structured outputs")
             self.structured_output_manager.validate(params.structured_outputs)
         samples = []
         for index in range(params.n):
@@ -330,37 +381,59 @@ class LLMEngine:
         return self.get_num_unfinished_requests() > 0
 
     def has_unfinished_requests_for_virtual_engine(self, virtual_engine: int) -> bool:
-        """vLLM keeps one scheduler per pipeline stage ("virtual engine"); without pipeline
-        parallelism there is only virtual engine 0."""
+        """vLLM's virtual engines are the batch slots of a pipeline: up to
+        `pipeline_parallel_size` batches in flight. Slot i (the i-th oldest batch in
+        flight) has unfinished requests when its batch holds an unfinished one; a free slot
+        has them when unfinished requests wait for the next batch (not in flight)."""
         num_virtual = self.config.parallel_config.pipeline_parallel_size
         if not isinstance(virtual_engine, int) or not 0 <= virtual_engine < num_virtual:
             raise ValueError(
                 f"virtual_engine must be in [0, {num_virtual}) (pipeline_parallel_size="
                 f"{num_virtual}), got {virtual_engine!r}."
             )
-        return self.has_unfinished_requests()
+        if virtual_engine < len(self._in_flight):
+            batch = self._in_flight[virtual_engine]
+            return any(not e.request.is_finished() for e in batch.scheduled)
+        in_flight = {e.request_id for b in self._in_flight for e in b.scheduled}
+        return any(r not in in_flight for r in self.scheduler.requests)
 
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        self.executor.check_health()
         self._abort_failed_grammars()
         outputs, self._pending_outputs = self._pending_outputs, []
         # Asleep, nothing is scheduled: requests wait for wake_up() (aborts still end).
-        if self.scheduler.has_unfinished_requests() and not self.is_sleeping():
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.is_empty:
-                # Only requests whose grammar is compiling: wait for one rather than spin.
-                self.structured_output_manager.wait_for_compilation(_IDLE_WAIT_S)
-            else:
-                runner_output = self.runner.execute(scheduler_output)
-                updated = self.scheduler.update(scheduler_output, runner_output)
-                step_outputs, stopped = self.output_processor.process(updated, runner_output)
-                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-                outputs.extend(step_outputs)
-                self._record_stats(scheduler_output, runner_output)
+        if not self.is_sleeping():
+            self._submit_steps()
+        if self._in_flight:
+            scheduler_output = self._in_flight.popleft()
+            runner_output = self.executor.collect()
+            updated = self.scheduler.update(scheduler_output, runner_output)
+            step_outputs, stopped = self.output_processor.process(updated, runner_output)
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            outputs.extend(step_outputs)
+            self._record_stats(scheduler_output, runner_output)
         self._finish_outputs(outputs)
         self._update_gauges()
         return outputs
+
+    def _submit_steps(self) -> None:
+        """Schedules and submits steps until the executor has as many in flight as it
+        takes (one without pipeline parallelism) or nothing more can be scheduled."""
+        while (
+            len(self._in_flight) < self.executor.max_concurrent_batches
+            and self.scheduler.has_unfinished_requests()
+        ):
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                self.executor.skip(scheduler_output)
+                if not self._in_flight:
+                    # Only requests whose grammar is compiling: wait rather than spin.
+                    self.structured_output_manager.wait_for_compilation(_IDLE_WAIT_S)
+                return
+            self.executor.submit(scheduler_output)
+            self._in_flight.append(scheduler_output)
 
     def _update_gauges(self) -> None:
         """The gauges routers read (waiting, running, KV usage), after every step and
@@ -480,6 +553,7 @@ class LLMEngine:
         """Frees the KV cache (level 1; on CUDA the weights move to host memory) or the KV
         cache and the weights (level 2), see `worker/sleep.py`. The engine must be idle;
         requests added while it sleeps wait for `wake_up()`."""
+        self._require_runner("sleep mode")
         num_unfinished = self.get_num_unfinished_requests()
         if num_unfinished:
             raise RuntimeError(
@@ -494,18 +568,19 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restores the parts in `tags` ("weights", "kv_cache"; None: all). Steps resume
         once every part is back."""
-        self.runner.sleep_mode.wake_up(tags)
+        self._require_runner("sleep mode").sleep_mode.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return self.runner.sleep_mode.is_sleeping
+        return self.runner is not None and self.runner.sleep_mode.is_sleeping
 
     # ---- profiling ----------------------------------------------------------------------
 
     def start_profile(self) -> None:
         """Starts a torch.profiler session over the following steps; the trace directory is
         `PAGEDSERVE_TORCH_PROFILER_DIR` (a ValueError naming it when unset)."""
-        self.runner.profiler.start(self.runner.model)
+        runner = self._require_runner("profiling")
+        runner.profiler.start(runner.model)
 
     def stop_profile(self) -> Path:
         """Ends the session and writes its Chrome trace; returns the trace file's path."""
-        return self.runner.profiler.stop()
+        return self._require_runner("profiling").profiler.stop()

@@ -4,4 +4,7 @@ import sys
 
 from services.cli import main
 
-sys.exit(main())
+# Guarded: the rank processes of a multi-process engine are spawned, and a spawned child
+# imports the parent's main module (as __mp_main__) before running its target.
+if __name__ == "__main__":
+    sys.exit(main())

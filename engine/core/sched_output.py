@@ -28,6 +28,9 @@ class ScheduledRequest:
     num_new_tokens: int  # including the drafts
     block_ids: list[int]  # the request's whole block table after this step's allocation
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify
+    # The request's preemption count when scheduled: with several steps in flight
+    # (pipeline parallelism) an output computed before a preemption is dropped.
+    num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:

@@ -102,7 +102,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen for a live request)
+            if num_new <= 0:  # its last step is still in flight (pipeline parallelism)
                 index += 1
                 continue
             drafts = self._propose(request, budget)
@@ -212,6 +212,7 @@ class Scheduler:
             num_new_tokens=num_new,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             spec_token_ids=list(request.spec_token_ids),
+            num_preemptions=request.num_preemptions,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -240,6 +241,8 @@ class Scheduler:
             request = entry.request
             if request.is_finished():  # aborted while the step ran
                 continue
+            if request.num_preemptions != entry.num_preemptions:
+                continue  # preempted while its step was in flight: it recomputes later
             token_ids = self._step_token_ids(request, runner_output)
             if request.request_id in runner_output.pooled:
                 self.running.remove(request)

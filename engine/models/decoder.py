@@ -4,6 +4,11 @@
 A family is a subclass that sets its `DecoderSpec` from the config (and, where its
 checkpoint differs, `packed_modules_mapping`): see llama.py, qwen2.py, qwen3.py, phi3.py.
 `forward` returns final-norm hidden states; `compute_logits` projects the chosen rows.
+
+Under pipeline parallelism a stage builds only its layers (the others are placeholders
+without weights) and hands `(hidden, residual)` to the next stage; under tensor
+parallelism the embedding and LM head hold this rank's vocabulary rows and the logits are
+gathered on the rank that samples (engine/distributed/).
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.distributed.communication import tp_gather_last_dim
+from engine.distributed.parallel_state import get_parallel_rank
+from engine.distributed.sharding import layer_range
 from engine.models.layers import (
     DecoderLayer,
     DecoderSpec,
@@ -24,8 +32,17 @@ from engine.models.layers import (
 )
 from engine.models.linear import Linear, linear, pack_linear_weights, pack_weight
 from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding
+from engine.models.parallel_layers import VocabParallelEmbedding, post_load
 from engine.models.rope import rope_parameters
 from engine.models.weight_loader import load_weights
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands for a layer that another pipeline stage computes: no weights, never called."""
+
+
+# What a stage hands the next: (hidden, residual), each [T, hidden_size].
+IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderModel(nn.Module):
@@ -33,12 +50,24 @@ class DecoderModel(nn.Module):
         self, hf_config: Any, spec: DecoderSpec, attn_backend: AttentionBackend, impl: OpImpl
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        ranks = get_parallel_rank()
+        num_layers = hf_config.num_hidden_layers
+        self.start_layer, self.end_layer = layer_range(num_layers, ranks.pp_rank, ranks.pp_size)
+        self.is_first_stage, self.is_last_stage = ranks.is_first_stage, ranks.is_last_stage
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.embed_tokens: nn.Module | None = None
+        if self.is_first_stage or (self.is_last_stage and tied):  # the tied LM head
+            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        windows = layer_sliding_windows(hf_config)
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, spec, attn_backend, impl, window, layer_idx)
-            for layer_idx, window in enumerate(layer_sliding_windows(hf_config))
+            if self.start_layer <= layer_idx < self.end_layer
+            else PPMissingLayer()
+            for layer_idx, window in enumerate(windows)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, impl)
+        self.norm: nn.Module | None = None  # the last stage's
+        if self.is_last_stage:
+            self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, impl)
         self.rotary_emb = RotaryEmbedding.from_parameters(
             get_head_dim(hf_config),
             hf_config.max_position_embeddings,
@@ -50,16 +79,26 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],  # this stage's layers' caches
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        intermediate: IntermediateTensors | None = None,  # from the previous stage
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size], or to the next stage
+        residual: torch.Tensor | None
+        if intermediate is None:
+            assert self.embed_tokens is not None, "only the first stage embeds"
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
+        else:
+            hidden, residual = intermediate
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_dim] each
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        local_layers = self.layers[self.start_layer : self.end_layer]
+        for layer, kv_cache in zip(local_layers, kv_caches, strict=True):
             hidden, residual = layer(
                 hidden, residual, self.rotary_emb, cos, sin, kv_cache, attn_metadata
             )
+        if not self.is_last_stage:
+            assert residual is not None
+            return hidden, residual
+        assert self.norm is not None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -78,22 +117,27 @@ class DecoderForCausalLM(nn.Module):
     # (engine.models.weight_loader), and renames applied to checkpoint names first.
     expert_weights_mapping: ClassVar[dict[str, tuple[str, int | None]] | None] = None
     weight_name_substitutions: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Whether the family's layers split over ranks (engine/distributed/sharding.py).
+    supports_tensor_parallel: ClassVar[bool] = True
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     def __init__(
         self, config: Any, attn_backend: AttentionBackend, op_impl: OpImpl = "torch"
     ) -> None:
         super().__init__()
         self.config = config
-        self.num_kv_heads = config.num_key_value_heads
+        self.vocab_size = int(config.vocab_size)
         self.head_dim = get_head_dim(config)
         self.op_impl = op_impl
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = self.model_class(config, self.decoder_spec(config), attn_backend, op_impl)
-        self.lm_head = (
-            None
-            if self.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.tp_size = get_parallel_rank().tp_size
+        self.lm_head: nn.Module | None = None
+        if not self.tie_word_embeddings and self.model.is_last_stage:
+            # Vocabulary-parallel like the embedding: this rank's rows of the logits.
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        attn = next(layer for layer in self.model.layers if not isinstance(layer, PPMissingLayer))
+        self.num_kv_heads = attn.self_attn.num_kv_heads  # this rank's
         self._packed_logits_weight: torch.Tensor | None = None  # set by pack_weights
         self.quantized_logits: Any = None  # set by engine.models.quantization
 
@@ -117,15 +161,32 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per local layer [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        intermediate: IntermediateTensors | None = None,  # from the previous stage
+    ) -> torch.Tensor | IntermediateTensors:  # [T, hidden_size], or for the next stage
+        if intermediate is None:  # the common case keeps the call as it always was
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+
+    @property
+    def num_local_layers(self) -> int:
+        """Layers this pipeline stage computes: one KV cache each."""
+        return self.model.end_layer - self.model.start_layer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """fp32 logits; under tensor parallelism each rank projects onto its vocabulary
+        rows and the rows are gathered on TP rank 0 (the other ranks get an empty
+        [N, 0] tensor: they do not sample)."""
         if self.quantized_logits is not None:  # LM head kept quantized (models/quantization.py)
             return self.quantized_logits.apply(hidden, None)
-        return linear(hidden, self._logits_weight, None, self._packed_logits_weight).float()
+        logits = linear(hidden, self._logits_weight, None, self._packed_logits_weight).float()
+        if self.tp_size == 1:
+            return logits
+        gathered = tp_gather_last_dim(logits)  # [N, padded vocab] on TP rank 0
+        if gathered is None:
+            return logits.new_empty(logits.shape[0], 0)
+        return gathered[:, : self.vocab_size]
 
     @property
     def _logits_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
@@ -135,14 +196,11 @@ class DecoderForCausalLM(nn.Module):
         """Packs the projection weights for MKL's fp32 CPU GEMM (see `engine.models.linear`);
         call after loading. Returns the number of packed matrices (0 where not applicable)."""
         num_packed = pack_linear_weights(self)
-        if not num_packed or self.quantized_logits is not None:
+        if not num_packed or self.quantized_logits is not None or not self.model.is_last_stage:
             return num_packed
-        if self.lm_head is not None:
-            self._packed_logits_weight = self.lm_head.packed_weight
-        else:  # the tied embedding is not a Linear
-            self._packed_logits_weight = pack_weight(self._logits_weight)
-            num_packed += 1
-        return num_packed
+        # The LM head (or the tied embedding) is an embedding table, not a Linear.
+        self._packed_logits_weight = pack_weight(self._logits_weight)
+        return num_packed + 1
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face-named tensors into the (fused) parameters (`weight_loader`)."""
@@ -156,7 +214,23 @@ class DecoderForCausalLM(nn.Module):
             ignored,
             self.expert_weights_mapping,
             self.weight_name_substitutions,
+            self.weights_on_other_stages(),
         )
+        post_load(self)
+
+    def weights_on_other_stages(self) -> tuple[str, ...]:
+        """Checkpoint name prefixes that another pipeline stage loads."""
+        decoder = self.model
+        prefixes = [
+            f"model.layers.{i}."
+            for i, layer in enumerate(decoder.layers)
+            if isinstance(layer, PPMissingLayer)
+        ]
+        if decoder.embed_tokens is None:
+            prefixes.append("model.embed_tokens.")
+        if not decoder.is_last_stage:
+            prefixes += ["model.norm.", "lm_head."]
+        return tuple(prefixes)
 
     def decode_layer_weights(self) -> list[dict[str, torch.Tensor | None]] | None:
         """Each layer's tensors by role, for a whole-step decode outside the modules (the

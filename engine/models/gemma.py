@@ -75,6 +75,9 @@ class GemmaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        # One stage holds every layer (Gemma does not split over ranks yet).
+        self.start_layer, self.end_layer = 0, hf_config.num_hidden_layers
+        self.is_first_stage = self.is_last_stage = True
         self.embed_scale = hf_config.hidden_size**0.5
         windows = layer_sliding_windows(hf_config)
         self.layer_types = [
@@ -119,6 +122,8 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
     model_class = GemmaModel
+    supports_tensor_parallel = False
+    supports_pipeline_parallel = False
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:

@@ -10,6 +10,11 @@ per layer (which dominates on CPU); each fused `Linear` records its shards' size
 
 Every op's implementation (torch / native C / Triton) is the `impl` given at construction
 (`engine.models.ops.select_op_impl`); nothing here tests the device or the backend.
+
+Under tensor parallelism each rank builds its share (engine/distributed/sharding.py): its
+heads in `qkv_proj` and `o_proj`, its slice of the intermediate dimension in
+`gate_up_proj` and `down_proj`; `o_proj` and `down_proj` sum over the ranks
+(engine/models/parallel_layers.py). In a world of one these are the plain layers.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.models.linear import Linear
+from engine.distributed.parallel_state import get_parallel_rank
+from engine.distributed.sharding import RowSlice, partition_heads, split_evenly
 from engine.models.moe import FusedMoE, MoESpec
 from engine.models.ops import (
     GeluTanhAndMul,
@@ -31,6 +37,7 @@ from engine.models.ops import (
     RotaryEmbedding,
     SiluAndMul,
 )
+from engine.models.parallel_layers import RowParallelLinear, column_parallel_linear
 
 
 def get_head_dim(hf_config: Any) -> int:
@@ -111,14 +118,36 @@ class Attention(nn.Module):
         self.scale = (spec.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.logits_soft_cap = spec.attn_logit_softcapping
         self.attn_backend = attn_backend
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
+        ranks = get_parallel_rank()
+        part = partition_heads(self.num_heads, self.num_kv_heads, ranks.tp_rank, ranks.tp_size)
+        self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads  # this rank's
+        head_dim = self.head_dim
+        num_heads_total = hf_config.num_attention_heads
+        num_kv_total = hf_config.num_key_value_heads
+        self.qkv_proj = column_parallel_linear(
             hf_config.hidden_size,
-            q_size + 2 * kv_size,
+            (
+                RowSlice(
+                    part.head_start * head_dim,
+                    part.num_heads * head_dim,
+                    num_heads_total * head_dim,
+                ),
+                RowSlice(
+                    part.kv_head_start * head_dim,
+                    part.num_kv_heads * head_dim,
+                    num_kv_total * head_dim,
+                ),
+                RowSlice(
+                    part.kv_head_start * head_dim,
+                    part.num_kv_heads * head_dim,
+                    num_kv_total * head_dim,
+                ),
+            ),
             bias=spec.qkv_bias,
-            output_sizes=(q_size, kv_size, kv_size),
         )
-        self.o_proj = Linear(q_size, hf_config.hidden_size, bias=spec.o_bias)
+        self.o_proj = RowParallelLinear(
+            num_heads_total * head_dim, hf_config.hidden_size, bias=spec.o_bias
+        )
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if spec.qk_norm:
@@ -175,11 +204,11 @@ class GatedMLP(nn.Module):
                 f"hidden_act={act!r} is not supported (silu, gelu_pytorch_tanh)."
             )
         hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
-        self.intermediate_size = intermediate
-        self.gate_up_proj = Linear(
-            hidden, 2 * intermediate, bias=spec.mlp_bias, output_sizes=(intermediate,) * 2
-        )
-        self.down_proj = Linear(intermediate, hidden, bias=spec.mlp_bias)
+        ranks = get_parallel_rank()
+        rows = split_evenly(intermediate, ranks.tp_size, ranks.tp_rank)
+        self.intermediate_size = rows.size  # this rank's slice
+        self.gate_up_proj = column_parallel_linear(hidden, (rows, rows), bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=spec.mlp_bias)
         self.act_fn: nn.Module = SiluAndMul(impl) if act == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]

@@ -22,6 +22,7 @@ STACKED_EXPERT_NAMES = (
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # experts are not split over ranks (yet)
     expert_weights_mapping: ClassVar[dict[str, tuple[str, int | None]] | None] = {
         "w1": ("w13_weight", 0),
         "w3": ("w13_weight", 1),

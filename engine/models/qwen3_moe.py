@@ -17,6 +17,7 @@ from engine.models.moe import MoESpec
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    supports_tensor_parallel = False  # experts are not split over ranks (yet)
     expert_weights_mapping: ClassVar[dict[str, tuple[str, int | None]] | None] = {
         "gate_proj": ("w13_weight", 0),
         "up_proj": ("w13_weight", 1),

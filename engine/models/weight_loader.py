@@ -14,6 +14,12 @@ A model class declares how the checkpoint's names map onto its parameters:
   sizes in `expert_param_shards`. `weight_name_substitutions` renames first (Mixtral's
   ``.block_sparse_moe.`` is our ``.mlp.``).
 
+Under tensor parallelism a module may declare `checkpoint_slices`: per parameter leaf,
+the dimension and the `RowSlice` of each shard that this rank keeps
+(engine/models/parallel_layers.py); only those rows (or columns) are copied, and a lazy
+safetensors slice reads nothing else from disk. Under pipeline parallelism, names under
+`skipped_prefixes` belong to another stage and are passed over.
+
 Every parameter (or shard) must be filled exactly by a tensor of its shape; unexpected,
 missing or misshapen tensors raise ValueError naming them.
 """
@@ -22,11 +28,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from engine.distributed.sharding import RowSlice
 from engine.models.linear import Linear
+
+# A checkpoint tensor, or a lazy safetensors slice of one (read only where indexed).
+CheckpointTensor = Any
 
 
 def _shard_rows(
@@ -78,20 +89,68 @@ def _expert_shards(model: nn.Module) -> dict[str, list[tuple[int, int] | None]]:
     return shards
 
 
+def _checkpoint_slices(model: nn.Module) -> dict[str, tuple[int, tuple[RowSlice, ...]]]:
+    """Parameter name -> (dimension, slice per shard) for tensor-parallel modules."""
+    slices = {}
+    for module_name, module in model.named_modules():
+        for leaf, spec in getattr(module, "checkpoint_slices", {}).items():
+            if getattr(module, leaf, None) is not None:
+                slices[f"{module_name}.{leaf}"] = spec
+    return slices
+
+
+def _take(tensor: CheckpointTensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) `ranges` [(start, size)] of a tensor or lazy slice,
+    concatenated; a 1-D tensor (a bias) is always cut along its only dimension."""
+    if len(_shape(tensor)) == 1:
+        dim = 0
+    parts = []
+    for start, size in ranges:
+        index = (
+            (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
+        )
+        parts.append(tensor[index])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _shape(tensor: CheckpointTensor) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+
+def _sliced(
+    tensor: CheckpointTensor, spec: tuple[int, tuple[RowSlice, ...]] | None, shard: int | None
+) -> CheckpointTensor:
+    """This rank's part of a checkpoint tensor: shard `shard`'s slice, or for a whole fused
+    tensor (shard None, several slices) each shard's slice at its offset in the tensor."""
+    if spec is None:
+        return tensor
+    dim, slices = spec
+    if shard is not None:
+        return _take(tensor, dim, [(slices[shard].start, slices[shard].size)])
+    ranges, offset = [], 0
+    for s in slices:
+        ranges.append((offset + s.start, s.size))
+        offset += s.full_size
+    return _take(tensor, dim, ranges)
+
+
 def load_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, CheckpointTensor]],
     packed_modules_mapping: Mapping[str, tuple[str, ...]],
     ignored: tuple[str, ...] = (),
     expert_weights_mapping: Mapping[str, tuple[str, int | None]] | None = None,
     weight_name_substitutions: tuple[tuple[str, str], ...] = (),
+    skipped_prefixes: tuple[str, ...] = (),
 ) -> None:
     """Copies checkpoint tensors into `model`'s (fused) parameters; checks every name.
 
-    `ignored`: exact names or name suffixes (starting with '.') skipped on sight.
+    `ignored`: exact names or name suffixes (starting with '.') skipped on sight;
+    `skipped_prefixes`: names held by another pipeline stage.
     """
     params = dict(model.named_parameters())
     shard_rows = _shard_rows(model, packed_modules_mapping)
+    slices = _checkpoint_slices(model)
     expert_shards = _expert_shards(model)
     pending: set[tuple[str, object]] = set()
     for name in params:
@@ -104,6 +163,8 @@ def load_weights(
             pending.add((name, None))
     for ckpt_name, tensor in weights:
         if ckpt_name in ignored or any(s.startswith(".") and s in ckpt_name for s in ignored):
+            continue
+        if ckpt_name.startswith(skipped_prefixes):
             continue
         renamed = ckpt_name
         for old, new in weight_name_substitutions:
@@ -132,6 +193,10 @@ def load_weights(
         if shard is not None:
             start, size = shard_rows[name][shard]
             target = target.narrow(0, start, size)
+        tensor = _sliced(tensor, slices.get(name), shard)
+        rows = _shape(tensor)[0]
+        if name in slices and rows < target.shape[0]:  # vocabulary padding rows stay zero
+            target = target.narrow(0, 0, rows)
         _copy(ckpt_name, tensor, target)
         pending.discard((name, shard))
     if pending:
@@ -139,10 +204,12 @@ def load_weights(
         raise ValueError(f"missing weights: {', '.join(missing[:8])} ({len(missing)} in all).")
 
 
-def _copy(ckpt_name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
-    if tuple(tensor.shape) != tuple(target.shape):
+def _copy(ckpt_name: str, tensor: CheckpointTensor, target: torch.Tensor) -> None:
+    if _shape(tensor) != tuple(target.shape):
         raise ValueError(
-            f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}."
+            f"weight {ckpt_name!r} has shape {_shape(tensor)}, expected {tuple(target.shape)}."
         )
+    if not isinstance(tensor, torch.Tensor):  # a lazy slice read whole
+        tensor = tensor[:]
     with torch.no_grad():
         target.copy_(tensor)

@@ -6,6 +6,10 @@ logits only where something is sampled (or prompt logprobs are asked for), pools
 hidden states of pooling requests (engine/worker/pooler.py: LAST, MEAN or CLS, accumulated
 over prefill chunks), and returns a `ModelRunnerOutput`.
 Speculative entries (greedy, with draft tokens) are verified: see `_verify_drafts`.
+
+As a rank of a tensor/pipeline-parallel engine (engine/distributed/) it holds its share of
+the model and of the KV cache; a stage before the last hands its output on and returns
+None, and on the last stage only TP rank 0 samples (the others join its logits gathers).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from engine.core.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from engine.distributed.parallel_state import get_parallel_rank
+from engine.distributed.stage import stage_forward
 from engine.lora.manager import LoRAManager
 from engine.models.loader import load_model
 from engine.models.ops import select_op_impl
@@ -42,8 +48,12 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, allocate_kv_cache: bool = True) -> None:
+        """Loads the model and sizes the KV cache (`num_blocks`); allocates it and warms up
+        unless `allocate_kv_cache` is False (a rank waits for the size all ranks agree on,
+        then calls `initialize_kv_cache`)."""
         self.config = config
+        self.ranks = get_parallel_rank()
         model_config = config.model_config
         self.device = torch.device(config.device_config.device)
         self.dtype: torch.dtype = getattr(torch, model_config.dtype)
@@ -69,7 +79,8 @@ class ModelRunner:
             gguf_file=model_config.gguf_file,
         )
         # The backend's fused whole-step path for one-token decode steps, if it has one.
-        self._decode_step = self.attn_backend.whole_step_decode(self.model)
+        self._decode_step = None
+        self.bind_decode_step()
         # The sampler sees fp32 logits whatever the model dtype: its argmax follows the ops'
         # choice for fp32 on this backend and device.
         logits_ops = select_op_impl(self.attn_backend.name, self.device, torch.float32)
@@ -79,8 +90,21 @@ class ModelRunner:
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
         self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora
         self.num_blocks = self._determine_num_blocks(config.cache_config)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.kv_caches: list[torch.Tensor] = []
+        if allocate_kv_cache:
+            self.initialize_kv_cache(self.num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates `num_blocks` blocks per layer (at most what the budget allows) and
+        runs the warm-up steps."""
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._warm_up()
+
+    @property
+    def is_driver_rank(self) -> bool:
+        """The rank whose output the engine reads: TP rank 0 of the last stage."""
+        return self.ranks.is_driver_worker
 
     @property
     def kv_cache_sliding_window(self) -> int | None:
@@ -90,8 +114,10 @@ class ModelRunner:
 
     def bind_decode_step(self) -> None:
         """(Re)binds the backend's fused decode path to the current model and caches (it
-        holds their addresses): after a wake-up."""
-        self._decode_step = self.attn_backend.whole_step_decode(self.model)
+        holds their addresses): after a wake-up. Not over several ranks: the fused path
+        computes every layer in one call, with no collective between them."""
+        if self.ranks.world_size == 1:
+            self._decode_step = self.attn_backend.whole_step_decode(self.model)
 
     def unbind_decode_step(self) -> None:
         self._decode_step = None
@@ -103,12 +129,12 @@ class ModelRunner:
         and 0 * NaN from uninitialised memory would still poison the sum.
         """
         mc = self.config.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # This rank's KV heads and this stage's layers.
+        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, mc.head_dim)
+        num_layers = self.model.num_local_layers
         if self.device.type == "cpu":  # pages become resident as blocks are first used
-            return [lazily_zeroed(shape, self.dtype) for _ in range(mc.num_layers)]
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
+            return [lazily_zeroed(shape, self.dtype) for _ in range(num_layers)]
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
 
     @torch.inference_mode()
     def _dummy_forward(
@@ -117,16 +143,29 @@ class ModelRunner:
         """A forward pass (and the last row's logits) outside any scheduled step."""
         inputs = build_step_inputs(requests, self.block_size, self.device)
         hidden = self._forward(inputs, kv_caches)
-        self.model.compute_logits(hidden[-1:])
+        if hidden is not None:  # the last pipeline stage
+            self.model.compute_logits(hidden[-1:])
 
     def _forward(
         self, inputs: StepInputs, kv_caches: list[torch.Tensor], fused: bool = True
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """The model's forward, or the backend's fused path where it applies to the step
-        (not with LoRA adapters in the batch: their updates hook the model's layers)."""
+        (not with LoRA adapters in the batch: their updates hook the model's layers).
+        Under pipeline parallelism, this stage's share; None before the last stage."""
         metadata = inputs.attn_metadata
         if fused and self._decode_step is not None and self._decode_step.applies(metadata):
             return self._decode_step(inputs.input_ids, inputs.positions, kv_caches, metadata)
+        if self.ranks.pp_size > 1:
+            hidden_size = self.config.model_config.hf_config.hidden_size
+            return stage_forward(
+                self.model,
+                inputs.input_ids,
+                inputs.positions,
+                kv_caches,
+                metadata,
+                hidden_size,
+                self.dtype,
+            )
         return self.model(inputs.input_ids, inputs.positions, kv_caches, metadata)
 
     def _warm_up(self) -> None:
@@ -143,9 +182,11 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """This rank's bytes for one block: its KV heads, its stage's layers."""
         mc = self.config.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+        per_layer = 2 * self.block_size * self.model.num_kv_heads * mc.head_dim * elem
+        return per_layer * self.model.num_local_layers
 
     def _determine_num_blocks(self, cache_config: CacheConfig) -> int:
         """Blocks from the memory budget: an explicit byte budget, the free GPU memory
@@ -204,7 +245,9 @@ class ModelRunner:
     # ---- the step ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output; None on a rank that does not answer (an earlier pipeline
+        stage, or a TP rank other than 0)."""
         # Decode tokens (one query token) first, then prefill chunks: the layout the
         # attention backends expect.
         batch = sorted(scheduler_output.scheduled, key=lambda e: e.num_new_tokens != 1)
@@ -217,6 +260,8 @@ class ModelRunner:
             [(e.request.lora_request, len(e.token_ids)) for e in batch]
         )
         hidden = self._forward(inputs, self.kv_caches, fused=not lora)  # [num_tokens, hidden]
+        if hidden is None:  # an earlier pipeline stage: the output went to the next one
+            return None
 
         sampling = [i for i, e in enumerate(batch) if e.samples and not e.spec_token_ids]
         speculative = [i for i, e in enumerate(batch) if e.spec_token_ids]
@@ -225,6 +270,9 @@ class ModelRunner:
         self.pooler.drop(scheduler_output.preempted_request_ids)
         pooling = [i for i, e in enumerate(batch) if e.request.is_pooling]
         prompt_lp = [i for i, e in enumerate(batch) if self._wants_prompt_logprobs(e)]
+        if not self.is_driver_rank:
+            self._follow_logits(batch, sampling, speculative, prompt_lp, inputs, hidden)
+            return None
         output = ModelRunnerOutput()
         if sampling:
             self._sample(batch, sampling, inputs, hidden, output)
@@ -244,10 +292,8 @@ class ModelRunner:
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
     ) -> None:
-        last_token = torch.tensor(
-            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device
-        )
-        logits = self.model.compute_logits(hidden[last_token])  # [num_rows, vocab] fp32
+        logits = self.model.compute_logits(hidden[self._last_token_index(rows, inputs)])
+        # logits: [num_rows, vocab] fp32
         entries = [batch[i] for i in rows]
         metadata = SamplingMetadata.build(
             [
@@ -295,11 +341,7 @@ class ModelRunner:
 
         So the output is exactly what greedy decoding one token at a time produces.
         """
-        positions: list[int] = []
-        for i in rows:
-            first = inputs.query_start_loc_cpu[i]
-            positions.extend(range(first, inputs.query_start_loc_cpu[i + 1]))
-        index = torch.tensor(positions, device=self.device)
+        index = self._draft_index(rows, inputs)
         logits = self.model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
         logits = _mask_drafts(logits, [batch[i] for i in rows])
         argmax = logits.argmax(dim=-1).tolist()
@@ -313,6 +355,45 @@ class ModelRunner:
             while num_accepted < len(drafts) and drafts[num_accepted] == greedy[num_accepted]:
                 num_accepted += 1
             output.spec_output_token_ids[entry.request_id] = greedy[: num_accepted + 1]
+
+    # ---- which hidden rows get logits (the sampling rank and its TP peers agree) ---------
+
+    def _last_token_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
+        return torch.tensor(
+            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device
+        )
+
+    def _draft_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
+        positions: list[int] = []
+        for i in rows:
+            first = inputs.query_start_loc_cpu[i]
+            positions.extend(range(first, inputs.query_start_loc_cpu[i + 1]))
+        return torch.tensor(positions, device=self.device)
+
+    @staticmethod
+    def _prompt_logprob_rows(entry: ScheduledRequest, inputs: StepInputs, row: int) -> slice:
+        start = entry.num_computed_tokens
+        end = min(start + entry.num_new_tokens, entry.request.num_prompt_tokens - 1)
+        first = inputs.query_start_loc_cpu[row]
+        return slice(first, first + end - start)
+
+    def _follow_logits(
+        self,
+        batch: list[ScheduledRequest],
+        sampling: list[int],
+        speculative: list[int],
+        prompt_lp: list[int],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+    ) -> None:
+        """A TP rank other than 0 joins each logits gather of the sampling rank (one per
+        `compute_logits` call there), in the same order and with the same row counts."""
+        if sampling:
+            self.model.compute_logits(hidden[self._last_token_index(sampling, inputs)])
+        if speculative:
+            self.model.compute_logits(hidden[self._draft_index(speculative, inputs)])
+        for i in prompt_lp:
+            self.model.compute_logits(hidden[self._prompt_logprob_rows(batch[i], inputs, i)])
 
     @staticmethod
     def _wants_prompt_logprobs(entry: ScheduledRequest) -> bool:
@@ -335,8 +416,7 @@ class ModelRunner:
         request = entry.request
         start = entry.num_computed_tokens
         end = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1)
-        first = inputs.query_start_loc_cpu[row]
-        logits = self.model.compute_logits(hidden[first : first + end - start])
+        logits = self.model.compute_logits(hidden[self._prompt_logprob_rows(entry, inputs, row)])
         logprobs = torch.log_softmax(logits, dim=-1)  # [end - start, vocab]
         targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
         assert request.sampling_params is not None
