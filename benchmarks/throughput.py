@@ -15,7 +15,8 @@ run, before the baseline model loads) and for the whole process at the end.
 `none gguf` compares fp32 with the GGUF blocks kept quantized), each measured against the
 same baseline in the same run; the first is the one whose peak RSS is reported.
 `--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
-its draft acceptance is printed.
+its draft acceptance is printed. `--tensor-parallel-size` / `--pipeline-parallel-size` run
+our engine on rank processes (benchmarks/parallel.py compares rank layouts).
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ def main() -> int:
         choices=["auto", "none", "gguf", "int8"],
         help="weights kept quantized (EngineArgs.quantization); several: one engine each",
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
@@ -155,6 +158,8 @@ def main() -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
             quantization=quantization,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             speculative_config=(
                 {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
                 if args.speculative_ngram

@@ -316,7 +316,6 @@ class LLMEngine:
         params.update_from_generation_config(self.config.model_config.eos_token_ids)
         self.input_processor.process_token_controls(params)
         if params.structured_outputs is not None:
-            self._require_runner("structured outputs")
             self.structured_output_manager.validate(params.structured_outputs)
         samples = []
         for index in range(params.n):

@@ -1,12 +1,34 @@
 """The collectives the model calls, over this rank's groups (engine/distributed/
 parallel_state.py). In a world of one each is the identity, so single-process code pays
-nothing for them."""
+nothing for them. Each rank counts its collectives and the time spent in them
+(`COLLECTIVE_STATS`; the benchmarks report the all-reduce time per step)."""
 
 from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 from engine.distributed.parallel_state import ParallelRank, get_parallel_rank
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank spent in collectives since it started (wall time, seconds)."""
+
+    num_all_reduce: int = 0
+    all_reduce_s: float = 0.0
+    num_gather: int = 0
+    gather_s: float = 0.0
+    num_stage_transfers: int = 0  # sends and receives between pipeline stages
+    stage_transfer_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+COLLECTIVE_STATS = CollectiveStats()
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -16,7 +38,10 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
+    start = time.perf_counter()
     dist.all_reduce(x, group=ranks.tp_group)
+    COLLECTIVE_STATS.num_all_reduce += 1
+    COLLECTIVE_STATS.all_reduce_s += time.perf_counter() - start
     return x
 
 
@@ -30,12 +55,12 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
 
     x = x.contiguous()
     dst = ranks.global_rank(ranks.pp_rank, 0)
-    if ranks.tp_rank != 0:
-        dist.gather(x, None, dst=dst, group=ranks.tp_group)
-        return None
-    parts = [torch.empty_like(x) for _ in range(ranks.tp_size)]
+    start = time.perf_counter()
+    parts = None if ranks.tp_rank != 0 else [torch.empty_like(x) for _ in range(ranks.tp_size)]
     dist.gather(x, parts, dst=dst, group=ranks.tp_group)
-    return torch.cat(parts, dim=-1)
+    COLLECTIVE_STATS.num_gather += 1
+    COLLECTIVE_STATS.gather_s += time.perf_counter() - start
+    return None if parts is None else torch.cat(parts, dim=-1)
 
 
 def send_to_next_stage(x: torch.Tensor) -> None:
@@ -44,7 +69,10 @@ def send_to_next_stage(x: torch.Tensor) -> None:
     ranks = _stage_ranks()
     import torch.distributed as dist
 
+    start = time.perf_counter()
     dist.send(x.contiguous(), ranks.global_rank(ranks.pp_rank + 1, ranks.tp_rank))
+    COLLECTIVE_STATS.num_stage_transfers += 1
+    COLLECTIVE_STATS.stage_transfer_s += time.perf_counter() - start
 
 
 def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -53,7 +81,10 @@ def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device) -> 
     import torch.distributed as dist
 
     x = torch.empty(shape, dtype=dtype, device=device)
+    start = time.perf_counter()
     dist.recv(x, ranks.global_rank(ranks.pp_rank - 1, ranks.tp_rank))
+    COLLECTIVE_STATS.num_stage_transfers += 1
+    COLLECTIVE_STATS.stage_transfer_s += time.perf_counter() - start
     return x
 
 

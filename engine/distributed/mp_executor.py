@@ -58,7 +58,7 @@ class MultiprocExecutor:
         self._on_failure = on_failure
         self._failure: str | None = None
         self._lock = threading.Lock()
-        self._builder = StepDeltaBuilder()
+        self._builder = StepDeltaBuilder(config.model_config.vocab_size)
         self._num_in_flight = 0
         on_cuda = config.device_config.device.startswith("cuda")
         num_threads = max(1, torch.get_num_threads() // self.world_size)
@@ -155,6 +155,16 @@ class MultiprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(scheduler_output)
         return self.collect()
+
+    def collective_stats(self) -> list[dict[str, float]]:
+        """Per rank: steps run and time spent in collectives (`CollectiveStats`). Only
+        between steps (nothing in flight)."""
+        if self._num_in_flight:
+            raise RuntimeError("collective_stats() needs every submitted step collected.")
+        self.check_health()
+        for conn in self._conns:
+            conn.send(("stats", None))
+        return self._gather("stats", 60.0)
 
     # ---- health -----------------------------------------------------------------------
 

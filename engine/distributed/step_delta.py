@@ -46,6 +46,9 @@ class ScheduledDelta:
     block_ids: list[int]  # blocks appended to the table, or the whole table if reset_blocks
     reset_blocks: bool = False  # the table changed other than by appending (sliding window)
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: the allowed-token rows the driver's grammar gives this step
+    # (engine/distributed/grammar_masks.py); None without a grammar.
+    grammar_rows: Any = None
 
 
 @dataclass(slots=True)
@@ -66,7 +69,8 @@ class _Sent:
 class StepDeltaBuilder:
     """Driver side: remembers what the ranks know of each live request."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
         self._sent: dict[str, _Sent] = {}
         # Finished / preempted ids of steps that were not sent (nothing scheduled): told
         # with the next step, so no rank keeps a stale mirror of a reused id.
@@ -107,6 +111,11 @@ class StepDeltaBuilder:
             sent.num_output_tokens = request.num_output_tokens
             blocks, known = entry.block_ids, sent.block_ids
             reset = len(blocks) < len(known) or blocks[: len(known)] != known
+            rows = None
+            if request.structured_output is not None:
+                from engine.distributed.grammar_masks import grammar_rows
+
+                rows = grammar_rows(entry, self.vocab_size)
             scheduled.append(
                 ScheduledDelta(
                     request.request_id,
@@ -116,6 +125,7 @@ class StepDeltaBuilder:
                     list(blocks) if reset else blocks[len(known) :],
                     reset,
                     list(entry.spec_token_ids),
+                    rows,
                 )
             )
             sent.block_ids = list(blocks)
@@ -157,6 +167,11 @@ class RequestMirror:
                 table.extend(change.block_ids)
             request.num_computed_tokens = change.num_computed_tokens
             request.spec_token_ids = change.spec_token_ids
+            request.structured_output = None
+            if change.grammar_rows is not None:
+                from engine.distributed.grammar_masks import ReplayGrammar
+
+                request.structured_output = ReplayGrammar(change.grammar_rows)
             scheduled.append(
                 ScheduledRequest(
                     request,

@@ -7,6 +7,8 @@ Started (spawned) by `MultiprocExecutor`, one per rank. The conversation over it
     rank -> driver   ("kv_ready", None)        caches allocated, warm-up done
     driver -> rank   ("step", StepDelta) ...   pickled once, sent to every rank
     rank -> driver   ("output", ModelRunnerOutput)   the driver rank only
+    driver -> rank   ("stats", None)           (nothing in flight) every rank answers
+    rank -> driver   ("stats", {...})          its steps and collective times
     driver -> rank   ("shutdown", None)
     rank -> driver   ("error", text)           any failure, then the process exits
 
@@ -67,6 +69,7 @@ def worker_main(spec: WorkerSpec, conn: Any, heartbeat: Any) -> None:
 def _serve(spec: WorkerSpec, conn: Any) -> None:
     import torch
 
+    from engine.distributed.communication import COLLECTIVE_STATS
     from engine.distributed.parallel_state import destroy_distributed, init_distributed
     from engine.distributed.step_delta import RequestMirror
     from engine.worker.model_runner import ModelRunner
@@ -82,12 +85,17 @@ def _serve(spec: WorkerSpec, conn: Any) -> None:
     runner.initialize_kv_cache(num_blocks)
     conn.send(("kv_ready", None))
     mirror = RequestMirror()
+    num_steps = 0
     while True:
         kind, payload = conn.recv()
         if kind == "shutdown":
             break
+        if kind == "stats":
+            conn.send(("stats", {"num_steps": num_steps, **COLLECTIVE_STATS.as_dict()}))
+            continue
         assert kind == "step", kind
         output = runner.execute(mirror.apply(payload))
+        num_steps += 1
         if runner.is_driver_rank:
             conn.send(("output", output))
     destroy_distributed()

@@ -220,6 +220,22 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def iter_safetensors_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """Streams (name, lazy slice) from every ``*.safetensors`` file: nothing is read until
+    indexed, so a tensor-parallel rank reads only its rows (engine/models/weight_loader.py)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {model_dir} (pickle checkpoints are not supported)."
+        )
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_slice(name)
+
+
 def load_model(
     model_dir: Path,
     hf_config: Any,
@@ -245,7 +261,12 @@ def load_model(
     with torch.device("meta"):
         model = model_class(hf_config, attn_backend, op_impl)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.load_weights(iter_safetensors(model_dir) if weights is None else weights)
+    if weights is None:
+        from engine.distributed.parallel_state import get_parallel_rank
+
+        several = get_parallel_rank().world_size > 1  # a rank reads only its slices
+        weights = iter_safetensors_slices(model_dir) if several else iter_safetensors(model_dir)
+    model.load_weights(weights)
     if quantization is not None:
         from engine.models.quantization import quantize_model
 

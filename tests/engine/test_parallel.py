@@ -203,3 +203,44 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
     while any(_alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"ranks still alive: {pids}"
         time.sleep(0.05)
+
+
+def test_structured_outputs_and_drafts_over_ranks(tmp_path) -> None:
+    """The grammars stay on the driver, which sends each step's allowed-token rows: a regex
+    and a choice, with n-gram drafts verified under the grammar, give the single process's
+    tokens on two TP ranks."""
+    import re
+
+    from engine.structured_output import StructuredOutputsParams
+
+    model = str(make_tiny_llama(tmp_path / "tiny", with_tokenizer=True))
+    regex = r"[a-c ]{8,30}"
+    single = LLM(model, kv_cache_memory_bytes=16 << 20)
+    ids = list(single.get_tokenizer()("a b c x y z 1 2 3 a b c x y z 1 2 3 a b c").input_ids)
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+        ),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=10,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+        ),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),  # unconstrained
+    ]
+    prompts = [{"prompt_token_ids": ids}] * 3
+    expected = [o.outputs[0] for o in single.generate(prompts, params, use_tqdm=False)]
+    parallel = LLM(
+        model,
+        kv_cache_memory_bytes=16 << 20,
+        tensor_parallel_size=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    try:
+        got = [o.outputs[0] for o in parallel.generate(prompts, params, use_tqdm=False)]
+        assert parallel.llm_engine.scheduler.num_draft_tokens > 0
+    finally:
+        parallel.llm_engine.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert re.fullmatch(regex, got[0].text), got[0].text
+    assert got[1].text in ("yes", "no", "maybe")

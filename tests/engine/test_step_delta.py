@@ -31,7 +31,7 @@ def _view(output: SchedulerOutput) -> list[tuple]:
 def _drive(scheduler: Scheduler, num_steps: int, hook=None) -> tuple[int, int]:
     """Runs the scheduler with made-up tokens; checks the mirror after each step. Returns
     (token ids and block ids sent, those the whole requests would have taken)."""
-    builder, mirror = StepDeltaBuilder(), RequestMirror()
+    builder, mirror = StepDeltaBuilder(vocab_size=128), RequestMirror()
     sent = whole = 0
     for step in range(num_steps):
         if hook is not None:
