@@ -89,10 +89,13 @@ class AsyncLLMEngine:
     async def engine_step(self, virtual_engine: int = 0) -> bool:
         """One engine iteration by hand (the background loop must be off): applies the
         submitted adds and aborts, runs one step and hands its outputs to their generators.
-        Returns True while requests remain unfinished (vLLM's contract)."""
-        if virtual_engine != 0:
+        Returns True while requests remain unfinished (vLLM's contract). One scheduler
+        serves every virtual engine (pipeline batch slot): any valid one steps them all."""
+        num_virtual = self.engine.get_parallel_config().pipeline_parallel_size
+        if not isinstance(virtual_engine, int) or not 0 <= virtual_engine < num_virtual:
             raise ValueError(
-                f"virtual_engine must be 0 (no pipeline parallelism), got {virtual_engine!r}."
+                f"virtual_engine must be in [0, {num_virtual}) (pipeline_parallel_size="
+                f"{num_virtual}), got {virtual_engine!r}."
             )
         return await asyncio.to_thread(self._loop_thread.step_once)
 

@@ -221,6 +221,11 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
             num_preemptions_total=str(stats.num_preemptions_total),
             is_sleeping=str(stats.is_sleeping).lower(),  # asleep: requests wait for WakeUp
         )
+        parallel = self.engine.engine.get_parallel_config()
+        details.update(
+            tensor_parallel_size=str(parallel.tensor_parallel_size),
+            pipeline_parallel_size=str(parallel.pipeline_parallel_size),
+        )
         healthy = healthy and self.health.serving
         status = "SERVING" if healthy else "NOT_SERVING"
         return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)

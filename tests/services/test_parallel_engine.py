@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from engine import LLM, SamplingParams
-from pagedserve.v1 import common_pb2, generation_pb2_grpc
+from pagedserve.v1 import common_pb2, engine_pb2_grpc, generation_pb2_grpc
 from services.model_files import load_text_model_files
 from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
 from tests.services.conftest import LoopThread
@@ -63,6 +63,14 @@ def tp_stack(tiny_model_dir) -> Iterator[TpStack]:
 
 def test_tensor_parallel_engine_streams_the_single_process_tokens(tp_stack, tiny_model_dir):
     assert len(tp_stack.ranks()) == 2
+    channel = grpc.insecure_channel(tp_stack.engine.address)
+    health = engine_pb2_grpc.EngineServiceStub(channel).Health(
+        common_pb2.HealthRequest(), timeout=10
+    )
+    channel.close()
+    assert health.healthy
+    assert health.details["tensor_parallel_size"] == "2"
+    assert health.details["pipeline_parallel_size"] == "1"
     expected = LLM(str(tiny_model_dir), max_model_len=512).generate(
         [{"prompt_token_ids": PROMPT}],
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
