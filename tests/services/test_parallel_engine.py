@@ -108,3 +108,18 @@ def test_a_killed_rank_ends_streams_unavailable_and_leaves_no_process(tp_stack):
     wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks), 15)
     health = tp_stack.public.Health(common_pb2.HealthRequest(), timeout=10)
     assert not health.healthy
+
+
+def test_ranks_exit_when_the_engine_service_is_killed(tiny_model_dir):
+    """SIGKILL gives the engine service no chance to stop its ranks: they notice they were
+    re-parented and exit by themselves."""
+    engine = EngineProcess(tiny_model_dir, None, "--pipeline-parallel-size", "2").start()
+    try:
+        engine.wait_serving(timeout=240)
+        assert engine.proc is not None
+        children = psutil.Process(engine.proc.pid).children(recursive=True)
+        ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 2
+    finally:
+        engine.kill()
+    wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks), 10)
