@@ -202,7 +202,7 @@ class LLMEngine:
         """The in-process model runner, which `feature` needs."""
         if self.runner is None:
             raise ValueError(
-                f"{feature} need the model in the engine's process: not supported with "
+                f"{feature}: needs the model in the engine's process, not supported with "
                 "distributed_executor_backend='mp' (tensor_parallel_size="
                 f"{self.config.parallel_config.tensor_parallel_size}, pipeline_parallel_size="
                 f"{self.config.parallel_config.pipeline_parallel_size})."
