@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.throughput import cpu_model, make_prompts, run_engine  # noqa: E402
-from engine import LLM  # noqa: E402
+from benchmarks.throughput import cpu_model, make_prompts, run_engine
+from engine import LLM
 
 
 def default_like_model() -> Path:
