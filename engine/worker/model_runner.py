@@ -18,16 +18,13 @@ import ctypes
 import logging
 import math
 import sys
-from typing import Any
 
 import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.config import CacheConfig, EngineConfig, default_cpu_kv_cache_bytes
 from engine.core.sched_output import (
-    LogprobsLists,
     ModelRunnerOutput,
-    ScheduledRequest,
     SchedulerOutput,
 )
 from engine.distributed.parallel_state import get_parallel_rank
@@ -35,14 +32,14 @@ from engine.distributed.stage import stage_forward
 from engine.lora.manager import LoRAManager
 from engine.models.loader import load_model
 from engine.models.ops import select_op_impl
-from engine.sample import Sampler, SamplingMetadata, SamplingRow, gather_logprobs
+from engine.sample import Sampler
 from engine.sample.sampler import select_argmax
-from engine.sample.token_controls import apply_grammar_bitmask_
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
 from engine.worker.pooler import Pooler
 from engine.worker.profiler import TorchProfiler
 from engine.worker.sleep import SleepMode
+from engine.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +82,7 @@ class ModelRunner:
         # choice for fp32 on this backend and device.
         logits_ops = select_op_impl(self.attn_backend.name, self.device, torch.float32)
         self.sampler = Sampler(select_argmax(logits_ops))
+        self.step_sampler = StepSampler(self)  # sampling, drafts, prompt logprobs
         self.pooler = Pooler(config.pooler_config.pooling_type or "LAST")
         self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
@@ -269,209 +267,25 @@ class ModelRunner:
         self.pooler.drop(scheduler_output.finished_request_ids)
         self.pooler.drop(scheduler_output.preempted_request_ids)
         pooling = [i for i, e in enumerate(batch) if e.request.is_pooling]
-        prompt_lp = [i for i, e in enumerate(batch) if self._wants_prompt_logprobs(e)]
+        prompt_lp = [i for i, e in enumerate(batch) if self.step_sampler.wants_prompt_logprobs(e)]
         if not self.is_driver_rank:
-            self._follow_logits(batch, sampling, speculative, prompt_lp, inputs, hidden)
+            self.step_sampler.follow_logits(batch, sampling, speculative, prompt_lp, inputs, hidden)
             return None
         output = ModelRunnerOutput()
         if sampling:
-            self._sample(batch, sampling, inputs, hidden, output)
+            self.step_sampler.sample(batch, sampling, inputs, hidden, output)
         if speculative:
-            self._verify_drafts(batch, speculative, inputs, hidden, output)
+            self.step_sampler.verify_drafts(batch, speculative, inputs, hidden, output)
         if pooling:
             self.pooler(batch, pooling, inputs, hidden, output)
         for i in prompt_lp:
-            self._prompt_logprobs(batch[i], inputs, i, hidden, output)
+            self.step_sampler.prompt_logprobs(batch[i], inputs, i, hidden, output)
         return output
-
-    def _sample(
-        self,
-        batch: list[ScheduledRequest],
-        rows: list[int],
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        logits = self.model.compute_logits(hidden[self._last_token_index(rows, inputs)])
-        # logits: [num_rows, vocab] fp32
-        entries = [batch[i] for i in rows]
-        metadata = SamplingMetadata.build(
-            [
-                SamplingRow(
-                    params=e.request.sampling_params,  # type: ignore[arg-type]
-                    prompt_token_ids=e.request.prompt_token_ids,
-                    output_token_ids=e.request.output_token_ids,
-                    seed=e.request.seed,
-                    grammar=_matcher(e.request),
-                )
-                for e in entries
-            ],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        result = self.sampler(logits, metadata)
-        sampled = result.sampled_token_ids.tolist()
-        for row, entry in enumerate(entries):
-            output.sampled_token_ids[entry.request_id] = sampled[row]
-        if result.logprobs is None:
-            return
-        token_ids = result.logprobs.token_ids.tolist()
-        values = result.logprobs.logprobs.tolist()
-        ranks = result.logprobs.ranks.tolist()
-        for row, entry in enumerate(entries):
-            k = entry.request.sampling_params.logprobs  # type: ignore[union-attr]
-            if k is not None:
-                output.logprobs[entry.request_id] = LogprobsLists(
-                    [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
-                )
-
-    def _verify_drafts(
-        self,
-        batch: list[ScheduledRequest],
-        rows: list[int],
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        """Greedy verification of k drafts from the logits at the k + 1 positions::
-
-            input     t  d0 d1 d2        (last known token, then the drafts)
-            argmax    a0 a1 a2 a3        a_i: the greedy token after input position i
-            accepted  d0 d1 while d_i == a_i; output = accepted drafts + the next a_i
-
-        So the output is exactly what greedy decoding one token at a time produces.
-        """
-        index = self._draft_index(rows, inputs)
-        logits = self.model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
-        logits = _mask_drafts(logits, [batch[i] for i in rows])
-        argmax = logits.argmax(dim=-1).tolist()
-        offset = 0
-        for i in rows:
-            entry = batch[i]
-            drafts = entry.spec_token_ids
-            greedy = argmax[offset : offset + len(drafts) + 1]
-            offset += len(drafts) + 1
-            num_accepted = 0
-            while num_accepted < len(drafts) and drafts[num_accepted] == greedy[num_accepted]:
-                num_accepted += 1
-            output.spec_output_token_ids[entry.request_id] = greedy[: num_accepted + 1]
-
-    # ---- which hidden rows get logits (the sampling rank and its TP peers agree) ---------
-
-    def _last_token_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
-        return torch.tensor(
-            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.device
-        )
-
-    def _draft_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
-        positions: list[int] = []
-        for i in rows:
-            first = inputs.query_start_loc_cpu[i]
-            positions.extend(range(first, inputs.query_start_loc_cpu[i + 1]))
-        return torch.tensor(positions, device=self.device)
-
-    @staticmethod
-    def _prompt_logprob_rows(entry: ScheduledRequest, inputs: StepInputs, row: int) -> slice:
-        start = entry.num_computed_tokens
-        end = min(start + entry.num_new_tokens, entry.request.num_prompt_tokens - 1)
-        first = inputs.query_start_loc_cpu[row]
-        return slice(first, first + end - start)
-
-    def _follow_logits(
-        self,
-        batch: list[ScheduledRequest],
-        sampling: list[int],
-        speculative: list[int],
-        prompt_lp: list[int],
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-    ) -> None:
-        """A TP rank other than 0 joins each logits gather of the sampling rank (one per
-        `compute_logits` call there), in the same order and with the same row counts."""
-        if sampling:
-            self.model.compute_logits(hidden[self._last_token_index(sampling, inputs)])
-        if speculative:
-            self.model.compute_logits(hidden[self._draft_index(speculative, inputs)])
-        for i in prompt_lp:
-            self.model.compute_logits(hidden[self._prompt_logprob_rows(batch[i], inputs, i)])
-
-    @staticmethod
-    def _wants_prompt_logprobs(entry: ScheduledRequest) -> bool:
-        # Positions whose logits predict a *prompt* token: p with p + 1 < num_prompt_tokens.
-        params = entry.request.sampling_params
-        return (
-            params is not None
-            and params.prompt_logprobs is not None
-            and entry.num_computed_tokens + 1 < entry.request.num_prompt_tokens
-        )
-
-    def _prompt_logprobs(
-        self,
-        entry: ScheduledRequest,
-        inputs: StepInputs,
-        row: int,
-        hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> None:
-        request = entry.request
-        start = entry.num_computed_tokens
-        end = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1)
-        logits = self.model.compute_logits(hidden[self._prompt_logprob_rows(entry, inputs, row)])
-        logprobs = torch.log_softmax(logits, dim=-1)  # [end - start, vocab]
-        targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=self.device)
-        assert request.sampling_params is not None
-        k = request.sampling_params.prompt_logprobs
-        assert k is not None
-        tensors = gather_logprobs(logprobs, targets, k)
-        output.prompt_logprobs[request.request_id] = (
-            start + 1,
-            LogprobsLists(
-                tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
-            ),
-        )
 
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-
-
-def _matcher(request: Any) -> Any:
-    """The request's grammar matcher under structured outputs, else None."""
-    state = request.structured_output
-    return None if state is None else state.matcher
-
-
-def _mask_drafts(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
-    """Grammar masks for the k + 1 verification positions of constrained requests.
-
-    The mask at position i is the grammar's after drafts d0..d(i-1): the matcher walks the
-    drafts (stopping at the first it refuses, which the masked argmax then rejects too)
-    and rolls back, so verification picks exactly the tokens constrained greedy decoding
-    would. logits: [sum(k + 1), V].
-    """
-    constrained = [(e, _matcher(e.request)) for e in entries]
-    num_positions = sum(len(e.spec_token_ids) + 1 for e, m in constrained if m is not None)
-    if not num_positions:
-        return logits
-    # Only the constrained requests' positions get a mask row, applied in place.
-    bitmask = torch.full((num_positions, -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
-    row_ids: list[int] = []
-    offset = 0
-    for entry, matcher in constrained:
-        drafts = entry.spec_token_ids
-        if matcher is not None:
-            num_walked = 0
-            for i in range(len(drafts) + 1):
-                matcher.fill_bitmask(bitmask, len(row_ids) + i)
-                if i == len(drafts) or not matcher.accept_token(drafts[i]):
-                    break
-                num_walked += 1
-            matcher.rollback(num_walked)
-            row_ids.extend(range(offset, offset + len(drafts) + 1))
-        offset += len(drafts) + 1
-    rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
-    return apply_grammar_bitmask_(logits, bitmask, rows)
 
 
 def _keep_freed_memory_mapped() -> None:

@@ -1,0 +1,211 @@
+"""Logits and what is made of them in a step: sampling, draft verification, prompt
+logprobs, and (on a TP rank other than 0) joining the sampling rank's logits gathers.
+
+Split out of the model runner (engine/worker/model_runner.py), which owns the model, the
+sampler and the device; a `StepSampler` reads them from the runner at each call, so a
+model reloaded after sleep mode is the one used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.core.sched_output import LogprobsLists, ModelRunnerOutput, ScheduledRequest
+from engine.sample import SamplingMetadata, SamplingRow, gather_logprobs
+from engine.sample.token_controls import apply_grammar_bitmask_
+from engine.worker.inputs import StepInputs
+
+
+class StepSampler:
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner  # engine.worker.model_runner.ModelRunner
+
+    def sample(
+        self,
+        batch: list[ScheduledRequest],
+        rows: list[int],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        logits = self.runner.model.compute_logits(hidden[self._last_token_index(rows, inputs)])
+        # logits: [num_rows, vocab] fp32
+        entries = [batch[i] for i in rows]
+        metadata = SamplingMetadata.build(
+            [
+                SamplingRow(
+                    params=e.request.sampling_params,  # type: ignore[arg-type]
+                    prompt_token_ids=e.request.prompt_token_ids,
+                    output_token_ids=e.request.output_token_ids,
+                    seed=e.request.seed,
+                    grammar=_matcher(e.request),
+                )
+                for e in entries
+            ],
+            vocab_size=logits.shape[-1],
+            device=self.runner.device,
+        )
+        result = self.runner.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        for row, entry in enumerate(entries):
+            output.sampled_token_ids[entry.request_id] = sampled[row]
+        if result.logprobs is None:
+            return
+        token_ids = result.logprobs.token_ids.tolist()
+        values = result.logprobs.logprobs.tolist()
+        ranks = result.logprobs.ranks.tolist()
+        for row, entry in enumerate(entries):
+            k = entry.request.sampling_params.logprobs  # type: ignore[union-attr]
+            if k is not None:
+                output.logprobs[entry.request_id] = LogprobsLists(
+                    [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
+                )
+
+    def verify_drafts(
+        self,
+        batch: list[ScheduledRequest],
+        rows: list[int],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Greedy verification of k drafts from the logits at the k + 1 positions::
+
+            input     t  d0 d1 d2        (last known token, then the drafts)
+            argmax    a0 a1 a2 a3        a_i: the greedy token after input position i
+            accepted  d0 d1 while d_i == a_i; output = accepted drafts + the next a_i
+
+        So the output is exactly what greedy decoding one token at a time produces.
+        """
+        index = self._draft_index(rows, inputs)
+        logits = self.runner.model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
+        logits = _mask_drafts(logits, [batch[i] for i in rows])
+        argmax = logits.argmax(dim=-1).tolist()
+        offset = 0
+        for i in rows:
+            entry = batch[i]
+            drafts = entry.spec_token_ids
+            greedy = argmax[offset : offset + len(drafts) + 1]
+            offset += len(drafts) + 1
+            num_accepted = 0
+            while num_accepted < len(drafts) and drafts[num_accepted] == greedy[num_accepted]:
+                num_accepted += 1
+            output.spec_output_token_ids[entry.request_id] = greedy[: num_accepted + 1]
+
+    # ---- which hidden rows get logits (the sampling rank and its TP peers agree) ----------
+
+    def _last_token_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
+        return torch.tensor(
+            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.runner.device
+        )
+
+    def _draft_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
+        positions: list[int] = []
+        for i in rows:
+            first = inputs.query_start_loc_cpu[i]
+            positions.extend(range(first, inputs.query_start_loc_cpu[i + 1]))
+        return torch.tensor(positions, device=self.runner.device)
+
+    @staticmethod
+    def _prompt_logprob_rows(entry: ScheduledRequest, inputs: StepInputs, row: int) -> slice:
+        start = entry.num_computed_tokens
+        end = min(start + entry.num_new_tokens, entry.request.num_prompt_tokens - 1)
+        first = inputs.query_start_loc_cpu[row]
+        return slice(first, first + end - start)
+
+    def follow_logits(
+        self,
+        batch: list[ScheduledRequest],
+        sampling: list[int],
+        speculative: list[int],
+        prompt_lp: list[int],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+    ) -> None:
+        """A TP rank other than 0 joins each logits gather of the sampling rank (one per
+        `compute_logits` call there), in the same order and with the same row counts."""
+        if sampling:
+            self.runner.model.compute_logits(hidden[self._last_token_index(sampling, inputs)])
+        if speculative:
+            self.runner.model.compute_logits(hidden[self._draft_index(speculative, inputs)])
+        for i in prompt_lp:
+            self.runner.model.compute_logits(hidden[self._prompt_logprob_rows(batch[i], inputs, i)])
+
+    @staticmethod
+    def wants_prompt_logprobs(entry: ScheduledRequest) -> bool:
+        # Positions whose logits predict a *prompt* token: p with p + 1 < num_prompt_tokens.
+        params = entry.request.sampling_params
+        return (
+            params is not None
+            and params.prompt_logprobs is not None
+            and entry.num_computed_tokens + 1 < entry.request.num_prompt_tokens
+        )
+
+    def prompt_logprobs(
+        self,
+        entry: ScheduledRequest,
+        inputs: StepInputs,
+        row: int,
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        request = entry.request
+        start = entry.num_computed_tokens
+        end = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1)
+        logits = self.runner.model.compute_logits(
+            hidden[self._prompt_logprob_rows(entry, inputs, row)]
+        )
+        logprobs = torch.log_softmax(logits, dim=-1)  # [end - start, vocab]
+        targets = torch.tensor(
+            request.prompt_token_ids[start + 1 : end + 1], device=self.runner.device
+        )
+        assert request.sampling_params is not None
+        k = request.sampling_params.prompt_logprobs
+        assert k is not None
+        tensors = gather_logprobs(logprobs, targets, k)
+        output.prompt_logprobs[request.request_id] = (
+            start + 1,
+            LogprobsLists(
+                tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+            ),
+        )
+
+
+def _matcher(request: Any) -> Any:
+    """The request's grammar matcher under structured outputs, else None."""
+    state = request.structured_output
+    return None if state is None else state.matcher
+
+
+def _mask_drafts(logits: torch.Tensor, entries: list[ScheduledRequest]) -> torch.Tensor:
+    """Grammar masks for the k + 1 verification positions of constrained requests.
+
+    The mask at position i is the grammar's after drafts d0..d(i-1): the matcher walks the
+    drafts (stopping at the first it refuses, which the masked argmax then rejects too)
+    and rolls back, so verification picks exactly the tokens constrained greedy decoding
+    would. logits: [sum(k + 1), V].
+    """
+    constrained = [(e, _matcher(e.request)) for e in entries]
+    num_positions = sum(len(e.spec_token_ids) + 1 for e, m in constrained if m is not None)
+    if not num_positions:
+        return logits
+    # Only the constrained requests' positions get a mask row, applied in place.
+    bitmask = torch.full((num_positions, -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+    row_ids: list[int] = []
+    offset = 0
+    for entry, matcher in constrained:
+        drafts = entry.spec_token_ids
+        if matcher is not None:
+            num_walked = 0
+            for i in range(len(drafts) + 1):
+                matcher.fill_bitmask(bitmask, len(row_ids) + i)
+                if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                    break
+                num_walked += 1
+            matcher.rollback(num_walked)
+            row_ids.extend(range(offset, offset + len(drafts) + 1))
+        offset += len(drafts) + 1
+    rows = torch.tensor(row_ids, dtype=torch.int64, device=logits.device)
+    return apply_grammar_bitmask_(logits, bitmask, rows)
