@@ -5,6 +5,12 @@ rounded keys/values (kernels/reference.py widens the cache as stored)."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +18,7 @@ from engine import native
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.loader import load_hf_config, load_model
+from engine.native.build import _SIGNATURES
 from kernels.reference import ref_paged_attention
 from tests.model_utils import allocate_block_tables, build_attn_metadata, make_tiny_llama
 
@@ -199,3 +206,62 @@ def test_native_kernels_refuse_caches_they_do_not_read():
             torch.zeros(2, 4, 4, 2, 8, dtype=torch.bfloat16),
             torch.tensor([0]),
         )
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
+    reason="builds the kernels for the x86-64 baseline with cc",
+)
+def test_portable_conversions_without_f16c(tmp_path):
+    """The kernels built for the x86-64 baseline (no F16C, no AVX: the portable fp16 code
+    of kv_dtype.h) round and widen exactly as torch does."""
+    library_path = tmp_path / "baseline.so"
+    source = Path(native.__file__).with_name("cpu_kernels.c")
+    # -O0: this checks the arithmetic, and builds in seconds.
+    flags = ["-O0", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    subprocess.run(["cc", *flags, str(source), "-o", str(library_path)], check=True, timeout=300)
+    library = ctypes.CDLL(str(library_path))
+    for name in ("write_kv_f32", "paged_decode_attention_f32"):
+        getattr(library, name).argtypes = _SIGNATURES[name]
+    # Every fp16 bit pattern once (as fp32 values); the exact midpoints (ties) between
+    # neighbouring fp16 and bf16 values; random values and their fp32 neighbours.
+    every_half = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = [every_half.float(), _midpoints(every_half)]
+    every_bf16 = every_half.view(torch.bfloat16)
+    values += [every_bf16.float(), _midpoints(every_bf16)]
+    noise = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    values.append(noise * torch.logspace(-9, 5, 4096))
+    values = torch.cat([*values, values[-1].nextafter(torch.tensor(float("inf")))])
+    values = values[: values.numel() // 64 * 64].view(-1, 1, 64).contiguous()
+    for cache_dtype, code in ((torch.float16, 2), (torch.bfloat16, 1)):
+        cache = torch.zeros(2, values.shape[0], 1, 1, 64, dtype=cache_dtype)
+        slots = torch.arange(values.shape[0])
+        library.write_kv_f32(
+            cache[0].data_ptr(), cache[1].data_ptr(), values.data_ptr(), values.data_ptr(),
+            64, slots.data_ptr(), values.shape[0], 64, code,
+        )  # fmt: skip
+        expected = values.to(cache_dtype).view(cache[0].shape)
+        torch.testing.assert_close(cache[0], expected, atol=0, rtol=0, equal_nan=True)
+    # Reading: decode attention over an fp16 cache holding every bit pattern but inf/NaN.
+    gen = torch.Generator().manual_seed(0)
+    finite = every_half[every_half.isfinite()][:2048]
+    cache = (finite / 1000).view(2, 16, 4, 1, 16).to(torch.float16)
+    query = torch.randn(1, 2, 16, generator=gen)
+    tables = torch.arange(16, dtype=torch.int32)[None]
+    seq_lens = torch.tensor([64], dtype=torch.int32)
+    out, scores = torch.empty(1, 2, 16), torch.empty(1, 2, 64)
+    library.paged_decode_attention_f32(
+        out.data_ptr(), query.data_ptr(), 32, scores.data_ptr(), cache[0].data_ptr(),
+        cache[1].data_ptr(), tables.data_ptr(), 16, seq_lens.data_ptr(), 1, 2, 1, 16, 4, 64, 0,
+        0.25, 0.0, 1, 2,
+    )  # fmt: skip
+    expected = ref_paged_attention(
+        query, cache, tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32), 0.25
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE)
+
+
+def _midpoints(values: torch.Tensor) -> torch.Tensor:
+    """The values halfway between neighbouring finite `values` (exact in fp32)."""
+    finite = values[values.isfinite()].double().unique()  # sorted
+    return ((finite[1:] + finite[:-1]) / 2).float()
