@@ -142,12 +142,20 @@ def main() -> int:
         choices=["auto", "none", "gguf", "int8"],
         help="weights kept quantized (EngineArgs.quantization); several: one engine each",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="the KV cache's dtype (EngineArgs.kv_cache_dtype: auto, bfloat16, float16); "
+        "several: one engine each",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}")
     llms = {}
-    for quantization in args.quantization:
+    variants = [(q, kv) for q in args.quantization for kv in args.kv_cache_dtype]
+    for quantization, kv_cache_dtype in variants:
         llm = LLM(
             model=args.model,
             dtype=args.dtype,
@@ -155,6 +163,7 @@ def main() -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             speculative_config=(
                 {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
                 if args.speculative_ngram
@@ -162,7 +171,10 @@ def main() -> int:
             ),
         )
         resolved = llm.llm_engine.get_model_config().quantization
-        name = "pagedserve" if len(args.quantization) == 1 else f"pagedserve[{resolved}]"
+        kv = llm.llm_engine.runner.config.cache_config.cache_dtype
+        tags = [str(resolved)] * (len(args.quantization) > 1)
+        tags += [f"kv {kv}"] * (len(args.kv_cache_dtype) > 1)
+        name = f"pagedserve[{', '.join(tags)}]" if tags else "pagedserve"
         llms[name] = llm
     config = llm.llm_engine.get_model_config()
     prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)

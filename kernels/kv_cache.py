@@ -95,8 +95,8 @@ def write_kv_cache(
         check_dtype(name, tensor, FLOAT_DTYPES)
         if not cache_dtype_fits(kv_cache.dtype, tensor.dtype):
             raise ValueError(
-                f"kv_cache dtype {kv_cache.dtype} for {name} in {tensor.dtype}: the cache is "
-                "in the model dtype or a 16-bit kv_cache_dtype."
+                f"{name} dtype {tensor.dtype} does not fit kv_cache dtype {kv_cache.dtype}: "
+                "the cache is in the model dtype or a 16-bit kv_cache_dtype."
             )
         if tensor.shape[1:] != (num_kv_heads, head_dim):
             raise ValueError(
