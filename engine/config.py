@@ -21,17 +21,16 @@ CPU_KV_CACHE_MEMORY_FRACTION = 0.5
 _FALLBACK_CPU_KV_CACHE_BYTES = 4 * 1024**3
 CPU_KVCACHE_SPACE_ENV = "PAGEDSERVE_CPU_KVCACHE_SPACE"
 
-# kv_cache_dtype values (vLLM's names) and their aliases -> the torch dtype name.
+# kv_cache_dtype values besides "auto" (vLLM's names) and aliases -> the torch dtype name.
+# Never wider than the model dtype: "auto" is the model's own.
 _KV_CACHE_DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
     "float16": "float16",
     "fp16": "float16",
     "half": "float16",
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
 }
+_CACHE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # CacheConfig.cache_dtype, resolved
 
 
 @dataclass
@@ -106,7 +105,7 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}."
             )
-        if self.cache_dtype != "auto" and self.cache_dtype not in _KV_CACHE_DTYPES.values():
+        if self.cache_dtype != "auto" and self.cache_dtype not in _CACHE_DTYPE_NAMES:
             raise ValueError(
                 f"cache_dtype must be 'auto' or a resolved dtype name, got {self.cache_dtype!r}."
             )

@@ -23,7 +23,6 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     default_cpu_kv_cache_bytes,
-    resolve_kv_cache_dtype,
 )
 from engine.core.sched_output import (
     LogprobsLists,
@@ -54,8 +53,9 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, model_config.dtype)
         # The KV cache's element type (CacheConfig.cache_dtype, vLLM's kv_cache_dtype): the
         # model dtype, or a 16-bit type the attention backends round keys/values into.
+        cache_dtype = config.cache_config.cache_dtype  # resolved by EngineArgs, or "auto"
         self.kv_cache_dtype: torch.dtype = getattr(
-            torch, resolve_kv_cache_dtype(config.cache_config.cache_dtype, model_config.dtype)
+            torch, model_config.dtype if cache_dtype == "auto" else cache_dtype
         )
         self.block_size = config.cache_config.block_size
         self.vocab_size = model_config.vocab_size
