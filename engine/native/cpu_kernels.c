@@ -513,6 +513,20 @@ INLINE void accumulate_values2(float *restrict a0, float *restrict a1, float res
     }
 }
 
+/* One key row into a column of the transposed segment (stride LANES), widened to fp32. A
+ * 16-bit row is widened a vector at a time first: per element, the conversion costs more
+ * than the copy. */
+INLINE void transpose_key(float *restrict column, const void *k, int64_t head_dim, int kv) {
+    int64_t d = 0;
+    if (kv != KV_F32)
+        for (; d + LANES <= head_dim; d += LANES) {
+            float wide[LANES];
+            vstore(wide, kv_loadv(k, d, kv));
+            for (int l = 0; l < LANES; ++l) column[(d + l) * LANES] = wide[l];
+        }
+    for (; d < head_dim; ++d) column[d * LANES] = kv_load1(k, d, kv);
+}
+
 INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const void *key_cache, const void *value_cache,
                          const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
@@ -546,7 +560,7 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                 const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
                 const void *k = kv_at(key_cache, slot * token_stride + kvh * head_dim, kv);
                 values[j] = kv_at(value_cache, slot * token_stride + kvh * head_dim, kv);
-                for (int64_t d = 0; d < head_dim; ++d) column[d * LANES] = kv_load1(k, d, kv);
+                transpose_key(column, k, head_dim, kv);
             } else {
                 for (int64_t d = 0; d < head_dim; ++d) column[d * LANES] = 0.0f;
             }
