@@ -145,12 +145,20 @@ def main() -> int:
     )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="the KV cache's dtype (EngineArgs.kv_cache_dtype: auto, bfloat16, float16); "
+        "several: one engine each",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}")
     llms = {}
-    for quantization in args.quantization:
+    variants = [(q, kv) for q in args.quantization for kv in args.kv_cache_dtype]
+    for quantization, kv_cache_dtype in variants:
         llm = LLM(
             model=args.model,
             dtype=args.dtype,
@@ -160,6 +168,7 @@ def main() -> int:
             quantization=quantization,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            kv_cache_dtype=kv_cache_dtype,
             speculative_config=(
                 {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
                 if args.speculative_ngram
@@ -167,7 +176,10 @@ def main() -> int:
             ),
         )
         resolved = llm.llm_engine.get_model_config().quantization
-        name = "pagedserve" if len(args.quantization) == 1 else f"pagedserve[{resolved}]"
+        kv = llm.llm_engine.runner.config.cache_config.cache_dtype
+        tags = [str(resolved)] * (len(args.quantization) > 1)
+        tags += [f"kv {kv}"] * (len(args.kv_cache_dtype) > 1)
+        name = f"pagedserve[{', '.join(tags)}]" if tags else "pagedserve"
         llms[name] = llm
     config = llm.llm_engine.get_model_config()
     prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)

@@ -11,7 +11,26 @@ from engine.pooler_config import PoolerConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
-_DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+# The default CPU KV budget is what the scheduler can use (max_num_seqs full-length
+# sequences), capped at this fraction of the memory available at start-up: the cache is
+# mapped lazily (engine/worker/kv_memory.py), so the cap bounds what a full cache could
+# grow to, and half leaves room for the weights, the step's activations and the rest of the
+# machine (other processes, the page cache the model files are read through).
+CPU_KV_CACHE_MEMORY_FRACTION = 0.5
+# Used where the available memory cannot be read (no /proc/meminfo, no psutil).
+_FALLBACK_CPU_KV_CACHE_BYTES = 4 * 1024**3
+CPU_KVCACHE_SPACE_ENV = "PAGEDSERVE_CPU_KVCACHE_SPACE"
+
+# kv_cache_dtype values besides "auto" (vLLM's names) and aliases -> the torch dtype name.
+# Never wider than the model dtype: "auto" is the model's own.
+_KV_CACHE_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+_CACHE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # CacheConfig.cache_dtype, resolved
 
 
 @dataclass
@@ -63,6 +82,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's field: the KV cache's element type, a torch dtype name ("float32", "bfloat16",
+    # "float16"), or "auto" = the model dtype. EngineArgs resolves it once (never "auto"
+    # in an engine's config); see resolve_kv_cache_dtype.
+    cache_dtype: str = "auto"
     # Decided once at start-up from the memory budget (ModelRunner); the engine's resolved
     # config is a copy carrying it. 0 in a config that no engine has resolved yet.
     num_blocks: int = 0
@@ -81,6 +104,10 @@ class CacheConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}."
+            )
+        if self.cache_dtype != "auto" and self.cache_dtype not in _CACHE_DTYPE_NAMES:
+            raise ValueError(
+                f"cache_dtype must be 'auto' or a resolved dtype name, got {self.cache_dtype!r}."
             )
 
 
@@ -265,6 +292,10 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    # The KV cache's dtype (vLLM's name): "auto" = the model dtype, "bfloat16" / "float16"
+    # (aliases "bf16", "fp16", "half") halve the cache's memory and the bytes attention
+    # reads; keys and values are rounded once when written. fp8 is not supported.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
@@ -358,6 +389,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype),
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -382,12 +414,70 @@ class EngineArgs:
         )
 
 
-def default_cpu_kv_cache_bytes() -> int:
-    """CPU KV budget: `PAGEDSERVE_CPU_KVCACHE_SPACE` GiB (like vLLM's CPU knob), else 4 GiB."""
-    value = os.environ.get("PAGEDSERVE_CPU_KVCACHE_SPACE")
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The KV cache's torch dtype name for `kv_cache_dtype` ("auto": the model's)."""
+    if not isinstance(kv_cache_dtype, str):
+        raise ValueError(f"kv_cache_dtype must be a string, got {kv_cache_dtype!r}.")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype.startswith("fp8"):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: fp8 KV caches are not supported; "
+            "use 'auto', 'bfloat16' or 'float16'."
+        )
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' or one of {sorted(_KV_CACHE_DTYPES)}, "
+            f"got {kv_cache_dtype!r}."
+        )
+    return _KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def default_cpu_kv_cache_bytes(useful_bytes: int, available_bytes: int | None = None) -> int:
+    """The CPU KV budget when none is set explicitly.
+
+    `PAGEDSERVE_CPU_KVCACHE_SPACE` GiB (like vLLM's CPU knob) wins; else what the scheduler
+    can use (`useful_bytes`: max_num_seqs x max_model_len tokens), capped at
+    CPU_KV_CACHE_MEMORY_FRACTION of the memory available now (`available_bytes`, default
+    MemAvailable), or at 4 GiB where that cannot be read.
+    """
+    value = os.environ.get(CPU_KVCACHE_SPACE_ENV)
     if value:
-        return int(float(value) * 1024**3)
-    return _DEFAULT_CPU_KV_CACHE_BYTES
+        try:
+            space = float(value)
+        except ValueError:
+            space = -1.0
+        if not space > 0:
+            raise ValueError(
+                f"{CPU_KVCACHE_SPACE_ENV} must be a positive GiB count, got {value!r}."
+            )
+        return int(space * 1024**3)
+    if available_bytes is None:
+        available_bytes = available_memory_bytes()
+    if available_bytes is None:
+        cap = _FALLBACK_CPU_KV_CACHE_BYTES
+    else:
+        cap = int(available_bytes * CPU_KV_CACHE_MEMORY_FRACTION)
+    return min(useful_bytes, cap)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable: what the kernel estimates can be allocated now without swapping
+    (free memory plus reclaimable caches), or None where it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _resolve_device(device: str) -> str:

@@ -58,6 +58,13 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         )
 
 
+def cache_dtype_fits(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+    """Whether a kernel takes a KV cache of `cache_dtype` with activations of `model_dtype`:
+    the same dtype, or a 16-bit cache (`kv_cache_dtype`) that is rounded into on writes and
+    converted back to the model dtype on reads."""
+    return cache_dtype == model_dtype or cache_dtype in (torch.float16, torch.bfloat16)
+
+
 def check_kv_cache(kv_cache: torch.Tensor) -> None:
     """Asserts the per-layer cache layout [2, num_blocks, block_size, num_kv_heads, head_dim]."""
     check_ndim("kv_cache", kv_cache, 5, "[2, num_blocks, block_size, num_kv_heads, head_dim]")

@@ -8,7 +8,8 @@ Token `t` goes to flat slot `slot_mapping[t] = block_id * block_size + offset`::
     token 2 -> kv_cache[:, 7, 0]
 
 Grid: one program per token; it copies all KV heads of that token's key and value
-([num_kv_heads, head_dim] tiles) in one go.
+([num_kv_heads, head_dim] tiles) in one go, converted to the cache's dtype (the model dtype,
+or a 16-bit `kv_cache_dtype`: rounded to nearest even on the store).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FLOAT_DTYPES,
+    cache_dtype_fits,
     check_contiguous,
     check_dtype,
     check_kv_cache,
@@ -64,10 +67,11 @@ def _write_kv_cache_kernel(
     )  # [HEADS_PADDED, HEAD_DIM_PADDED]
     key_offsets = token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :]
     value_offsets = token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :]
-    tl.store(key_cache_ptr + cache_offsets, tl.load(key_ptr + key_offsets, mask=mask), mask=mask)
-    tl.store(
-        value_cache_ptr + cache_offsets, tl.load(value_ptr + value_offsets, mask=mask), mask=mask
-    )
+    cache_dtype = key_cache_ptr.dtype.element_ty
+    key = tl.load(key_ptr + key_offsets, mask=mask).to(cache_dtype)
+    value = tl.load(value_ptr + value_offsets, mask=mask).to(cache_dtype)
+    tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
+    tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
 
 
 def write_kv_cache(
@@ -79,16 +83,21 @@ def write_kv_cache(
     """Writes `key`/`value` into `kv_cache` in place at `slot_mapping`; -1 slots are skipped.
 
     `key` and `value` may be strided views (e.g. slices of a fused QKV projection) as long as
-    their last dimension is contiguous. Slots must be < num_blocks * block_size (not checked
-    on the device).
+    their last dimension is contiguous. They are in the model dtype; the cache is in it too, or
+    in a 16-bit `kv_cache_dtype` they are rounded to. Slots must be < num_blocks * block_size
+    (not checked on the device).
     """
     check_kv_cache(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     for name, tensor in (("key", key), ("value", value)):
         check_ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_dim]")
         check_last_dim_contiguous(name, tensor)
-        if tensor.dtype != kv_cache.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} != kv_cache dtype {kv_cache.dtype}.")
+        check_dtype(name, tensor, FLOAT_DTYPES)
+        if not cache_dtype_fits(kv_cache.dtype, tensor.dtype):
+            raise ValueError(
+                f"{name} dtype {tensor.dtype} does not fit kv_cache dtype {kv_cache.dtype}: "
+                "the cache is in the model dtype or a 16-bit kv_cache_dtype."
+            )
         if tensor.shape[1:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match kv_cache, "

@@ -26,6 +26,8 @@ search over `query_start_loc`, and spare ids exit at once.
 The program walks the request's context in tiles of `BLOCK_N` key positions (each position
 looks its block id up in the block table, so any block size works), with an online softmax
 in fp32 (base-2 exponentials). The causal limit of the tile's last query row bounds the walk.
+A cache in a 16-bit `kv_cache_dtype` other than the query's is converted to the query's
+dtype as each tile is loaded, so the dots run in the model dtype.
 
 Split-KV (flash decoding): with few requests and long contexts, a third grid axis splits the
 context walk into `num_splits` ranges. Each split writes a normalized partial output and its
@@ -42,6 +44,7 @@ import triton.language as tl
 
 from kernels._common import (
     FLOAT_DTYPES,
+    cache_dtype_fits,
     check_contiguous,
     check_dtype,
     check_kv_cache,
@@ -198,9 +201,8 @@ def _paged_attention_kernel(
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
         k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)  # from a 16-bit kv_cache_dtype (a no-op when they agree)
+        v = v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if HAS_SOFT_CAP:
@@ -251,8 +253,11 @@ def _check_inputs(
     check_dtype("query", query, FLOAT_DTYPES)
     check_last_dim_contiguous("query", query)
     check_kv_cache(kv_cache)
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}.")
+    if not cache_dtype_fits(kv_cache.dtype, query.dtype):
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype} for a {query.dtype} query: the cache is in the "
+            "query's dtype or a 16-bit kv_cache_dtype."
+        )
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     if kv_cache.shape[4] != head_dim:

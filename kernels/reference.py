@@ -15,10 +15,13 @@ def ref_paged_attention(
     query_start_loc: torch.Tensor,  # [num_reqs + 1]
     scale: float,
     logits_soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are zero
     """Causal attention per request: gather its keys/values position by position, then
     softmax(q k^T * scale) v in fp32 with query token i at position seq_len - q_len + i
-    (scores soft-capped to cap * tanh(s / cap) where `logits_soft_cap` is given)."""
+    (scores soft-capped to cap * tanh(s / cap) where `logits_soft_cap` is given; with
+    `sliding_window`, each query sees only its last `sliding_window` positions, its own
+    included). A bf16/fp16 cache is read as stored, widened to fp32."""
     out = torch.zeros_like(query)
     block_size = kv_cache.shape[2]
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -41,6 +44,8 @@ def ref_paged_attention(
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         visible = positions[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            visible &= positions[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         probs = scores.softmax(dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)

@@ -76,6 +76,7 @@ class CPUDecodeStep:
             model.norm.eps,
             self.scale,
             self.sliding_window,
+            kv_caches[0].dtype,
         )
         hidden, _ = model.norm(hidden[None], residual[None])
         return hidden
@@ -87,17 +88,30 @@ class CPUDecodeStep:
         if self._table is not None and self._table[0] == key:
             return self._table[1]
 
-        def address(t: torch.Tensor | None) -> int:
+        def address(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]) -> int:
             if t is None:
                 return 0
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("native decode needs contiguous fp32 CPU weights and caches")
+            if t.dtype not in dtypes or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(
+                    "native decode needs contiguous CPU tensors: fp32 weights, caches of one "
+                    f"of {tuple(native.KV_DTYPE_CODES)}"
+                )
             return t.data_ptr()
 
+        cache_dtypes = (kv_caches[0].dtype,)  # every layer's cache in one dtype
+        if cache_dtypes[0] not in native.KV_DTYPE_CODES:
+            raise ValueError(f"native decode: kv_cache dtype {cache_dtypes[0]}")
         rows = []
         for fields, cache in zip(self._layers, kv_caches, strict=True):
-            fields = {**fields, "key_cache": cache[0], "value_cache": cache[1]}
-            rows.append([address(fields[name]) for name in native.DECODE_LAYER_FIELDS])
+            caches = {"key_cache": cache[0], "value_cache": cache[1]}
+            rows.append(
+                [
+                    address(caches[name], cache_dtypes)
+                    if name in caches
+                    else address(fields[name], (torch.float32,))
+                    for name in native.DECODE_LAYER_FIELDS
+                ]
+            )
         table = torch.tensor(rows, dtype=torch.int64)
         # The table holds raw addresses: keep the caches it points into alive with it.
         self._table = (key, table, list(kv_caches))

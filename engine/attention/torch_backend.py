@@ -17,6 +17,13 @@ seq_len - query_len + i)::
 
 Loop bounds come from the metadata's host lists, so nothing syncs with the device. A backend
 instance keeps one reusable gather buffer: use one instance per model runner (thread).
+
+The cache may be narrower than the model dtype (`kv_cache_dtype`: a bf16/fp16 cache under an
+fp32 model): keys and values are rounded to it when written, and gathered blocks are widened
+back to the query's dtype before the matmuls, so all arithmetic stays in the model dtype.
+A prefill chunk without cached context attends to its own keys rounded the same way, so its
+output does not depend on whether they were read back from the cache (a prefix-cache hit
+gives the same tokens as a miss).
 """
 
 from __future__ import annotations
@@ -92,22 +99,24 @@ _MAX_KV_HEADS_FOR_HEAD_LOOP = 8
 
 
 class GatherWorkspace:
-    """A reused buffer for gathered keys/values.
+    """Reused buffers for gathered keys/values.
 
     Gathering a long context makes a large tensor every layer; a fresh one of that size is
     served by mmap and page-faulted in each time, which costs several times the copy itself
     on CPU. One layer's gathered blocks are dead before the next layer runs, so one buffer
-    serves every layer and every request of a step.
+    serves every layer and every request of a step (a second one holds them widened, when
+    the cache is narrower than the model dtype).
     """
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def gather_kv(
         self,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
         seq_len: int,
+        dtype: torch.dtype | None = None,  # widen to this (the query's dtype); None: as is
     ) -> torch.Tensor:  # [2, num_reqs, seq_len, num_kv_heads, head_dim]
         """Each request's first `seq_len` keys and values, read through its block table."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -116,22 +125,28 @@ class GatherWorkspace:
         block_ids = block_tables[:, :blocks_per_req].flatten()  # [R * nb]
         row = block_size * num_kv_heads * head_dim
         numel = 2 * num_reqs * blocks_per_req * row
-        out = self._take(numel, kv_cache).view(2, num_reqs * blocks_per_req, row)
+        out = self._take("gather", numel, kv_cache.dtype, kv_cache.device)
+        out = out.view(2, num_reqs * blocks_per_req, row)
         flat = kv_cache.view(2, num_blocks, row)  # [2, num_blocks, block_size * Hkv * D]
         torch.index_select(flat, 1, block_ids, out=out)  # [2, R * nb, block_size * Hkv * D]
+        if dtype is not None and dtype != kv_cache.dtype:
+            wide = self._take("wide", numel, dtype, kv_cache.device).view(out.shape)
+            out = wide.copy_(out)  # [2, R * nb, block_size * Hkv * D] in the query's dtype
         kv = out.view(2, num_reqs, blocks_per_req * block_size, num_kv_heads, head_dim)
         return kv[:, :, :seq_len]  # [2, R, seq_len, Hkv, D]
 
-    def _take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffer
+    def _take(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        buffer = self._buffers.get(name)
         if (
             buffer is None
             or buffer.numel() < numel
-            or buffer.dtype != like.dtype
-            or buffer.device != like.device
+            or buffer.dtype != dtype
+            or buffer.device != device
         ):
-            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._buffer = buffer
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buffer
         return buffer[:numel]
 
 
@@ -141,11 +156,11 @@ def scatter_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [n] int64
 ) -> None:
-    """Scatters keys and values into the cache slots."""
+    """Scatters keys and values into the cache slots, rounded to the cache dtype."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def _decode(
@@ -158,7 +173,9 @@ def _decode(
     """The decode requests in groups whose gathered context fits `_MAX_GATHER_BYTES`."""
     num_decodes = query.shape[0]
     seq_lens = metadata.seq_lens_cpu[:num_decodes]
-    token_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.element_size()
+    # Gathered blocks are widened to the query's dtype: size groups by the wider of the two.
+    element = max(kv_cache.element_size(), query.element_size())
+    token_bytes = 2 * kv_cache.shape[3] * kv_cache.shape[4] * element
     max_bytes = _MAX_GATHER_BYTES_CPU if kv_cache.device.type == "cpu" else _MAX_GATHER_BYTES
     group = max(1, max_bytes // (max(seq_lens) * token_bytes))
     if group >= num_decodes:
@@ -191,8 +208,8 @@ def _decode_group(
     group_size = num_heads // num_kv_heads
     seq_lens = metadata.seq_lens_cpu[start:end]
     max_len = max(seq_lens)
-    kv = workspace.gather_kv(kv_cache, metadata.block_tables[start:end], max_len)
-    key, value = kv[0], kv[1]  # [R, max_len, Hkv, D]
+    kv = workspace.gather_kv(kv_cache, metadata.block_tables[start:end], max_len, query.dtype)
+    key, value = kv[0], kv[1]  # [R, max_len, Hkv, D] in the query's dtype
     q = (query * params.scale).view(num_reqs, num_kv_heads, group_size, head_dim)  # [R, Hkv, G, D]
     pad = None  # [R, max_len] True where a key is not seen: past the end, before the window
     window = params.sliding_window
@@ -255,8 +272,13 @@ def _prefill_one(
         start = metadata.query_start_loc_cpu[req]
         k = key[start : start + query_len]  # [query_len, Hkv, D]
         v = value[start : start + query_len]
+        if kv_cache.dtype != query.dtype:  # as the cache holds them (see the module doc)
+            k = k.to(kv_cache.dtype).to(query.dtype)
+            v = v.to(kv_cache.dtype).to(query.dtype)
     else:
-        kv = workspace.gather_kv(kv_cache, metadata.block_tables[req : req + 1], seq_len)
+        kv = workspace.gather_kv(
+            kv_cache, metadata.block_tables[req : req + 1], seq_len, query.dtype
+        )
         k, v = kv[0, 0], kv[1, 0]  # [seq_len, Hkv, D]
     mask = None
     window = params.sliding_window

@@ -16,8 +16,10 @@ import torch
 
 from engine.native.attention import (
     DECODE_LAYER_FIELDS,
+    KV_DTYPE_CODES,
     decode_scratch_floats,
     decode_token,
+    kv_dtype_code,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -34,12 +36,14 @@ from engine.native.moe import moe_grouped_gemm
 __all__ = [
     "DECODE_LAYER_FIELDS",
     "KERNEL_CACHE_DIR_ENV",
+    "KV_DTYPE_CODES",
     "NATIVE_KERNELS_ENV",
     "NativeKernelError",
     "argmax",
     "decode_scratch_floats",
     "decode_token",
     "kernel_cache_dir",
+    "kv_dtype_code",
     "load_library",
     "moe_grouped_gemm",
     "native_kernels_available",
@@ -109,16 +113,19 @@ def rotary_inplace(
 
 
 def write_kv(
-    key: torch.Tensor,  # [rows, num_kv_heads, head_dim], heads contiguous, rows strided
+    key: torch.Tensor,  # [rows, num_kv_heads, head_dim] fp32, heads contiguous, rows strided
     value: torch.Tensor,  # same shape and strides as key
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] fp32/bf16/fp16
     slot_mapping: torch.Tensor,  # [>= rows] int64, -1 = skip
 ) -> None:
-    """Scatters each row's keys and values into its cache slot."""
+    """Scatters each row's keys and values into its cache slot, rounded (to nearest even,
+    as torch's `.to()`) where the cache is bf16 or fp16."""
     rows, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
     if (
-        value.shape != key.shape
+        key.dtype != torch.float32
+        or value.dtype != torch.float32
+        or value.shape != key.shape
         or value.stride() != key.stride()
         or key.stride(2) != 1
         or key.stride(1) != head_dim
@@ -130,6 +137,7 @@ def write_kv(
         or slot_mapping.numel() < rows
     ):
         raise ValueError("write_kv: unsupported shapes, strides or dtypes")
+    code = kv_dtype_code(kv_cache)
     load_library().write_kv_f32(
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
@@ -139,6 +147,7 @@ def write_kv(
         slot_mapping.data_ptr(),
         rows,
         row,
+        code,
     )
 
 

@@ -1,13 +1,31 @@
 """Wrappers of the attention kernels: paged decode and prefill attention for the `cpu`
 backend, and one decode token through all layers for batch-1 decode (`LlamaModel`).
 
-Each checks the layouts the C code assumes and raises ValueError otherwise."""
+Each checks the layouts the C code assumes and raises ValueError otherwise. Queries and
+outputs are fp32; the KV cache is fp32, bf16 or fp16 (`kv_cache_dtype`): the kernels round
+keys/values into it when writing and widen them to fp32 when reading (kv_dtype.h)."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.native.build import load_library
+
+# The cache element types the kernels read and write, as the C code numbers them
+# (KV_F32 / KV_BF16 / KV_F16 in kv_dtype.h).
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def kv_dtype_code(kv_cache: torch.Tensor) -> int:
+    """The C code of the cache's dtype; a ValueError names the dtypes accepted."""
+    code = KV_DTYPE_CODES.get(kv_cache.dtype)
+    if code is None:
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype}: the native kernels take float32, bfloat16 "
+            "or float16 caches."
+        )
+    return code
+
 
 # Fields per layer of `decode_token`'s layer table (the enum in cpu_kernels.c).
 DECODE_LAYER_FIELDS = (
@@ -28,7 +46,7 @@ DECODE_LAYER_FIELDS = (
 
 def paged_decode_attention(
     query: torch.Tensor,  # [num_reqs, num_heads, head_dim] fp32, rows may be strided
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] fp32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] fp32/bf16/fp16
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     max_len: int,  # >= max(seq_lens)
@@ -69,6 +87,7 @@ def paged_decode_attention(
         scale,
         logits_soft_cap or 0.0,
         torch.get_num_threads(),
+        kv_dtype_code(kv_cache),
     )
     return out
 
@@ -84,8 +103,11 @@ def _check(
 ) -> None:
     """The layout the C code assumes; anything else is a caller bug, reported as such."""
     problems = []
-    if query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-        problems.append(f"dtypes {query.dtype}/{kv_cache.dtype} (need float32)")
+    if query.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPE_CODES:
+        problems.append(
+            f"dtypes {query.dtype}/{kv_cache.dtype} (need a float32 query and a float32, "
+            "bfloat16 or float16 cache)"
+        )
     if query.device.type != "cpu" or kv_cache.device.type != "cpu":
         problems.append("tensors off the CPU")
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -105,7 +127,7 @@ def _check(
 def paged_prefill_attention(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32, written for the prefill rows
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] fp32, rows may be strided
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] fp32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] fp32/bf16/fp16
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
@@ -162,6 +184,7 @@ def paged_prefill_attention(
         scale,
         logits_soft_cap or 0.0,
         torch.get_num_threads(),
+        kv_dtype_code(kv_cache),
     )
 
 
@@ -189,12 +212,14 @@ def decode_token(
     eps: float,
     scale: float,
     sliding_window: int | None = None,  # every layer's, or None
+    kv_cache_dtype: torch.dtype = torch.float32,  # every layer's cache
 ) -> torch.Tensor:  # [hidden_size]: the residual stream before the last MLP
     """All decoder layers for one decode token, in place on `hidden` (cpu_kernels.c).
 
     The caller guarantees what the addresses in `layers` point at: fp32 contiguous weights
-    [out, in] of the sizes given, and caches [num_blocks, block_size, Hkv, D] holding `slot`
-    and the blocks of `block_table`. The shapes passed here are checked."""
+    [out, in] of the sizes given, and caches [num_blocks, block_size, Hkv, D] of
+    `kv_cache_dtype` holding `slot` and the blocks of `block_table`. The shapes passed here
+    are checked."""
     hidden_size = hidden.shape[0]
     problems = []
     for name, t in (("hidden", hidden), ("cos", cos), ("sin", sin)):
@@ -212,6 +237,8 @@ def decode_token(
         problems.append(f"block_table of {block_table.numel()} blocks for {seq_len} tokens")
     if num_heads % num_kv_heads:
         problems.append(f"{num_heads} heads for {num_kv_heads} KV heads")
+    if kv_cache_dtype not in KV_DTYPE_CODES:
+        problems.append(f"kv_cache_dtype {kv_cache_dtype}")
     if problems:
         raise ValueError("decode_token: " + "; ".join(problems))
     residual = torch.empty_like(hidden)
@@ -241,5 +268,6 @@ def decode_token(
         eps,
         scale,
         torch.get_num_threads(),
+        KV_DTYPE_CODES[kv_cache_dtype],
     )
     return residual

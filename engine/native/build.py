@@ -34,7 +34,9 @@ NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
 _EXTRA_SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_kernels.c", "moe_kernels.c"))
-_HEADERS = tuple(Path(__file__).with_name(h) for h in ("quant_rows.h", "quant_fused_avx2.h"))
+_HEADERS = tuple(
+    Path(__file__).with_name(h) for h in ("quant_rows.h", "quant_fused_avx2.h", "kv_dtype.h")
+)
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
 # one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).
 _FLAGS = (
@@ -56,31 +58,32 @@ _ptr = ctypes.c_void_p
 _SIGNATURES = {
     # out, query, query_stride, scores, key_cache, value_cache, block_tables,
     # block_table_stride, seq_lens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-    # max_len, window, scale, cap, num_threads (window: sliding-window size, 0 = none; cap:
-    # attention logit soft-capping, 0 = none)
+    # max_len, window, scale, cap, num_threads, kv_dtype (window: sliding-window size, 0 =
+    # none; cap: attention logit soft-capping, 0 = none; kv_dtype: the cache's element type,
+    # attention.KV_DTYPE_CODES)
     "paged_decode_attention_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
     + [_i64] * 7
-    + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, _i64],
     # out, residual_out, x, x_stride, residual, weight, rows, cols, eps, num_threads
     "rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int],
     # x, x_stride, cos, sin, rows, num_heads, head_dim, num_threads
     "rotary_inplace_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
-    # key_cache, value_cache, key, value, kv_stride, slot_mapping, rows, row
-    "write_kv_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64],
+    # key_cache, value_cache, key, value, kv_stride, slot_mapping, rows, row, kv_dtype
+    "write_kv_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64],
     # out, x, x_stride, rows, inter, num_threads
     "silu_and_mul_f32": [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # out, out_stride, query, query_stride, key_cache, value_cache, block_tables,
     # block_table_stride, query_start_loc, seq_lens, first_req, num_reqs, num_heads,
-    # num_kv_heads, head_dim, block_size, window, scale, cap, num_threads
+    # num_kv_heads, head_dim, block_size, window, scale, cap, num_threads, kv_dtype
     "paged_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
     + [_i64] * 7
-    + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, _i64],
     # hidden, residual, layers, num_layers, scratch, cos, sin, table, seq_len, slot,
     # hidden_size, num_heads, num_kv_heads, head_dim, inter, block_size, window, eps, scale,
-    # threads
+    # threads, kv_dtype
     "decode_token_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
     + [_i64] * 9
-    + [ctypes.c_float, ctypes.c_float, ctypes.c_int],
+    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, _i64],
     # out, x, x_stride, rows (or NULL), w, offsets, num_experts, n, k, num_threads
     "moe_grouped_gemm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # out, x, row_stride, rows, cols, num_threads

@@ -1,7 +1,9 @@
 /*
- * Native fp32 CPU kernels, in the order of this file: paged decode attention, the small
- * per-layer elementwise ops (RMSNorm, rotary, KV write), a vectorised exp and SiLU-and-mul,
- * paged prefill attention, one decode token through all layers (batch-1 decode), argmax.
+ * Native fp32 CPU kernels, in the order of this file: the small per-layer elementwise ops
+ * (RMSNorm, rotary), a vectorised exp and SiLU-and-mul, the KV write, paged decode
+ * attention, paged prefill attention, one decode token through all layers (batch-1 decode),
+ * argmax. Activations are fp32; the KV cache is fp32, bf16 or fp16 (kv_dtype.h: written
+ * rounded, read widened, all arithmetic in fp32).
  *
  * Paged decode attention (one query token per request, read straight from the paged KV
  * cache, no gathered copy of the context) has one implementation, `decode_item`, used by
@@ -155,25 +157,6 @@ void rotary_inplace_f32(float *x, int64_t x_stride, const float *cos, const floa
                         half);
 }
 
-/* Scatters rows of keys and values (row stride kv_stride, `row` floats each: all KV heads)
- * into the cache at slot_mapping (slot = block * block_size + offset; -1 = skip). */
-void write_kv_f32(float *key_cache, float *value_cache, const float *key, const float *value,
-                  int64_t kv_stride, const int64_t *slot_mapping, int64_t rows, int64_t row) {
-    for (int64_t t = 0; t < rows; ++t) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        float *kc = key_cache + slot * row;
-        float *vc = value_cache + slot * row;
-        const float *k = key + t * kv_stride;
-        const float *v = value + t * kv_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < row; ++i) {
-            kc[i] = k[i];
-            vc[i] = v[i];
-        }
-    }
-}
-
 /* ---- Vectorised exp, SiLU-and-mul --------------------------------------------------------
  *
  * GCC/clang vector extensions (portable: on targets with narrower registers the compiler
@@ -278,6 +261,30 @@ void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t rows
     for (int64_t r = 0; r < rows; ++r) silu_mul_row(out + r * inter, x + r * x_stride, inter);
 }
 
+/* ---- KV-cache element types and the KV write ------------------------------------------------
+ *
+ * The cache is fp32, bf16 or fp16 (kv_cache_dtype): kv_dtype.h holds the conversions and the
+ * cache-typed dot/axpy/loads the attention kernels below read it with; every kernel taking a
+ * cache takes its type code `kv_dtype` last. */
+#include "kv_dtype.h"
+
+/* Scatters rows of fp32 keys and values (row stride kv_stride, `row` floats each: all KV
+ * heads) into the cache at slot_mapping (slot = block * block_size + offset; -1 = skip),
+ * rounded to the cache's type. */
+void write_kv_f32(void *key_cache, void *value_cache, const float *key, const float *value,
+                  int64_t kv_stride, const int64_t *slot_mapping, int64_t rows, int64_t row,
+                  int64_t kv_dtype) {
+    for (int64_t t = 0; t < rows; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const int64_t at = slot * row * kv_elem_bytes((int)kv_dtype); /* bytes */
+        DISPATCH_KV_DTYPE(
+            kv_store_row((char *)key_cache + at, key + t * kv_stride, row, KV);
+            kv_store_row((char *)value_cache + at, value + t * kv_stride, row, KV),
+            kv_dtype)
+    }
+}
+
 /* ---- Paged decode attention ---------------------------------------------------------------
  *
  * One request's query token (at position seq_len - 1) for the query heads
@@ -293,31 +300,41 @@ INLINE float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / 
 /* Asks for the cache lines of KV heads [kvh0, kvh1) of one token row: the same row of the
  * next block, while this block is worked on. Blocks are scattered over the pool, so the
  * hardware prefetcher, which follows sequential streams, cannot guess the next one. */
-INLINE void prefetch_row(const float *row, int64_t kvh0, int64_t kvh1, int64_t head_dim) {
-    const char *first = (const char *)(row + kvh0 * head_dim);
-    const char *last = (const char *)(row + kvh1 * head_dim);
+INLINE void prefetch_row(const void *row, int64_t kvh0, int64_t kvh1, int64_t head_dim, int kv) {
+    const char *first = kv_at(row, kvh0 * head_dim, kv);
+    const char *last = kv_at(row, kvh1 * head_dim, kv);
     for (const char *p = first; p < last; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
+/* Element offset of token row `t` (in [start, start + block_size)) of the block holding
+ * positions start.. of a request, in a cache of token_stride elements per row. */
+INLINE int64_t row_offset(const int32_t *table, int64_t start, int64_t t, int64_t block_size,
+                          int64_t token_stride) {
+    return ((int64_t)table[start / block_size] * block_size + (t - start)) * token_stride;
+}
+
 INLINE void decode_item(float *restrict out, const float *restrict q, float *restrict scores,
-                        int64_t scores_stride, const float *key_cache, const float *value_cache,
+                        int64_t scores_stride, const void *key_cache, const void *value_cache,
                         const int32_t *table, int64_t seq_len, int64_t first, int64_t kvh0,
                         int64_t kvh1, int64_t g0, int64_t g1, int64_t group, int64_t head_dim,
-                        int64_t block_size, int64_t token_stride, float scale, float cap) {
+                        int64_t block_size, int64_t token_stride, float scale, float cap,
+                        int kv) {
     const int64_t first_block = first / block_size * block_size;
     for (int64_t start = first_block; start < seq_len; start += block_size) {
-        const float *block = key_cache + (int64_t)table[start / block_size] * block_size * token_stride;
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        const float *next = end < seq_len
-                                ? key_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
-                                : NULL;
+        const int has_next = end < seq_len;
         for (int64_t t = start > first ? start : first; t < end; ++t) {
-            const float *k = block + (t - start) * token_stride;
-            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
+            const void *k = kv_at(key_cache, row_offset(table, start, t, block_size, token_stride), kv);
+            if (has_next)
+                prefetch_row(kv_at(key_cache,
+                                   row_offset(table, end, t - start + end, block_size, token_stride),
+                                   kv),
+                             kvh0, kvh1, head_dim, kv);
             for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
                 for (int64_t g = g0; g < g1; ++g) {
                     const int64_t h = kvh * group + g;
-                    const float s = scale * dot(q + h * head_dim, k + kvh * head_dim, head_dim);
+                    const float s =
+                        scale * dot_kv(q + h * head_dim, kv_at(k, kvh * head_dim, kv), head_dim, kv);
                     scores[h * scores_stride + t] = soft_cap(s, cap);
                 }
         }
@@ -347,20 +364,21 @@ INLINE void decode_item(float *restrict out, const float *restrict q, float *res
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t d = 0; d < head_dim; ++d) out[(kvh * group + g) * head_dim + d] = 0.0f;
     for (int64_t start = first_block; start < seq_len; start += block_size) {
-        const float *block =
-            value_cache + (int64_t)table[start / block_size] * block_size * token_stride;
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
-        const float *next = end < seq_len
-                                ? value_cache + (int64_t)table[start / block_size + 1] * block_size * token_stride
-                                : NULL;
+        const int has_next = end < seq_len;
         for (int64_t t = start > first ? start : first; t < end; ++t) {
-            const float *v = block + (t - start) * token_stride;
-            if (next != NULL) prefetch_row(next + (t - start) * token_stride, kvh0, kvh1, head_dim);
+            const void *v =
+                kv_at(value_cache, row_offset(table, start, t, block_size, token_stride), kv);
+            if (has_next)
+                prefetch_row(kv_at(value_cache,
+                                   row_offset(table, end, t - start + end, block_size, token_stride),
+                                   kv),
+                             kvh0, kvh1, head_dim, kv);
             for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
                 for (int64_t g = g0; g < g1; ++g) {
                     const int64_t h = kvh * group + g;
-                    axpy(out + h * head_dim, scores[h * scores_stride + t], v + kvh * head_dim,
-                         head_dim);
+                    axpy_kv(out + h * head_dim, scores[h * scores_stride + t],
+                            kv_at(v, kvh * head_dim, kv), head_dim, kv);
                 }
         }
     }
@@ -374,14 +392,15 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int num_th
 }
 
 /* out[r, h] = softmax(cap(scale * q[r, h] . k[r, t])) . v[r, t] over t in request r's window;
- * scores is scratch of [num_reqs, num_heads, max_len] floats (max_len >= every seq_len). */
+ * scores is scratch of [num_reqs, num_heads, max_len] floats (max_len >= every seq_len).
+ * The query, scores and out are fp32; the cache is of type kv_dtype (kv_dtype.h). */
 void paged_decode_attention_f32(float *out, const float *query, int64_t query_stride,
-                                float *scores, const float *key_cache, const float *value_cache,
+                                float *scores, const void *key_cache, const void *value_cache,
                                 const int32_t *block_tables, int64_t block_table_stride,
                                 const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                 int64_t max_len, int64_t window, float scale, float cap,
-                                int num_threads) {
+                                int num_threads, int64_t kv_dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, num_threads);
@@ -390,13 +409,15 @@ void paged_decode_attention_f32(float *out, const float *query, int64_t query_st
     for (int64_t r = 0; r < num_reqs; ++r) {
         for (int64_t c = 0; c < num_chunks; ++c) {
             const int64_t seq_len = seq_lens[r];
-            DISPATCH_HEAD_DIM(
-                decode_item(out + r * num_heads * head_dim, query + r * query_stride,
-                            scores + r * num_heads * max_len, max_len, key_cache, value_cache,
-                            block_tables + r * block_table_stride, seq_len,
-                            window_first(seq_len - 1, window), c * chunk, (c + 1) * chunk, 0,
-                            group, group, D, block_size, token_stride, scale, cap),
-                head_dim)
+            DISPATCH_KV_DTYPE(
+                DISPATCH_HEAD_DIM(
+                    decode_item(out + r * num_heads * head_dim, query + r * query_stride,
+                                scores + r * num_heads * max_len, max_len, key_cache, value_cache,
+                                block_tables + r * block_table_stride, seq_len,
+                                window_first(seq_len - 1, window), c * chunk, (c + 1) * chunk, 0,
+                                group, group, D, block_size, token_stride, scale, cap, KV),
+                    head_dim),
+                kv_dtype)
         }
     }
 }
@@ -425,7 +446,7 @@ void paged_decode_attention_f32(float *out, const float *query, int64_t query_st
  * LANES (up to 8 LANES) the row stays in registers, in two interleaved sets of partial
  * sums (even and odd keys) so the FMA chains overlap. */
 INLINE void accumulate_values(float *restrict a, float rescale, const float *restrict p,
-                              const float *const *values, int64_t n, int64_t head_dim) {
+                              const void *const *values, int64_t n, int64_t head_dim, int kv) {
     if (head_dim % LANES == 0 && head_dim <= 8 * LANES) {
         const int64_t vectors = head_dim / LANES;
         vfloat even[8], odd[8];
@@ -437,18 +458,18 @@ INLINE void accumulate_values(float *restrict a, float rescale, const float *res
         for (; j + 2 <= n; j += 2) {
             const float w0 = p[j], w1 = p[j + 1];
             for (int64_t v = 0; v < vectors; ++v) {
-                even[v] += w0 * vload(values[j] + v * LANES);
-                odd[v] += w1 * vload(values[j + 1] + v * LANES);
+                even[v] += w0 * kv_loadv(values[j], v * LANES, kv);
+                odd[v] += w1 * kv_loadv(values[j + 1], v * LANES, kv);
             }
         }
         if (j < n)
-            for (int64_t v = 0; v < vectors; ++v) even[v] += p[j] * vload(values[j] + v * LANES);
+            for (int64_t v = 0; v < vectors; ++v) even[v] += p[j] * kv_loadv(values[j], v * LANES, kv);
         for (int64_t v = 0; v < vectors; ++v) vstore(a + v * LANES, even[v] + odd[v]);
         return;
     }
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
-    for (int64_t j = 0; j < n; ++j) axpy(a, p[j], values[j], head_dim);
+    for (int64_t j = 0; j < n; ++j) axpy_kv(a, p[j], values[j], head_dim, kv);
 }
 
 /* Scores of SCORE_ROWS query rows against one transposed key chunk ([head_dim][LANES]):
@@ -471,7 +492,7 @@ INLINE void chunk_scores(vfloat *restrict out, const float *const *q, const floa
  * both (head_dim a multiple of LANES, up to 8 LANES). */
 INLINE void accumulate_values2(float *restrict a0, float *restrict a1, float rescale0,
                                float rescale1, const float *restrict p0, const float *restrict p1,
-                               const float *const *values, int64_t n, int64_t head_dim) {
+                               const void *const *values, int64_t n, int64_t head_dim, int kv) {
     const int64_t vectors = head_dim / LANES;
     vfloat r0[8], r1[8];
     for (int64_t v = 0; v < vectors; ++v) {
@@ -481,7 +502,7 @@ INLINE void accumulate_values2(float *restrict a0, float *restrict a1, float res
     for (int64_t j = 0; j < n; ++j) {
         const float w0 = p0[j], w1 = p1[j];
         for (int64_t v = 0; v < vectors; ++v) {
-            const vfloat x = vload(values[j] + v * LANES);
+            const vfloat x = kv_loadv(values[j], v * LANES, kv);
             r0[v] += w0 * x;
             r1[v] += w1 * x;
         }
@@ -492,19 +513,33 @@ INLINE void accumulate_values2(float *restrict a0, float *restrict a1, float res
     }
 }
 
+/* One key row into a column of the transposed segment (stride LANES), widened to fp32. A
+ * 16-bit row is widened a vector at a time first: per element, the conversion costs more
+ * than the copy. */
+INLINE void transpose_key(float *restrict column, const void *k, int64_t head_dim, int kv) {
+    int64_t d = 0;
+    if (kv != KV_F32)
+        for (; d + LANES <= head_dim; d += LANES) {
+            float wide[LANES];
+            vstore(wide, kv_loadv(k, d, kv));
+            for (int l = 0; l < LANES; ++l) column[(d + l) * LANES] = wide[l];
+        }
+    for (; d < head_dim; ++d) column[d * LANES] = kv_load1(k, d, kv);
+}
+
 INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
-                         int64_t query_stride, const float *key_cache, const float *value_cache,
+                         int64_t query_stride, const void *key_cache, const void *value_cache,
                          const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
                          int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
                          int64_t token_stride, float scale, float cap, int64_t window,
-                         float *scratch) {
+                         float *scratch, int kv) {
     const int64_t num_rows = (row1 - row0) * group;
     float *keys = scratch;                          /* [PREFILL_SEGMENT / LANES][head_dim][LANES] */
     float *probs = keys + PREFILL_SEGMENT * head_dim; /* [SCORE_ROWS][PREFILL_SEGMENT] */
     float *acc = probs + SCORE_ROWS * PREFILL_SEGMENT; /* [num_rows][head_dim] */
     float *run_max = acc + num_rows * head_dim;
     float *run_sum = run_max + num_rows;
-    const float *values[PREFILL_SEGMENT];
+    const void *values[PREFILL_SEGMENT];
     for (int64_t i = 0; i < num_rows * head_dim; ++i) acc[i] = 0.0f;
     for (int64_t i = 0; i < num_rows; ++i) {
         run_max[i] = -INFINITY;
@@ -523,9 +558,9 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
             if (j < seg) {
                 const int64_t t = s0 + j;
                 const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                const float *k = key_cache + slot * token_stride + kvh * head_dim;
-                values[j] = value_cache + slot * token_stride + kvh * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) column[d * LANES] = k[d];
+                const void *k = kv_at(key_cache, slot * token_stride + kvh * head_dim, kv);
+                values[j] = kv_at(value_cache, slot * token_stride + kvh * head_dim, kv);
+                transpose_key(column, k, head_dim, kv);
             } else {
                 for (int64_t d = 0; d < head_dim; ++d) column[d * LANES] = 0.0f;
             }
@@ -596,12 +631,12 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                                        rescale[m], rescale[m + 1], probs + m * stride,
                                        probs + (m + 1) * stride, values,
                                        visible[m] > visible[m + 1] ? visible[m] : visible[m + 1],
-                                       head_dim);
+                                       head_dim, kv);
                 }
             for (; m < rows_here; ++m)
                 if (visible[m] > 0)
                     accumulate_values(acc + (b0 + m) * head_dim, rescale[m], probs + m * stride,
-                                      values, visible[m], head_dim);
+                                      values, visible[m], head_dim, kv);
         }
     }
     for (int64_t i = row0; i < row1; ++i)
@@ -619,13 +654,13 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
  * query_start_loc[r] .. query_start_loc[r + 1] of query/out (row strides query_stride and
  * out_stride, heads contiguous within a row). Other rows of out are not touched. */
 void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
-                             int64_t query_stride, const float *key_cache,
-                             const float *value_cache, const int32_t *block_tables,
+                             int64_t query_stride, const void *key_cache,
+                             const void *value_cache, const int32_t *block_tables,
                              int64_t block_table_stride, const int32_t *query_start_loc,
                              const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t window, float scale, float cap,
-                             int num_threads) {
+                             int num_threads, int64_t kv_dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     /* Items are numbered request by request: item_start[r - first_req] is r's first. */
@@ -660,12 +695,14 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
             const int64_t row0 = tile * PREFILL_ROWS;
             const int64_t row1 = row0 + PREFILL_ROWS < q_len ? row0 + PREFILL_ROWS : q_len;
             const int32_t *table = block_tables + r * block_table_stride;
-            DISPATCH_HEAD_DIM(
-                prefill_item(out + start * out_stride, out_stride, query + start * query_stride,
-                             query_stride, key_cache, value_cache, table, seq_lens[r] - q_len,
-                             row0, row1, kvh, group, D, block_size, token_stride, scale, cap,
-                             window, scratch),
-                head_dim)
+            DISPATCH_KV_DTYPE(
+                DISPATCH_HEAD_DIM(
+                    prefill_item(out + start * out_stride, out_stride,
+                                 query + start * query_stride, query_stride, key_cache,
+                                 value_cache, table, seq_lens[r] - q_len, row0, row1, kvh, group,
+                                 D, block_size, token_stride, scale, cap, window, scratch, KV),
+                    head_dim),
+                kv_dtype)
         }
         free(scratch);
     }
@@ -738,7 +775,7 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
                       float *scratch, const float *cos, const float *sin, const int32_t *table,
                       int64_t seq_len, int64_t slot, int64_t hidden_size, int64_t num_heads,
                       int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t block_size,
-                      int64_t window, float eps, float scale, int num_threads) {
+                      int64_t window, float eps, float scale, int num_threads, int64_t kv_dtype) {
     const int64_t group = num_heads / num_kv_heads, half = head_dim / 2;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int64_t token_stride = kv_size;
@@ -752,8 +789,9 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t *f = layers + l * DECODE_LAYER_FIELDS;
 #define FIELD(i) ((const float *)(intptr_t)f[i])
-        float *key_cache = (float *)(intptr_t)f[F_KEY_CACHE];
-        float *value_cache = (float *)(intptr_t)f[F_VALUE_CACHE];
+        /* of type kv_dtype (kv_dtype.h) */
+        char *key_cache = (char *)(intptr_t)f[F_KEY_CACHE];
+        char *value_cache = (char *)(intptr_t)f[F_VALUE_CACHE];
 #pragma omp single
         if (l == 0) { /* no residual yet: it starts as the embedding */
             rms_row(normed, NULL, hidden, NULL, FIELD(F_INPUT_NORM), hidden_size, eps);
@@ -767,17 +805,19 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
         {
             for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) /* q and k heads */
                 rotate_head(qkv + h * head_dim, cos, sin, half);
-            float *kc = key_cache + slot * token_stride, *vc = value_cache + slot * token_stride;
-            for (int64_t i = 0; i < kv_size; ++i) {
-                kc[i] = qkv[q_size + i];
-                vc[i] = qkv[q_size + kv_size + i];
-            }
+            const int64_t at = slot * token_stride * kv_elem_bytes((int)kv_dtype); /* bytes */
+            DISPATCH_KV_DTYPE(kv_store_row(key_cache + at, qkv + q_size, kv_size, KV);
+                              kv_store_row(value_cache + at, qkv + q_size + kv_size, kv_size, KV),
+                              kv_dtype)
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < num_heads; ++h)
-            decode_item(attn, qkv, scores, seq_len, key_cache, value_cache, table, seq_len,
-                        window_first(seq_len - 1, window), h / group, h / group + 1, h % group,
-                        h % group + 1, group, head_dim, block_size, token_stride, scale, 0.0f);
+            DISPATCH_KV_DTYPE(
+                decode_item(attn, qkv, scores, seq_len, key_cache, value_cache, table, seq_len,
+                            window_first(seq_len - 1, window), h / group, h / group + 1,
+                            h % group, h % group + 1, group, head_dim, block_size, token_stride,
+                            scale, 0.0f, KV),
+                kv_dtype)
         gemv_rows(hidden, FIELD(F_O_WEIGHT), FIELD(F_O_BIAS), attn, hidden_size, q_size);
 #pragma omp single
         rms_row(normed, residual, hidden, residual, FIELD(F_POST_NORM), hidden_size, eps);

@@ -22,7 +22,11 @@ import sys
 import torch
 
 from engine.attention.backend import get_attention_backend
-from engine.config import CacheConfig, EngineConfig, default_cpu_kv_cache_bytes
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    default_cpu_kv_cache_bytes,
+)
 from engine.core.sched_output import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -54,6 +58,12 @@ class ModelRunner:
         model_config = config.model_config
         self.device = torch.device(config.device_config.device)
         self.dtype: torch.dtype = getattr(torch, model_config.dtype)
+        # The KV cache's element type (CacheConfig.cache_dtype, vLLM's kv_cache_dtype): the
+        # model dtype, or a 16-bit type the attention backends round keys/values into.
+        cache_dtype = config.cache_config.cache_dtype  # resolved by EngineArgs, or "auto"
+        self.kv_cache_dtype: torch.dtype = getattr(
+            torch, model_config.dtype if cache_dtype == "auto" else cache_dtype
+        )
         self.block_size = config.cache_config.block_size
         self.vocab_size = model_config.vocab_size
         torch.manual_seed(model_config.seed)
@@ -121,7 +131,8 @@ class ModelRunner:
         self._decode_step = None
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, in the
+        cache dtype (`kv_cache_dtype`; DESIGN.md's "in the model dtype" is the default).
 
         Zeroed, not empty: padded positions of a gathered context are masked to weight 0,
         and 0 * NaN from uninitialised memory would still poison the sum.
@@ -131,8 +142,11 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, mc.head_dim)
         num_layers = self.model.num_local_layers
         if self.device.type == "cpu":  # pages become resident as blocks are first used
-            return [lazily_zeroed(shape, self.dtype) for _ in range(num_layers)]
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+            return [lazily_zeroed(shape, self.kv_cache_dtype) for _ in range(num_layers)]
+        return [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
 
     @torch.inference_mode()
     def _dummy_forward(
@@ -180,18 +194,21 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes for one block: its KV heads, its stage's layers."""
+        """This rank's bytes for one block in the cache dtype: its KV heads, its stage's
+        layers."""
         mc = self.config.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         per_layer = 2 * self.block_size * self.model.num_kv_heads * mc.head_dim * elem
         return per_layer * self.model.num_local_layers
 
     def _determine_num_blocks(self, cache_config: CacheConfig) -> int:
         """Blocks from the memory budget: an explicit byte budget, the free GPU memory
-        times `gpu_memory_utilization`, or the CPU budget. Never more than the scheduler
-        could ever use (max_num_seqs full-length sequences)."""
+        times `gpu_memory_utilization`, or the CPU budget (what the scheduler can use,
+        capped by the available memory: config.default_cpu_kv_cache_bytes). Never more
+        than the scheduler could ever use (max_num_seqs full-length sequences)."""
         per_block = self.kv_bytes_per_block
         sched = self.config.scheduler_config
+        max_useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size)
         if cache_config.num_gpu_blocks_override is not None:
             num_blocks = cache_config.num_gpu_blocks_override
             source = "num_gpu_blocks_override"
@@ -201,9 +218,9 @@ class ModelRunner:
             elif self.device.type == "cuda":
                 budget, source = self._gpu_kv_budget(cache_config.gpu_memory_utilization), "GPU"
             else:
-                budget, source = default_cpu_kv_cache_bytes(), "CPU budget"
+                budget = default_cpu_kv_cache_bytes(max_useful * per_block)
+                source = "CPU budget"
             num_blocks = budget // per_block
-            max_useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size)
             num_blocks = min(num_blocks, max_useful)
         if num_blocks < 1:
             raise ValueError(
@@ -211,11 +228,12 @@ class ModelRunner:
                 "raise kv_cache_memory_bytes / gpu_memory_utilization."
             )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%s)",
             num_blocks,
             self.block_size,
             num_blocks * self.block_size,
             num_blocks * per_block / 2**20,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             source,
         )
         return num_blocks

@@ -44,7 +44,8 @@ def _call_attention(**overrides) -> Callable[[], object]:
 
 
 ATTENTION_CASES = {
-    "query_dtype": ({"query": lambda t: t.float()}, "kv_cache dtype"),
+    # fp16 query: a cache in its dtype or a 16-bit kv_cache_dtype, never a wider one.
+    "cache_wider_than_query": ({"kv_cache": lambda t: t.float()}, "kv_cache dtype"),
     "query_int": ({"query": lambda t: t.to(torch.int32)}, "query must have dtype"),
     "query_2d": ({"query": lambda t: t.flatten(1)}, r"query must be \[num_tokens"),
     "query_last_dim_strided": (
