@@ -69,7 +69,20 @@ def _ready_probe(kind: str, kwargs: dict, queue) -> None:
         load_llamacpp(**kwargs)
     else:
         LLM(**kwargs)
-    queue.put((time.perf_counter() - start, peak_rss_mib()))
+    queue.put((time.perf_counter() - start, process_peak_rss_mib()))
+
+
+def process_peak_rss_mib() -> float:
+    """This process's own peak RSS: VmHWM, which starts afresh at exec. (ru_maxrss does
+    not: a spawned child inherits its parent's.)"""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return peak_rss_mib()
 
 
 def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:

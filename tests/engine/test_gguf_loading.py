@@ -167,3 +167,27 @@ def test_truncated_file_is_refused(tiny_gguf, tmp_path) -> None:
     last = list(read_gguf(path).tensors)[-1]
     with pytest.raises(ValueError, match=f"GGUF tensor {last}.*runs past the end"):
         read_gguf(truncated)
+
+
+def test_level_2_sleep_reloads_the_blocks(tiny_gguf, monkeypatch) -> None:
+    """Waking from sleep(level=2) rebuilds the model as at start-up: still quantized, same
+    tokens (it was reloaded as fp32 before, which the default now is not)."""
+    from engine import LLM, SamplingParams
+
+    path, model_dir = tiny_gguf
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(model_dir.parent))  # reuse the conversion
+    llm = LLM(model=str(path), kv_cache_memory_bytes=8 * 2**20)
+    assert llm.llm_engine.get_model_config().model_dir == model_dir
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 9]}]
+
+    def tokens() -> list[int]:
+        return list(llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    reference = tokens()
+    llm.sleep(level=2)
+    llm.wake_up()
+    model = llm.llm_engine.runner.model
+    assert model.quantized_logits is not None
+    assert all(p.numel() <= HIDDEN for p in model.parameters())
+    assert tokens() == reference
