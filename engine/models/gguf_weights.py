@@ -45,7 +45,8 @@ _CHECK_ROWS = 8
 
 @dataclass(frozen=True)
 class BlockCheck:
-    """Rows [row, row + n) of checkpoint tensor `name` are rows [part_row, ...) of `part`."""
+    """Checkpoint tensor `name` (file tensor `gguf_name`, `num_rows` rows) is rows
+    [part_row, part_row + num_rows) of the quantized matrix `part`."""
 
     name: str
     gguf_name: str
