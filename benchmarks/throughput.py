@@ -17,9 +17,9 @@ same baseline in the same run; the first is the one whose peak RSS is reported.
 `--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
 its draft acceptance is printed.
 
-Every engine's start is also measured alone in a fresh process (spawned; torch imported
-before the clock starts): the seconds until `LLM(...)` returns ready, and that process's
-peak RSS. `--llamacpp-baseline` (needs `llama-cpp-python`, not a project dependency) runs
+Every engine's start is also measured alone in a fresh process (benchmarks/ready_probe.py,
+imports done before the clock starts): the seconds until `LLM(...)` returns ready, and that
+process's peak RSS. `--llamacpp-baseline` (needs `llama-cpp-python`, not a project dependency) runs
 llama.cpp on the same GGUF file in the same run: the same start measurement, the same
 prompt ids and output length, one stream at a time (benchmarks/llamacpp_baseline.py),
 `--llamacpp-threads` threads (2).
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,40 +60,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _ready_probe(kind: str, kwargs: dict, queue) -> None:
-    """In a fresh process: (seconds to a ready engine, peak RSS MiB) onto `queue`."""
-    start = time.perf_counter()
-    if kind == "llama.cpp":
-        from llamacpp_baseline import load_llamacpp
-
-        load_llamacpp(**kwargs)
-    else:
-        LLM(**kwargs)
-    queue.put((time.perf_counter() - start, process_peak_rss_mib()))
-
-
-def process_peak_rss_mib() -> float:
-    """This process's own peak RSS: VmHWM, which starts afresh at exec. (ru_maxrss does
-    not: a spawned child inherits its parent's.)"""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return peak_rss_mib()
-
-
 def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:
-    """Start-up alone, where nothing else has been imported or allocated yet."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_ready_probe, args=(kind, kwargs, queue))
-    process.start()
-    ready_s, rss_mib = queue.get()
-    process.join()
-    print(f"{kind:>22}: ready in {ready_s:.2f} s, peak RSS {rss_mib:.0f} MiB (fresh process)")
+    """Start-up alone (benchmarks/ready_probe.py), where nothing else has been imported or
+    allocated yet: (seconds to ready, peak RSS MiB)."""
+    probe = Path(__file__).with_name("ready_probe.py")
+    args = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()})
+    done = subprocess.run(
+        [sys.executable, str(probe), kind, args], capture_output=True, text=True, check=True
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ready_s, rss_mib = result["ready_s"], result["peak_rss_mib"]
+    print(
+        f"{kind:>22}: ready in {ready_s:.2f} s (imports before: {result['import_s']:.2f} s), "
+        f"peak RSS {rss_mib:.0f} MiB (fresh process)"
+    )
     return ready_s, rss_mib
 
 
@@ -226,7 +206,7 @@ def main() -> int:
                 else None
             ),
         )
-        start = ready_in_fresh_process(f"LLM(quantization={quantization})", llm_kwargs)
+        start = ready_in_fresh_process("pagedserve", llm_kwargs)
         llm = LLM(**llm_kwargs)
         resolved = llm.llm_engine.get_model_config().quantization
         name = "pagedserve" if len(args.quantization) == 1 else f"pagedserve[{resolved}]"
