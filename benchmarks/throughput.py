@@ -17,6 +17,13 @@ same baseline in the same run; the first is the one whose peak RSS is reported.
 `--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
 its draft acceptance is printed. `--tensor-parallel-size` / `--pipeline-parallel-size` run
 our engine on rank processes (benchmarks/parallel.py compares rank layouts).
+
+Every engine's start is also measured alone in a fresh process (benchmarks/ready_probe.py,
+imports done before the clock starts): the seconds until `LLM(...)` returns ready, and that
+process's peak RSS. `--llamacpp-baseline` (needs `llama-cpp-python`, not a project dependency) runs
+llama.cpp on the same GGUF file in the same run: the same start measurement, the same
+prompt ids and output length, one stream at a time (benchmarks/llamacpp_baseline.py),
+`--llamacpp-threads` threads (2).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +59,23 @@ def cpu_model() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:
+    """Start-up alone (benchmarks/ready_probe.py), where nothing else has been imported or
+    allocated yet: (seconds to ready, peak RSS MiB)."""
+    probe = Path(__file__).with_name("ready_probe.py")
+    args = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()})
+    done = subprocess.run(
+        [sys.executable, str(probe), kind, args], capture_output=True, text=True, check=True
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ready_s, rss_mib = result["ready_s"], result["peak_rss_mib"]
+    print(
+        f"{kind:>22}: ready in {ready_s:.2f} s (imports before: {result['import_s']:.2f} s), "
+        f"peak RSS {rss_mib:.0f} MiB (fresh process)"
+    )
+    return ready_s, rss_mib
 
 
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -152,20 +177,40 @@ def main() -> int:
         help="the KV cache's dtype (EngineArgs.kv_cache_dtype: auto, bfloat16, float16); "
         "several: one engine each",
     )
+    parser.add_argument(
+        "--llamacpp-baseline",
+        action="store_true",
+        help="also run llama.cpp (llama-cpp-python) on the same GGUF file",
+    )
+    parser.add_argument("--llamacpp-threads", type=int, default=2)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}")
+    llamacpp = None
+    if args.llamacpp_baseline:
+        from llamacpp_baseline import gguf_path, llamacpp_missing
+
+        missing = llamacpp_missing()
+        print(missing or f"llama.cpp baseline on {gguf_path(args.model)}")
+        if missing is None:
+            llamacpp = {
+                "path": gguf_path(args.model),
+                "context_len": args.input_len + args.output_len + 16,
+                "threads": args.llamacpp_threads,
+                "seed": args.seed,
+            }
     llms = {}
+    starts: dict[str, tuple[float, float]] = {}
     variants = [(q, kv) for q in args.quantization for kv in args.kv_cache_dtype]
     for quantization, kv_cache_dtype in variants:
-        llm = LLM(
+        llm_kwargs = dict(
             model=args.model,
             dtype=args.dtype,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
-            quantization=quantization,
+            quantization=None if quantization == "none" else quantization,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             kv_cache_dtype=kv_cache_dtype,
@@ -175,17 +220,28 @@ def main() -> int:
                 else None
             ),
         )
+        start = ready_in_fresh_process("pagedserve", llm_kwargs)
+        llm = LLM(**llm_kwargs)
         resolved = llm.llm_engine.get_model_config().quantization
-        kv = llm.llm_engine.runner.config.cache_config.cache_dtype
+        kv = llm.llm_engine.get_cache_config().cache_dtype
         tags = [str(resolved)] * (len(args.quantization) > 1)
         tags += [f"kv {kv}"] * (len(args.kv_cache_dtype) > 1)
         name = f"pagedserve[{', '.join(tags)}]" if tags else "pagedserve"
-        llms[name] = llm
+        llms[name], starts[name] = llm, start
+    if llamacpp is not None:
+        from llamacpp_baseline import load_llamacpp
+
+        starts["llama.cpp"] = ready_in_fresh_process("llama.cpp", llamacpp)
+        llamacpp = load_llamacpp(**llamacpp)
     config = llm.llm_engine.get_model_config()
     prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
     warm_up = make_prompts(2, args.input_len, config.vocab_size, args.seed + 1)
     for llm in llms.values():
         run_engine(llm, warm_up, 4)
+    if llamacpp is not None:
+        from llamacpp_baseline import run_llamacpp
+
+        run_llamacpp(llamacpp, warm_up, 4)
     hf = None
     pad_id = next(iter(config.eos_token_ids), 0)
 
@@ -212,10 +268,18 @@ def main() -> int:
         if args.hf_baseline:
             elapsed = run_hf(baseline(), prompts, args.output_len, args.hf_batch_size, pad_id)
             times.setdefault(hf_name, []).append(elapsed)
+        if llamacpp is not None:
+            from llamacpp_baseline import run_llamacpp
+
+            elapsed = run_llamacpp(llamacpp, prompts, args.output_len)
+            times.setdefault("llama.cpp sequential", []).append(elapsed)
         if args.single_stream:
             for name, llm in llms.items():
                 elapsed = run_engine(llm, prompts[:1], args.output_len)
                 times.setdefault(f"{name} batch 1", []).append(elapsed)
+            if llamacpp is not None:
+                elapsed = run_llamacpp(llamacpp, prompts[:1], args.output_len)
+                times.setdefault("llama.cpp batch 1", []).append(elapsed)
             elapsed = run_hf(baseline(), prompts[:1], args.output_len, 1, pad_id)
             times.setdefault("transformers batch 1", []).append(elapsed)
 
@@ -224,13 +288,25 @@ def main() -> int:
         num = 1 if "batch 1" in name else args.num_prompts
         result = report(name, statistics.median(runs), num, args.input_len, args.output_len)
         result["runs_s"] = [round(t, 3) for t in runs]
+        engine_name = name.removesuffix(" batch 1").removesuffix(" sequential")
+        if engine_name in starts:
+            result["ready_s"] = round(starts[engine_name][0], 2)
+            result["ready_peak_rss_mib"] = round(starts[engine_name][1], 1)
         results.append(result)
     print(f"peak RSS after our first run (our engine alone): {our_peak_rss_mib:.0f} MiB")
     results[0]["engine_peak_rss_mib"] = round(our_peak_rss_mib, 1)
     for result in results:
         result["cpu"] = cpu_model()
     median = {name: statistics.median(runs) for name, runs in times.items()}
+    for name, (ready_s, rss_mib) in starts.items():
+        print(f"{name} start (fresh process): ready in {ready_s:.2f} s, peak RSS {rss_mib:.0f} MiB")
     for name in llms:
+        if args.single_stream and llamacpp is not None:
+            ratio = median["llama.cpp batch 1"] / median[f"{name} batch 1"]
+            print(f"{name} batch-1 speed vs llama.cpp: {ratio:.2f}x")
+        if llamacpp is not None:
+            ratio = median["llama.cpp sequential"] / median[name]
+            print(f"{name} throughput vs llama.cpp one stream at a time: {ratio:.2f}x")
         if args.hf_baseline:
             print(f"{name} throughput vs transformers: {median[hf_name] / median[name]:.2f}x")
         if args.single_stream:

@@ -45,6 +45,11 @@ DEMO_PROMPT = "What is the capital of France?"
 # EngineArgs fields the command sets itself rather than taking as flags.
 # `pooler_config` is a dataclass: its `pooling_type` is the `--pooling-type` flag.
 _NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init", "pooler_config"}
+# Help for the flags whose values need more than their default to be understood.
+_FLAG_HELP = {
+    "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
+    "included, keeps its GGUF blocks; else none), none (fp32 on CPU), gguf, int8",
+}
 
 
 def _env(name: str, default: Any) -> Any:
@@ -69,7 +74,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in engine_arg_fields():
         flag = "--" + field.name.replace("_", "-")
         annotation = str(field.type)
-        help_text = f"(default: {field.default})"
+        help_text = f"{_FLAG_HELP.get(field.name, '')} (default: {field.default})".lstrip()
         if "bool" in annotation:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text

@@ -205,8 +205,11 @@ def load_tokenizer(model_dir: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Streams (name, tensor) from every ``*.safetensors`` file of the directory."""
+def iter_safetensors(
+    model_dir: Path, skip: set[str] | frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Streams (name, tensor) from every ``*.safetensors`` file of the directory; names in
+    `skip` are never read."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -217,7 +220,8 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+                if name not in skip:
+                    yield name, f.get_tensor(name)
 
 
 def iter_safetensors_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
@@ -252,28 +256,52 @@ def load_model(
 
     `weights` replaces the directory's safetensors (tests pass a state dict this way);
     `op_impl` overrides the op implementation chosen from the backend, device and dtype.
-    `quantization` ("gguf": the blocks of `gguf_file`, or "int8") keeps the projections
-    quantized (engine/models/quantization.py).
+    `quantization` keeps the projections quantized (engine/models/quantization.py):
+    "gguf" fills them from `gguf_file`'s blocks before any fp32 storage exists; "int8"
+    quantizes the loaded fp32 weights.
     """
     model_class = get_model_class(hf_config)
     if op_impl is None:
         op_impl = select_op_impl(attn_backend.name, device, dtype)
     with torch.device("meta"):
         model = model_class(hf_config, attn_backend, op_impl)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    kept: set[str] = set()
+    if quantization == "gguf":
+        kept, checks = _install_gguf(model, hf_config, device, gguf_file)
+    model = model.to_empty(device=device)
     if weights is None:
         from engine.distributed.parallel_state import get_parallel_rank
 
-        several = get_parallel_rank().world_size > 1  # a rank reads only its slices
-        weights = iter_safetensors_slices(model_dir) if several else iter_safetensors(model_dir)
-    model.load_weights(weights)
-    if quantization is not None:
+        if get_parallel_rank().world_size > 1:  # a rank reads only its slices
+            weights = iter_safetensors_slices(model_dir)
+        else:
+            weights = iter_safetensors(model_dir, skip=kept)
+    model.load_weights((name, tensor) for name, tensor in weights if name not in kept)
+    if quantization == "gguf":
+        from engine.models.gguf_weights import check_gguf_blocks
+
+        check_gguf_blocks(model_dir, checks)
+        logger.info("Kept %d GGUF tensors quantized, read from %s.", len(kept), gguf_file)
+    elif quantization is not None:
         from engine.models.quantization import quantize_model
 
-        num_quantized = quantize_model(model, quantization, hf_config, gguf_file)
+        num_quantized = quantize_model(model, quantization)
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
-        num_packed = model.pack_weights()
+        num_packed = model.pack_weights()  # fp32 weights only: quantized layers have none
         if num_packed:
             logger.info("Packed %d weight matrices for MKL's fp32 GEMM.", num_packed)
     return model.eval()
+
+
+def _install_gguf(
+    model: DecoderForCausalLM, hf_config: Any, device: torch.device, gguf_file: Path | None
+) -> tuple[set[str], list[Any]]:
+    from engine.models.gguf_weights import install_gguf_blocks
+    from engine.models.quantization import check_quantizable
+
+    if gguf_file is None:
+        raise ValueError("quantization='gguf' needs the model's .gguf file.")
+    check_quantizable(model, "gguf")
+    return install_gguf_blocks(model, gguf_file, hf_config, device)

@@ -154,6 +154,8 @@ def load_weights(
     expert_shards = _expert_shards(model)
     pending: set[tuple[str, object]] = set()
     for name in params:
+        if params[name].numel() == 0:  # kept quantized (models/gguf_weights.py): not loaded
+            continue
         if name in shard_rows:
             pending |= {(name, i) for i in range(len(shard_rows[name]))}
         elif name in expert_shards:

@@ -133,7 +133,7 @@ def _reload(runner: ModelRunner) -> torch.nn.Module:
     mc = runner.config.model_config
     return load_model(
         mc.model_dir, mc.hf_config, dtype=runner.dtype, device=runner.device,
-        attn_backend=runner.attn_backend,
+        attn_backend=runner.attn_backend, quantization=mc.quantization, gguf_file=mc.gguf_file,
     )  # fmt: skip
 
 

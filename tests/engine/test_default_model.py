@@ -10,9 +10,9 @@ from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_gr
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[None, "gguf"])
+@pytest.fixture(scope="module", params=["auto", None])
 def llm(request: pytest.FixtureRequest) -> LLM:
-    """fp32 (the default) and the GGUF file's blocks kept quantized."""
+    """The GGUF file's blocks kept quantized (the default, "auto") and fp32 (None)."""
     return LLM(
         kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=64, quantization=request.param
     )
@@ -42,7 +42,8 @@ def test_matches_transformers_token_for_token(llm: LLM, request: pytest.FixtureR
     # max_num_batched_tokens=64 splits the long prompt into chunks.
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     model_config = llm.llm_engine.get_model_config()
-    # None: fp32; "gguf": the file's Q4_1/Q8_0 blocks, kept as stored.
-    assert model_config.quantization == request.node.callspec.params["llm"]
+    # None: fp32; "auto" -> "gguf": the file's Q4_1/Q8_0 blocks, kept as stored.
+    expected = {"auto": "gguf", None: None}[request.node.callspec.params["llm"]]
+    assert model_config.quantization == expected
     model_dir = model_config.model_dir
     assert_close_to_reference(hf_greedy(model_dir, prompts, max_tokens), ours_greedy(outputs))

@@ -1,7 +1,8 @@
 """Engines with weights kept quantized (EngineArgs `quantization`) against transformers:
 "int8" against transformers given the int8-rounded weights (the quantization's fp32 twin),
-"gguf" on tiny GGUF files written here with gguf-py (every block type) and, in
-test_default_model.py, on the default model. Plus the argument's resolution and errors."""
+"gguf" (the default for a .gguf model on CPU) on tiny GGUF files written here with gguf-py
+(every block type) and, in test_default_model.py, on the default model. Plus the argument's
+resolution and errors; loading itself is tested in test_gguf_loading.py."""
 
 from __future__ import annotations
 
@@ -87,13 +88,19 @@ def test_quantization_argument_is_checked(tmp_path):
 
 
 def test_default_model_quantization_on_cpu():
-    """Opt-in (default None) until the quantized path beats fp32 on batched decode; "auto"
-    keeps the default model's GGUF blocks on CPU."""
-    config = EngineArgs(device="cpu", quantization="auto").create_engine_config()
-    assert config.model_config.quantization == "gguf"
-    assert config.model_config.gguf_file is not None
+    """The default ("auto") keeps the default model's GGUF blocks on CPU; None and "none"
+    ask for fp32; off CPU-fp32 "auto" falls back to the checkpoint dtype."""
+    for value in ("auto", "gguf"):
+        config = EngineArgs(device="cpu", quantization=value).create_engine_config()
+        assert config.model_config.quantization == "gguf"
+        assert config.model_config.gguf_file is not None
     config = EngineArgs(device="cpu").create_engine_config()
-    assert config.model_config.quantization is None
+    assert config.model_config.quantization == "gguf"
+    for value in (None, "none"):
+        config = EngineArgs(device="cpu", quantization=value).create_engine_config()
+        assert config.model_config.quantization is None
+    config = EngineArgs(device="cpu", dtype="bfloat16").create_engine_config()
+    assert config.model_config.quantization is None  # the blocks' kernels take fp32
 
 
 # ---- tiny GGUF files -------------------------------------------------------------------
@@ -128,10 +135,9 @@ def test_gguf_file_matches_transformers(tmp_path, tokenizer_fields):
         model=str(path),
         kv_cache_memory_bytes=8 * 2**20,
         max_num_batched_tokens=8,  # the long prompt is prefilled in chunks
-        quantization="auto",  # opt-in: None by default
     )
     config = llm.llm_engine.get_model_config()
-    assert config.quantization == "gguf"  # what "auto" picks for a .gguf model on CPU
+    assert config.quantization == "gguf"  # the default for a .gguf model on CPU
     model = llm.llm_engine.runner.model
     stored = {
         part.qtype
@@ -141,6 +147,8 @@ def test_gguf_file_matches_transformers(tmp_path, tokenizer_fields):
     }
     assert stored == set(_SCALES)  # every block type runs in the kernels
     assert model.quantized_logits is not None  # the tied LM head, as stored (Q8_0)
-    assert not any(p.numel() > 1000 for n, p in model.named_parameters() if "proj" in n)
+    # No fp32 copy of a projection, the embedding or the head: only the norms have storage.
+    assert all(p.numel() <= 256 for p in model.parameters())
+    assert all(getattr(m, "packed_weight", None) is None for m in model.modules())
     ours = ours_greedy(_generate(llm, PROMPTS))
     assert_close_to_reference(hf_greedy(config.model_dir, PROMPTS, MAX_TOKENS), ours)

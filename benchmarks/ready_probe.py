@@ -1,0 +1,55 @@
+"""One engine's start-up measured alone, in a fresh interpreter (benchmarks/throughput.py):
+
+    python benchmarks/ready_probe.py pagedserve '{"quantization": "auto"}'
+    python benchmarks/ready_probe.py llama.cpp '{"path": "model.gguf", ...}'
+
+prints one JSON line: `ready_s` (seconds until the engine is ready to generate; torch is
+imported before the clock starts for pagedserve, never for llama.cpp), `peak_rss_mib` (the
+process's own high-water mark, VmHWM: imports, weights, warm-up) and `import_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+
+def process_peak_rss_mib() -> float:
+    """VmHWM: this process's peak RSS (ru_maxrss where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> int:
+    kind, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    start = time.perf_counter()
+    if kind == "llama.cpp":
+        from llamacpp_baseline import load_llamacpp
+
+        imported = time.perf_counter()
+        load_llamacpp(**kwargs)
+    else:
+        from engine import LLM
+
+        imported = time.perf_counter()
+        LLM(**kwargs)
+    ready = time.perf_counter()
+    result = {
+        "ready_s": ready - imported,
+        "import_s": imported - start,
+        "peak_rss_mib": process_peak_rss_mib(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
