@@ -22,7 +22,13 @@ from engine.models.layers import (
     get_head_dim,
     layer_sliding_windows,
 )
-from engine.models.linear import Linear, linear, pack_linear_weights, pack_weight
+from engine.models.linear import (
+    Linear,
+    linear,
+    pack_linear_weights,
+    pack_weight,
+    packing_available,
+)
 from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding
 from engine.models.rope import rope_parameters
 from engine.models.weight_loader import load_weights
@@ -139,7 +145,7 @@ class DecoderForCausalLM(nn.Module):
             return num_packed
         if self.lm_head is not None:
             self._packed_logits_weight = self.lm_head.packed_weight
-        else:  # the tied embedding is not a Linear
+        elif packing_available():  # the tied embedding is not a Linear
             self._packed_logits_weight = pack_weight(self._logits_weight)
             num_packed += 1
         return num_packed

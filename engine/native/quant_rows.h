@@ -12,6 +12,7 @@
  *   Q4_K 144 B / 256 values: d, dmin, scales[12] (8 6-bit scale/min pairs), qs[128]
  *   Q6_K 210 B / 256 values: ql[128], qh[64], scales[16] int8, d
  *   INT8 K B / row: int8 per value, one fp32 scale per row applied after the dot product.
+ *   F32  4K B / row: plain fp32 (read in place, never copied).
  */
 
 /* Dequantizes one 32-value block of Q8_0 / Q4_0 / Q4_1 into out[32]. */
@@ -97,6 +98,9 @@ static void ISA(dequant_row)(int type, const uint8_t *restrict row, int64_t k,
     case QTYPE_Q6_K:
         for (int64_t i = 0; i < k / 256; ++i) ISA(dequant_q6_k)(row + 210 * i, out + 256 * i);
         break;
+    case QTYPE_F32:
+        memcpy(out, row, (size_t)k * sizeof(float));
+        break;
     default: { /* QTYPE_INT8 */
         const int8_t *q = (const int8_t *)row;
 #pragma omp simd
@@ -126,8 +130,12 @@ static void ISA(linear_rows)(float *restrict out, int64_t out_stride, const floa
                              int64_t row_bytes, const float *restrict scales, int type,
                              int64_t n0, int64_t n1, int64_t k, float *restrict wbuf) {
     for (int64_t n = n0; n < n1; ++n) {
-        ISA(dequant_row)(type, w + n * row_bytes, k, wbuf);
+        const float *wrow = (const float *)(w + n * row_bytes); /* F32: read in place */
+        if (type != QTYPE_F32) {
+            ISA(dequant_row)(type, w + n * row_bytes, k, wbuf);
+            wrow = wbuf;
+        }
         const float s = scales ? scales[n] : 1.0f;
-        for (int64_t r = 0; r < rows; ++r) out[r * out_stride + n] = s * ISA(dot)(wbuf, x + r * x_stride, k);
+        for (int64_t r = 0; r < rows; ++r) out[r * out_stride + n] = s * ISA(dot)(wrow, x + r * x_stride, k);
     }
 }
