@@ -164,12 +164,11 @@ class DecoderForCausalLM(nn.Module):
             self.weight_name_substitutions,
         )
 
-    def decode_layer_weights(self) -> list[dict[str, torch.Tensor | None]] | None:
-        """Each layer's tensors by role, for a whole-step decode outside the modules (the
-        `cpu` backend's, engine/worker/cpu_decode_step.py); None where a layer does more
+    def decode_layer_weights(self) -> list[dict[str, Any]] | None:
+        """Each layer's tensors by role, and its projection `Linear`s (which may hold
+        quantized weights), for a whole-step decode outside the modules (the `cpu`
+        backend's, engine/attention/cpu_decode_step.py); None where a layer does more
         than that path computes (per-head q/k norms)."""
-        if any(isinstance(m, Linear) and m.quant_method is not None for m in self.modules()):
-            return None  # quantized weights: the fp32 whole-step path does not apply
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -187,6 +186,10 @@ class DecoderForCausalLM(nn.Module):
                     "gate_up_bias": mlp.gate_up_proj.bias,
                     "down_weight": mlp.down_proj.weight,
                     "down_bias": mlp.down_proj.bias,
+                    "qkv": attn.qkv_proj,
+                    "o": attn.o_proj,
+                    "gate_up": mlp.gate_up_proj,
+                    "down": mlp.down_proj,
                 }
             )
         return layers
