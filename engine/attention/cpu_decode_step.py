@@ -2,14 +2,15 @@
 
 Owned by the `cpu` attention backend (`CPUAttentionBackend.whole_step_decode`) and called
 by the model runner in place of the model's forward when a step is 1..`MAX_ROWS` requests
-decoding one token each; the model classes know nothing of it. Such a step is bound by
-streaming the weights; per layer the modules' dozen ops (each a Python call, a dispatch
-and a thread-pool wake-up) cost about as much again, and that is what this path removes.
+(`MAX_ROWS_FP32` on fp32 weights) decoding one token each; the model classes know nothing
+of it. Such a step is bound by streaming the weights; per layer the modules' dozen ops
+(each a Python call, a dispatch and a thread-pool wake-up) cost about as much again, and
+that is what this path removes.
 Same math as the modules (summed in a different order), on the same cache layout.
 
 Two native paths:
 - one fp32 row (`native.decode_token`, cpu_kernels.c): all layers in one parallel region;
-- otherwise (2..8 rows, or quantized weights: GGUF blocks, int8), `decode_step`
+- otherwise (2 fp32 rows, or 1..8 rows on quantized weights: GGUF blocks, int8), `decode_step`
   (decode_step_kernels.c), whose projections read each weight row once for all the rows
   and dequantize quantized blocks inside the GEMV (quant_kernels.c's row kernels).
 
@@ -28,9 +29,12 @@ from engine.attention.backend import AttentionMetadata
 from engine.native.decode_step import LINEAR_ROLES, decode_step, step_layer_table
 from engine.native.quant import QuantizedWeight, fp32_weight
 
-# Decode batches up to this size take the whole-step path; larger ones are compute-bound
-# enough that the modules' GEMMs (MKL / oneDNN) win.
+# Decode batches up to this size take the whole-step path on quantized weights; larger
+# ones are compute-bound enough that dequantize + GEMM wins. On fp32 weights the modules'
+# oneDNN GEMM beat our row kernels from 4 rows on (benchmarks/decode_step.py, 1 thread of
+# an AVX-512 EPYC: 0.7x at 4 and 8 rows, 1.2x at 2), so fp32 stops at MAX_ROWS_FP32.
 MAX_ROWS = 8
+MAX_ROWS_FP32 = 2
 
 
 class CPUDecodeStep:
@@ -60,11 +64,11 @@ class CPUDecodeStep:
             return None
         return cls(model, layers)
 
-    @staticmethod
-    def applies(metadata: AttentionMetadata) -> bool:
-        """1..MAX_ROWS requests, each decoding one token."""
+    def applies(self, metadata: AttentionMetadata) -> bool:
+        """1..MAX_ROWS requests (MAX_ROWS_FP32 on fp32 weights), each decoding one token."""
         rows = metadata.num_actual_tokens
-        return metadata.num_decodes == rows and 1 <= rows <= MAX_ROWS
+        limit = MAX_ROWS_FP32 if self.fp32 else MAX_ROWS
+        return metadata.num_decodes == rows and 1 <= rows <= limit
 
     def __call__(
         self,

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.cpu_backend import CPUAttentionBackend
+from engine.attention.cpu_decode_step import MAX_ROWS, MAX_ROWS_FP32
 from engine.models.loader import load_hf_config, load_model
 from engine.native import native_kernels_available
 from engine.native.decode_step import decode_step, step_layer_table
@@ -69,7 +70,9 @@ def _step_against_forward(model, backend, shape: dict, rows: int, seed: int = 0)
         tokens = torch.randint(3, config.vocab_size, (rows,), generator=gen)
         positions = torch.tensor(lens)
         layer_caches = [c.clone() for c in caches]
-        assert decode_step_fn.applies(decode)
+        # Beyond its row limit the runner does not take the path; the kernel still computes.
+        limit = MAX_ROWS_FP32 if decode_step_fn.fp32 else MAX_ROWS
+        assert decode_step_fn.applies(decode) == (rows <= limit)
         fast = decode_step_fn(tokens, positions, caches, decode)
         expected = model(tokens, positions, layer_caches, decode)
     torch.testing.assert_close(fast, expected, atol=2e-4, rtol=2e-4)
@@ -111,15 +114,16 @@ def test_step_matches_the_modules(models, isa, quantization, name):
         _step_against_forward(model, backend, SHAPES[name], rows, seed=rows)
 
 
-def test_step_does_not_apply_to_prefill_or_large_batches(tmp_path):
-    path = make_tiny_llama(tmp_path / "m", **SHAPE)
-    backend = CPUAttentionBackend()
-    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), backend)
-    step = backend.whole_step_decode(model)
+def test_step_does_not_apply_to_prefill_or_large_batches(models):
     tables = [[i] for i in range(9)]
-    assert not step.applies(build_attn_metadata([(2, 1, [0]), (0, 2, [1])], block_size=4))
-    assert not step.applies(build_attn_metadata([(2, 1, t) for t in tables], block_size=4))
-    assert step.applies(build_attn_metadata([(2, 1, t) for t in tables[:8]], block_size=4))
+    for quantization, limit in ((None, MAX_ROWS_FP32), ("int8", MAX_ROWS)):
+        model, backend = models("gqa", quantization)
+        step = backend.whole_step_decode(model)
+        mixed = build_attn_metadata([(2, 1, [0]), (0, 2, [1])], block_size=4)
+        assert not step.applies(mixed)
+        decodes = [(2, 1, t) for t in tables[: limit + 1]]
+        assert not step.applies(build_attn_metadata(decodes, block_size=4))
+        assert step.applies(build_attn_metadata(decodes[:limit], block_size=4))
 
 
 def test_decode_step_rejects_bad_inputs():
