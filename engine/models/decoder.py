@@ -30,7 +30,12 @@ from engine.models.layers import (
     get_head_dim,
     layer_sliding_windows,
 )
-from engine.models.linear import Linear, linear, pack_linear_weights, pack_weight
+from engine.models.linear import (
+    linear,
+    pack_linear_weights,
+    pack_weight,
+    packing_available,
+)
 from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding
 from engine.models.parallel_layers import VocabParallelEmbedding, post_load
 from engine.models.rope import rope_parameters
@@ -198,9 +203,10 @@ class DecoderForCausalLM(nn.Module):
         num_packed = pack_linear_weights(self)
         if not num_packed or self.quantized_logits is not None or not self.model.is_last_stage:
             return num_packed
-        # The LM head (or the tied embedding) is an embedding table, not a Linear.
-        self._packed_logits_weight = pack_weight(self._logits_weight)
-        return num_packed + 1
+        if packing_available():  # the LM head (or tied embedding) is a table, not a Linear
+            self._packed_logits_weight = pack_weight(self._logits_weight)
+            num_packed += 1
+        return num_packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face-named tensors into the (fused) parameters (`weight_loader`)."""
@@ -232,12 +238,11 @@ class DecoderForCausalLM(nn.Module):
             prefixes += ["model.norm.", "lm_head."]
         return tuple(prefixes)
 
-    def decode_layer_weights(self) -> list[dict[str, torch.Tensor | None]] | None:
-        """Each layer's tensors by role, for a whole-step decode outside the modules (the
-        `cpu` backend's, engine/worker/cpu_decode_step.py); None where a layer does more
+    def decode_layer_weights(self) -> list[dict[str, Any]] | None:
+        """Each layer's tensors by role, and its projection `Linear`s (which may hold
+        quantized weights), for a whole-step decode outside the modules (the `cpu`
+        backend's, engine/attention/cpu_decode_step.py); None where a layer does more
         than that path computes (per-head q/k norms)."""
-        if any(isinstance(m, Linear) and m.quant_method is not None for m in self.modules()):
-            return None  # quantized weights: the fp32 whole-step path does not apply
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -255,6 +260,10 @@ class DecoderForCausalLM(nn.Module):
                     "gate_up_bias": mlp.gate_up_proj.bias,
                     "down_weight": mlp.down_proj.weight,
                     "down_bias": mlp.down_proj.bias,
+                    "qkv": attn.qkv_proj,
+                    "o": attn.o_proj,
+                    "gate_up": mlp.gate_up_proj,
+                    "down": mlp.down_proj,
                 }
             )
         return layers

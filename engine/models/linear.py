@@ -1,20 +1,16 @@
-"""Linear layers whose fp32 CPU GEMMs run on MKL-prepacked weights.
+"""Linear layers whose fp32 CPU GEMMs run on the method measured fastest for them.
 
 A plain fp32 `F.linear` on CPU calls MKL's sgemm, which re-packs the whole weight matrix
-into its blocked kernel layout on every call. For the skinny activations of a decode step
-(a few to a few hundred rows against a 576 x 3072 weight) that repacking is a large share
-of the call: on a 2-core AVX-512 machine a [64, 576] x [576, 3072] product runs at
-~115 GFLOP/s unpacked and ~185 GFLOP/s packed (`benchmarks/kernels_cpu.py` measures this).
-`pack_linear_weights` packs every weight once at load time (`cblas_sgemm_pack` through
-`torch.ops.mkl`, the path Inductor's CPU freezing uses) and `linear` calls
-`cblas_sgemm_compute` on the packed copy.
+into its blocked kernel layout on every call; for the skinny activations of a decode step
+that repacking is a large share of the call, while at one row a GEMV beats any GEMM. So
+`pack_linear_weights` gives each fp32 CPU `Linear` a `LinearPlan` at load time: per
+row-count bucket, one of MKL packed GEMM, oneDNN, `F.linear` or our native GEMV, chosen by
+a start-up measurement cached per CPU and torch build (engine/models/linear_select.py).
+Only the weight copies a chosen method needs are made (at most one per layer).
 
-The packed copy is as large as the weight; the original is kept for everything else
-(embedding lookups with tied weights, other devices, the fallback). The packed layout of
-the weight does not depend on the row count of the activation it is used with (checked by
-`_packing_is_exact` at start-up for several row counts, and by the tests), so one packed
-copy serves every batch size: the op's `prepack_batch_size` argument is passed the actual
-row count, which is what makes it take the packed path.
+`packed_weight` is the MKL-packed copy where the plan keeps one (the untied LM head's
+logits use it through `linear`). The packed layout does not depend on the activation's row
+count (linear_select checks every method against `F.linear` on the real weight).
 """
 
 from __future__ import annotations
@@ -25,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.models.linear_select import LinearPlan, make_plan, select_methods
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +53,8 @@ class Linear(nn.Linear):
     """
 
     packed_weight: torch.Tensor | None = None
+    # Set for fp32 CPU weights by `pack_linear_weights`: the method per row bucket.
+    plan: LinearPlan | None = None
     # Set for quantized weights (engine/models/quantization.py): computes the layer instead.
     quant_method: Any = None
 
@@ -73,6 +73,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(x, self.bias)
+        if self.plan is not None and x.dim() == 2 and x.shape[0] > 0:
+            return self.plan(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 
@@ -83,44 +85,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    """An fp32 CPU matrix: what the measured methods run on."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.dim() == 2
-        and packing_available()
+        and weight.numel() > 0
     )
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Packs the weight of every `Linear` in `model` that can be packed; returns how many.
-
-    Does nothing (and returns 0) off CPU, for other dtypes, on torch builds without MKL,
-    or when the start-up check finds the packed product differs from `F.linear`.
-    """
-    layers = [m for m in model.modules() if isinstance(m, Linear) and can_pack(m.weight)]
-    if not layers or not _packing_is_exact(layers[0].weight):
+    """Gives every fp32 CPU `Linear` of `model` its measured `LinearPlan` (and the weight
+    copy it needs); returns how many layers got one. Does nothing off CPU or for other
+    dtypes (quantized layers have no fp32 weight left)."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.quant_method is None and can_pack(m.weight)
+    ]
+    if not layers:
         return 0
-    with torch.no_grad():
-        for layer in layers:
-            layer.packed_weight = pack_weight(layer.weight)
+    methods = select_methods([layer.weight for layer in layers])
+    for layer in layers:
+        layer.plan = make_plan(layer.weight, methods[tuple(layer.weight.shape)])
+        layer.packed_weight = layer.plan.prepared.get("mkl_packed")
     return len(layers)
-
-
-def _packing_is_exact(weight: torch.Tensor) -> bool:
-    """Checks, on one real weight, that packed products match `F.linear` for several row
-    counts (including ones other than the packing hint) up to fp32 rounding."""
-    try:
-        packed = pack_weight(weight)
-        generator = torch.Generator().manual_seed(0)
-        for rows in (2, 3, 17, 64, 129):
-            x = torch.randn(rows, weight.shape[1], generator=generator)
-            expected = F.linear(x, weight)
-            actual = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
-            tolerance = 1e-4 * (expected.abs().max().item() + 1.0)
-            if (actual - expected).abs().max().item() > tolerance:
-                logger.warning("MKL packed GEMM disagrees with F.linear; not using it.")
-                return False
-    except RuntimeError as error:  # an MKL-less or otherwise limited build
-        logger.warning("MKL packed GEMM unavailable (%s); using F.linear.", error)
-        return False
-    return True

@@ -33,7 +33,10 @@ KERNEL_CACHE_DIR_ENV = "PAGEDSERVE_KERNEL_CACHE_DIR"
 NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
-_EXTRA_SOURCES = tuple(Path(__file__).with_name(f) for f in ("quant_kernels.c", "moe_kernels.c"))
+_EXTRA_SOURCES = tuple(
+    Path(__file__).with_name(f)
+    for f in ("quant_kernels.c", "moe_kernels.c", "decode_step_kernels.c")
+)
 _HEADERS = tuple(
     Path(__file__).with_name(h) for h in ("quant_rows.h", "quant_fused_avx2.h", "kv_dtype.h")
 )

@@ -36,8 +36,10 @@ _DEQUANT_CHUNK_ROWS = 2048
 
 
 class QType(enum.IntEnum):
-    """Storage formats: ggml's type ids, and our own for per-channel int8."""
+    """Storage formats: ggml's type ids, and our own for per-channel int8. F32 is a plain
+    fp32 weight viewed as bytes (`fp32_weight`): the same kernels on unquantized layers."""
 
+    F32 = 0
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
@@ -48,6 +50,7 @@ class QType(enum.IntEnum):
 
 # (values per block, bytes per block)
 BLOCK_SIZES: dict[QType, tuple[int, int]] = {
+    QType.F32: (1, 4),
     QType.Q4_0: (32, 18),
     QType.Q4_1: (32, 20),
     QType.Q8_0: (32, 34),
@@ -136,6 +139,15 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         scales = torch.cat([p.scales for p in parts if p.scales is not None])
     data = torch.cat([part.data for part in parts])
     return QuantizedWeight(data, parts[0].qtype, parts[0].in_features, scales)
+
+
+def fp32_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """An fp32 [out_features, in_features] weight as an F32 `QuantizedWeight` sharing its
+    memory (no copy): the native GEMV on unquantized layers."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be 2-D fp32 on CPU, got {weight.dtype} {weight.dim()}-D.")
+    data = weight.detach().contiguous().view(torch.uint8)  # [out_features, 4 * in_features]
+    return QuantizedWeight(data, QType.F32, weight.shape[1])
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:

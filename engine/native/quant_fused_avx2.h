@@ -95,8 +95,31 @@ AVX2_TARGET static inline void fused_row(const uint8_t *restrict row, int type, 
     if (two) *y1 = hsum256(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
 }
 
-/* Same contract as linear_rows_*: out[r, n] for n in [n0, n1) and every row r, activation
- * rows taken two at a time (each weight block dequantized once per pair). */
+/* One weight row against NR (1..4) activation rows: each block dequantized once into
+ * registers and multiplied into every row's two accumulators (8 + 4 ymm at NR = 4, inside
+ * AVX2's 16). NR is a literal at every call, so each count compiles to its own loop. */
+AVX2_TARGET static inline __attribute__((always_inline)) void fused_rows(
+    const uint8_t *restrict row, int type, int64_t nb, int64_t bb, const float *restrict x,
+    int64_t x_stride, const int nr, float *y) {
+    __m256 acc[4][2];
+    for (int j = 0; j < nr; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 wv[4];
+        block32_to_ps(type, row + b * bb, wv);
+        for (int j = 0; j < nr; ++j) {
+            const float *p = x + j * x_stride + 32 * b;
+            acc[j][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(p), acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(p + 8), acc[j][1]);
+            acc[j][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(p + 16), acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(p + 24), acc[j][1]);
+        }
+    }
+    for (int j = 0; j < nr; ++j) y[j] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
+}
+
+/* Same contract as linear_rows_*: out[r, n] for n in [n0, n1) and every row r. One or two
+ * rows: four accumulators per row (fused_row); more: four rows at a time (fused_rows), so
+ * an 8-row decode step dequantizes each block twice instead of four times. */
 AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_stride,
                                                const float *restrict x, int64_t x_stride,
                                                int64_t rows, const uint8_t *restrict w,
@@ -108,7 +131,18 @@ AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
         const float s = scales ? scales[n] : 1.0f;
-        for (int64_t r = 0; r < rows; r += 2) {
+        int64_t r = 0;
+        float y[4];
+        for (; rows > 2 && r + 4 <= rows; r += 4) {
+            fused_rows(row, type, nb, bb, x + r * x_stride, x_stride, 4, y);
+            for (int j = 0; j < 4; ++j) out[(r + j) * out_stride + n] = s * y[j];
+        }
+        if (rows - r == 3) {
+            fused_rows(row, type, nb, bb, x + r * x_stride, x_stride, 3, y);
+            for (int j = 0; j < 3; ++j) out[(r + j) * out_stride + n] = s * y[j];
+            continue;
+        }
+        for (; r < rows; r += 2) {
             const int two = r + 1 < rows;
             float y0, y1 = 0.0f;
             if (two)

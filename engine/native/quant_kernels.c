@@ -32,7 +32,10 @@ static inline int64_t omp_threads(void) { return 1; }
 static inline int64_t omp_id(void) { return 0; }
 #endif
 
-/* ggml type ids, plus our own id for per-channel int8. */
+/* ggml type ids, plus our own id for per-channel int8. F32 is plain fp32 rows (the weight's
+ * own memory): the same row kernels then serve fp32 layers (engine/models/linear_select.py
+ * and the batched decode step). */
+#define QTYPE_F32 0
 #define QTYPE_Q4_0 2
 #define QTYPE_Q4_1 3
 #define QTYPE_Q8_0 8
@@ -91,6 +94,7 @@ static inline int64_t block_bytes(int type) {
     case QTYPE_Q4_1: return 20;
     case QTYPE_Q4_K: return 144;
     case QTYPE_Q6_K: return 210;
+    case QTYPE_F32: return 4;
     default: return 1;
     }
 }
@@ -201,6 +205,15 @@ int quant_linear_f32(float *out, int64_t out_stride, const float *x, int64_t x_s
         free(wbuf);
     }
     return failed ? -1 : 0;
+}
+
+/* quant_linear_f32's work for output rows [n0, n1) only, on the calling thread: for callers
+ * that split the rows over their own parallel region (engine/native/decode_step_kernels.c).
+ * wbuf: k floats, 64-byte aligned. */
+void quant_linear_range(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                        int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
+                        int type, int64_t n0, int64_t n1, int64_t k, float *wbuf) {
+    if (n0 < n1) pick_linear(type, k)(out, out_stride, x, x_stride, rows, w, row_bytes, scales, type, n0, n1, k, wbuf);
 }
 
 /* out[n - n0, :] = dequantized W[n] (times scales[n] for int8) for n0 <= n < n1. */

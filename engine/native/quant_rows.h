@@ -12,6 +12,7 @@
  *   Q4_K 144 B / 256 values: d, dmin, scales[12] (8 6-bit scale/min pairs), qs[128]
  *   Q6_K 210 B / 256 values: ql[128], qh[64], scales[16] int8, d
  *   INT8 K B / row: int8 per value, one fp32 scale per row applied after the dot product.
+ *   F32  4K B / row: plain fp32 (read in place, never copied).
  */
 
 /* Dequantizes one 32-value block of Q8_0 / Q4_0 / Q4_1 into out[32]. */
@@ -97,6 +98,9 @@ static void ISA(dequant_row)(int type, const uint8_t *restrict row, int64_t k,
     case QTYPE_Q6_K:
         for (int64_t i = 0; i < k / 256; ++i) ISA(dequant_q6_k)(row + 210 * i, out + 256 * i);
         break;
+    case QTYPE_F32:
+        memcpy(out, row, (size_t)k * sizeof(float));
+        break;
     default: { /* QTYPE_INT8 */
         const int8_t *q = (const int8_t *)row;
 #pragma omp simd
@@ -119,12 +123,97 @@ static float ISA(dot)(const float *restrict a, const float *restrict b, int64_t 
     return sum;
 }
 
+/* fp32 weight rows, QLANES / 2 floats per vector (one ymm on AVX2, one zmm on AVX-512). */
+typedef float ISA(vec) __attribute__((vector_size(QLANES / 2 * sizeof(float))));
+#define VW (QLANES / 2)
+
+static inline ISA(vec) ISA(vload)(const float *p) {
+    ISA(vec) v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float ISA(vsum)(ISA(vec) v) {
+    float s = 0.0f;
+    for (int l = 0; l < VW; ++l) s += v[l];
+    return s;
+}
+
+/* Four fp32 weight rows (w0 + j * ws) against NR (1..4) activation rows: 4 x NR vector
+ * accumulators; each weight vector loaded once serves every row. NR is a literal. */
+static inline __attribute__((always_inline)) void ISA(f32_tile)(
+    float *restrict out, int64_t out_stride, const float *restrict x, int64_t x_stride,
+    const float *restrict w0, int64_t ws, int64_t k, const int nr) {
+    ISA(vec) acc[4][4];
+    for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < nr; ++r) acc[j][r] = (ISA(vec)){0};
+    int64_t i = 0;
+    for (; i + VW <= k; i += VW) {
+        ISA(vec) xv[4];
+        for (int r = 0; r < nr; ++r) xv[r] = ISA(vload)(x + r * x_stride + i);
+        for (int j = 0; j < 4; ++j) {
+            const ISA(vec) v = ISA(vload)(w0 + j * ws + i);
+            for (int r = 0; r < nr; ++r) acc[j][r] += v * xv[r];
+        }
+    }
+    for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < nr; ++r) {
+            float sum = ISA(vsum)(acc[j][r]);
+            for (int64_t t = i; t < k; ++t) sum += w0[j * ws + t] * x[r * x_stride + t];
+            out[r * out_stride + j] = sum;
+        }
+}
+
+/* Activation rows per tile: 16 accumulators fit AVX-512's 32 registers, AVX2 takes 8. */
+#define F32_TILE_ROWS (QLANES == 32 ? 4 : 2)
+
+/* out[r, n] = W[n] . x[r] for fp32 rows n in [n0, n1): tiles of four weight rows (L1-resident
+ * while every activation row goes past them, F32_TILE_ROWS at a time), then the rest. */
+static void ISA(linear_rows_f32)(float *restrict out, int64_t out_stride,
+                                 const float *restrict x, int64_t x_stride, int64_t rows,
+                                 const uint8_t *restrict w, int64_t row_bytes, int64_t n0,
+                                 int64_t n1, int64_t k) {
+    const int64_t ws = row_bytes / (int64_t)sizeof(float);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        const float *w0 = (const float *)(w + n * row_bytes);
+        for (int64_t r = 0; r < rows;) {
+            float *o = out + r * out_stride + n;
+            const float *xr = x + r * x_stride;
+            const int64_t left = rows - r;
+            if (F32_TILE_ROWS == 4 && left >= 4) {
+                ISA(f32_tile)(o, out_stride, xr, x_stride, w0, ws, k, 4);
+                r += 4;
+            } else if (F32_TILE_ROWS == 4 && left == 3) {
+                ISA(f32_tile)(o, out_stride, xr, x_stride, w0, ws, k, 3);
+                r += 3;
+            } else if (left >= 2) {
+                ISA(f32_tile)(o, out_stride, xr, x_stride, w0, ws, k, 2);
+                r += 2;
+            } else {
+                ISA(f32_tile)(o, out_stride, xr, x_stride, w0, ws, k, 1);
+                r += 1;
+            }
+        }
+    }
+    for (; n < n1; ++n) {
+        const float *wrow = (const float *)(w + n * row_bytes);
+        for (int64_t r = 0; r < rows; ++r) out[r * out_stride + n] = ISA(dot)(wrow, x + r * x_stride, k);
+    }
+}
+#undef F32_TILE_ROWS
+#undef VW
+
 /* out[r, n] = scale[n] * (W[n] . x[r]) for output rows [n0, n1) and every activation row,
  * W[n] dequantized once into `wbuf` (k floats, L1-resident) and reused across the rows. */
 static void ISA(linear_rows)(float *restrict out, int64_t out_stride, const float *restrict x,
                              int64_t x_stride, int64_t rows, const uint8_t *restrict w,
                              int64_t row_bytes, const float *restrict scales, int type,
                              int64_t n0, int64_t n1, int64_t k, float *restrict wbuf) {
+    if (type == QTYPE_F32) { /* read in place, no scales */
+        ISA(linear_rows_f32)(out, out_stride, x, x_stride, rows, w, row_bytes, n0, n1, k);
+        return;
+    }
     for (int64_t n = n0; n < n1; ++n) {
         ISA(dequant_row)(type, w + n * row_bytes, k, wbuf);
         const float s = scales ? scales[n] : 1.0f;

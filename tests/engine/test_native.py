@@ -3,7 +3,6 @@ MKL-packed linears (engine.models.linear), each against the pure-torch path it r
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from engine import LLM, SamplingParams, native
 from engine.attention.backend import get_attention_backend
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models.linear import Linear, linear, pack_weight, packing_available
+from engine.models.linear import linear, pack_weight, packing_available
 from engine.models.loader import load_hf_config, load_model
 from engine.models.ops import apply_rotary_emb
 from kernels.reference import ref_paged_attention
@@ -338,36 +337,7 @@ def test_packed_linear_matches_f_linear_for_any_batch(rows):
     )
 
 
-@pytest.mark.skipif(not packing_available(), reason="torch built without MKL")
-@pytest.mark.parametrize("tied", [True, False])
-def test_model_packs_every_projection(tmp_path, tied):
-    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=tied)
-    model = load_model(
-        path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend()
-    )
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None for m in linears)
-    assert model._packed_logits_weight is not None
-    hidden = torch.randn(5, model.config.hidden_size)
-    weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
-    torch.testing.assert_close(
-        model.compute_logits(hidden), F.linear(hidden, weight), atol=1e-5, rtol=1e-5
-    )
-
-
-@pytest.mark.skipif(not packing_available(), reason="torch built without MKL")
-def test_packing_skipped_when_the_check_fails(tmp_path, monkeypatch, caplog):
-    path = make_tiny_llama(tmp_path / "m", num_layers=1)
-    config = load_hf_config(path)
-    monkeypatch.setattr(
-        torch.ops.mkl, "_mkl_linear", lambda x, packed, w, b, rows: F.linear(x, w, b) + 1.0
-    )
-    with caplog.at_level(logging.WARNING):
-        model = load_model(
-            path, config, torch.float32, torch.device("cpu"), TorchAttentionBackend()
-        )
-    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
-    assert "disagrees" in caplog.text
+# The model's layers and their measured methods: tests/engine/test_linear_select.py.
 
 
 # --- batch-1 decode: all layers in one native call ---------------------------------------------

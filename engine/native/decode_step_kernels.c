@@ -1,0 +1,161 @@
+/*
+ * A decode step of 1..8 requests (one token each) through every decoder layer in one call,
+ * on fp32 or quantized weights (engine/attention/cpu_decode_step.py drives it).
+ *
+ * A small decode batch is bound by streaming the weights, so every projection reads each
+ * weight row once for all the batch's rows (the row kernels of quant_kernels.c, which
+ * dequantize a block in registers or into an L1 buffer and use it for every activation
+ * row; plain fp32 rows are read in place). Between the projections, the step calls the
+ * exported kernels of cpu_kernels.c (RMSNorm, rotary, KV write, paged decode attention,
+ * SiLU-and-mul): no Python, no torch dispatch, no tensor allocation per op. Per layer, as
+ * DecoderLayer does it (neox rotary, GQA):
+ *
+ *   x = hidden (layer 0) or hidden + residual;  residual = x;  h = rms_norm(x) * w_in
+ *   q | k | v = W_qkv h (+ b);  rotate q, k;  write k, v at each row's slot
+ *   a = paged decode attention of each row's query over its context
+ *   x = W_o a (+ b) + residual;  residual = x;  h = rms_norm(x) * w_post
+ *   hidden = W_down (silu(gate) * up) (+ b),  gate | up = W_gate_up h (+ b)
+ *
+ * The caller applies the final norm to hidden + residual. Layer table (int64 per field):
+ *
+ *   [input_norm, post_norm, key_cache, value_cache,
+ *    4 x linear (qkv, o, gate_up, down): bias, 3 x part (data, type, row_bytes, scales, n_out)]
+ *
+ * A linear's parts (a fused q|k|v whose members the file stores in different block types)
+ * fill consecutive output columns; data == 0 ends the list. type is quant_kernels.c's
+ * (0 = fp32 rows). The ISA path of the row kernels follows quant_set_isa.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Exported by cpu_kernels.c and quant_kernels.c (the same shared library). */
+void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride,
+                  const float *residual, const float *weight, int64_t rows, int64_t cols,
+                  float eps, int num_threads);
+void rotary_inplace_f32(float *x, int64_t x_stride, const float *cos, const float *sin,
+                        int64_t rows, int64_t num_heads, int64_t head_dim, int num_threads);
+void write_kv_f32(void *key_cache, void *value_cache, const float *key, const float *value,
+                  int64_t kv_stride, const int64_t *slot_mapping, int64_t rows, int64_t row,
+                  int64_t kv_dtype);
+void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t rows, int64_t inter,
+                      int num_threads);
+void paged_decode_attention_f32(float *out, const float *query, int64_t query_stride,
+                                float *scores, const void *key_cache, const void *value_cache,
+                                const int32_t *block_tables, int64_t block_table_stride,
+                                const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t max_len, int64_t window, float scale, float cap,
+                                int num_threads, int64_t kv_dtype);
+void quant_linear_range(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                        int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
+                        int type, int64_t n0, int64_t n1, int64_t k, float *wbuf);
+
+#define MAX_PARTS 3
+#define PART_FIELDS 5
+#define LINEAR_FIELDS (1 + MAX_PARTS * PART_FIELDS)
+enum { S_INPUT_NORM, S_POST_NORM, S_KEY_CACHE, S_VALUE_CACHE, S_LINEARS };
+enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
+#define STEP_LAYER_FIELDS (S_LINEARS + 4 * LINEAR_FIELDS)
+
+/* The number of fields per layer (checked by the Python side against its own table). */
+int64_t decode_step_layer_fields(void) { return STEP_LAYER_FIELDS; }
+
+#define PTR(type, v) ((type)(intptr_t)(v))
+
+/* out[r, :] = W x[r] (+ bias) for r < rows: every part's output rows split evenly over the
+ * team, each thread streaming its own slice of the weight once. wbufs: per-thread scratch
+ * of wbuf_floats floats (64-byte aligned). */
+static void linear_step(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                        int64_t rows, const int64_t *lin, int64_t k, float *wbufs,
+                        int64_t wbuf_floats, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef _OPENMP
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const int64_t threads = 1, id = 0;
+#endif
+        int64_t col = 0;
+        for (int p = 0; p < MAX_PARTS; ++p) {
+            const int64_t *part = lin + 1 + p * PART_FIELDS;
+            if (part[0] == 0) break;
+            const int64_t n_out = part[4], per = (n_out + threads - 1) / threads;
+            const int64_t n0 = id * per < n_out ? id * per : n_out;
+            const int64_t n1 = n0 + per < n_out ? n0 + per : n_out;
+            quant_linear_range(out + col, out_stride, x, x_stride, rows,
+                               PTR(const uint8_t *, part[0]), part[2],
+                               PTR(const float *, part[3]), (int)part[1], n0, n1, k,
+                               wbufs + id * wbuf_floats);
+            if (lin[0] != 0) {
+                const float *bias = PTR(const float *, lin[0]) + col;
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int64_t n = n0; n < n1; ++n) out[r * out_stride + col + n] += bias[n];
+            }
+            col += n_out;
+        }
+    }
+}
+
+/* Scratch (floats): normed [rows, hidden], qkv [rows, q + 2 kv], attn [rows, q],
+ * gate_up [rows, 2 inter], act [rows, inter], scores [rows, num_heads, max_len]; the row
+ * kernels' per-thread buffers are allocated here. Returns 0, or -1 when that fails. */
+int decode_step_f32(float *hidden, float *residual, const int64_t *layers, int64_t num_layers,
+                    int64_t rows, float *scratch, const float *cos, const float *sin,
+                    const int32_t *block_tables, int64_t block_table_stride,
+                    const int32_t *seq_lens, const int64_t *slot_mapping, int64_t max_len,
+                    int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t inter, int64_t block_size, int64_t window,
+                    float eps, float scale, int num_threads, int64_t kv_dtype) {
+    const int64_t H = hidden_size, q_size = num_heads * head_dim;
+    const int64_t kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    float *normed = scratch;              /* [rows, H] */
+    float *qkv = normed + rows * H;       /* [rows, qkv_size] */
+    float *attn = qkv + rows * qkv_size;  /* [rows, q_size] */
+    float *gate_up = attn + rows * q_size; /* [rows, 2 inter] */
+    float *act = gate_up + rows * 2 * inter; /* [rows, inter] */
+    float *scores = act + rows * inter;   /* [rows, num_heads, max_len] */
+    int64_t k_max = H > q_size ? H : q_size;
+    k_max = k_max > inter ? k_max : inter;
+    const int64_t wbuf_floats = (k_max + 15) / 16 * 16;
+    float *wbufs = aligned_alloc(64, (size_t)(wbuf_floats * num_threads) * sizeof(float));
+    if (wbufs == NULL) return -1;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const int64_t *f = layers + l * STEP_LAYER_FIELDS;
+        const int64_t *lin = f + S_LINEARS;
+        void *key_cache = PTR(void *, f[S_KEY_CACHE]); /* of type kv_dtype (kv_dtype.h) */
+        void *value_cache = PTR(void *, f[S_VALUE_CACHE]);
+        if (l == 0) { /* no residual yet: it starts as the embedding */
+            rms_norm_f32(normed, NULL, hidden, H, NULL, PTR(const float *, f[S_INPUT_NORM]),
+                         rows, H, eps, num_threads);
+            memcpy(residual, hidden, (size_t)(rows * H) * sizeof(float));
+        } else {
+            rms_norm_f32(normed, residual, hidden, H, residual,
+                         PTR(const float *, f[S_INPUT_NORM]), rows, H, eps, num_threads);
+        }
+        linear_step(qkv, qkv_size, normed, H, rows, lin + L_QKV * LINEAR_FIELDS, H, wbufs,
+                    wbuf_floats, num_threads);
+        rotary_inplace_f32(qkv, qkv_size, cos, sin, rows, num_heads + num_kv_heads, head_dim,
+                           num_threads);
+        write_kv_f32(key_cache, value_cache, qkv + q_size, qkv + q_size + kv_size, qkv_size,
+                     slot_mapping, rows, kv_size, kv_dtype);
+        paged_decode_attention_f32(attn, qkv, qkv_size, scores, key_cache, value_cache,
+                                   block_tables, block_table_stride, seq_lens, rows, num_heads,
+                                   num_kv_heads, head_dim, block_size, max_len, window, scale,
+                                   0.0f, num_threads, kv_dtype);
+        linear_step(hidden, H, attn, q_size, rows, lin + L_O * LINEAR_FIELDS, q_size, wbufs,
+                    wbuf_floats, num_threads);
+        rms_norm_f32(normed, residual, hidden, H, residual, PTR(const float *, f[S_POST_NORM]),
+                     rows, H, eps, num_threads);
+        linear_step(gate_up, 2 * inter, normed, H, rows, lin + L_GATE_UP * LINEAR_FIELDS, H,
+                    wbufs, wbuf_floats, num_threads);
+        silu_and_mul_f32(act, gate_up, 2 * inter, rows, inter, num_threads);
+        linear_step(hidden, H, act, inter, rows, lin + L_DOWN * LINEAR_FIELDS, inter, wbufs,
+                    wbuf_floats, num_threads);
+    }
+    free(wbufs);
+    return 0;
+}
