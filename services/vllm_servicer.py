@@ -173,7 +173,12 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
             uptime_seconds=time.time() - self.started_at,
             server_type="vllm-grpc",  # the protocol spoken (gateways key their client on it)
             data_parallel_size=1,
-            kv_cache_dtype="auto",
+            # vLLM's setting: "auto" when the cache is in the model dtype.
+            kv_cache_dtype=(
+                "auto"
+                if config.cache_config.cache_dtype in ("auto", config.model_config.dtype)
+                else config.cache_config.cache_dtype
+            ),
             block_size=config.cache_config.block_size,
             model_dtype=config.model_config.dtype,
             max_num_seqs=config.scheduler_config.max_num_seqs,
