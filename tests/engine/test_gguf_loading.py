@@ -47,10 +47,13 @@ class _LargestFloatTensor(TorchDispatchMode):
         shared = {
             a.untyped_storage().data_ptr()
             for a in leaves
-            if isinstance(a, torch.Tensor) and a.device.type != "meta"
+            if isinstance(a, torch.Tensor) and a.device.type != "meta" and not a.is_mkldnn
         }
         for tensor in out if isinstance(out, tuple | list) else (out,):
-            if _real(tensor) and tensor.untyped_storage().data_ptr() not in shared:
+            if not _real(tensor):
+                continue
+            # A oneDNN-layout copy (engine/models/linear_select.py) is opaque: always new.
+            if tensor.is_mkldnn or tensor.untyped_storage().data_ptr() not in shared:
                 self.largest = max(self.largest, tensor.numel())
         return out
 
