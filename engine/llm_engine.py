@@ -417,6 +417,15 @@ class LLMEngine:
         self._update_gauges()
         return outputs
 
+    def _batch_cap(self) -> int | None:
+        """With several batches in flight, each takes at most its share of the live
+        requests, so every stage of the pipeline has a batch to work on."""
+        num_batches = self.executor.max_concurrent_batches
+        if num_batches == 1:
+            return None
+        num_live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return max(1, -(-num_live // num_batches))
+
     def _submit_steps(self) -> None:
         """Schedules and submits steps until the executor has as many in flight as it
         takes (one without pipeline parallelism) or nothing more can be scheduled."""
@@ -424,7 +433,7 @@ class LLMEngine:
             len(self._in_flight) < self.executor.max_concurrent_batches
             and self.scheduler.has_unfinished_requests()
         ):
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self.scheduler.schedule(self._batch_cap())
             if scheduler_output.is_empty:
                 self.executor.skip(scheduler_output)
                 if not self._in_flight:

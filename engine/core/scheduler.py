@@ -53,6 +53,7 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
         self.num_output_tokens_last_update = 0
+        self._max_scheduled = config.max_num_seqs  # this step's cap (see schedule)
 
     # ---- queue management -------------------------------------------------------------
 
@@ -91,7 +92,11 @@ class Scheduler:
 
     # ---- schedule ---------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_scheduled_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. `max_scheduled_seqs` caps the requests in it: with pipeline
+        parallelism the engine splits the live requests over the batches in flight, so
+        that the stages overlap (vLLM's virtual engines)."""
+        self._max_scheduled = max_scheduled_seqs or self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: set[str] = set()
@@ -99,7 +104,7 @@ class Scheduler:
             self.running.sort(key=lambda r: (-r.priority, r.arrival_time))
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(scheduled) < self._max_scheduled:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # its last step is still in flight (pipeline parallelism)
@@ -153,7 +158,12 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], budget: int, not_ready: list[Request]
     ) -> int:
         now = time.time()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(scheduled) < self._max_scheduled
+        ):
             request = self.waiting.peek()
             if not request.is_ready():
                 not_ready.append(self.waiting.pop())
