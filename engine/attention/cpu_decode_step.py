@@ -26,7 +26,12 @@ import torch
 
 from engine import native
 from engine.attention.backend import AttentionMetadata
-from engine.native.decode_step import LINEAR_ROLES, decode_step, step_layer_table
+from engine.native.decode_step import (
+    LINEAR_ROLES,
+    decode_step,
+    step_layer_table,
+    tensor_address,
+)
 from engine.native.quant import QuantizedWeight, fp32_weight
 
 # Decode batches up to this size take the whole-step path on quantized weights; larger
@@ -160,9 +165,9 @@ class CPUDecodeStep:
             caches = {"key_cache": cache[0], "value_cache": cache[1]}
             rows.append(
                 [
-                    _address(caches[name], (cache_dtype,))
+                    tensor_address(caches[name], (cache_dtype,))
                     if name in caches
-                    else _address(fields[name])
+                    else tensor_address(fields[name])
                     for name in native.DECODE_LAYER_FIELDS
                 ]
             )
@@ -191,14 +196,3 @@ def _parts(layer: Any) -> list[QuantizedWeight]:
     if layer.quant_method is not None:
         return list(layer.quant_method.parts)
     return [fp32_weight(layer.weight)]
-
-
-def _address(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
-    if t is None:
-        return 0
-    if t.dtype not in dtypes or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(
-            "native decode needs contiguous CPU tensors: fp32 weights, caches of one of "
-            f"{tuple(native.KV_DTYPE_CODES)}"
-        )
-    return t.data_ptr()

@@ -206,10 +206,11 @@ def load_tokenizer(model_dir: Path) -> Any | None:
 
 
 def iter_safetensors(
-    model_dir: Path, skip: set[str] | frozenset[str] = frozenset()
-) -> Iterator[tuple[str, torch.Tensor]]:
+    model_dir: Path, skip: set[str] | frozenset[str] = frozenset(), lazy: bool = False
+) -> Iterator[tuple[str, Any]]:
     """Streams (name, tensor) from every ``*.safetensors`` file of the directory; names in
-    `skip` are never read."""
+    `skip` are never read. `lazy`: (name, slice) instead, read only where indexed, so a
+    tensor-parallel rank reads only its rows (engine/models/weight_loader.py)."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -221,23 +222,7 @@ def iter_safetensors(
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 if name not in skip:
-                    yield name, f.get_tensor(name)
-
-
-def iter_safetensors_slices(model_dir: Path) -> Iterator[tuple[str, Any]]:
-    """Streams (name, lazy slice) from every ``*.safetensors`` file: nothing is read until
-    indexed, so a tensor-parallel rank reads only its rows (engine/models/weight_loader.py)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors files in {model_dir} (pickle checkpoints are not supported)."
-        )
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_slice(name)
+                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def load_model(
@@ -273,10 +258,8 @@ def load_model(
     if weights is None:
         from engine.distributed.parallel_state import get_parallel_rank
 
-        if get_parallel_rank().world_size > 1:  # a rank reads only its slices
-            weights = iter_safetensors_slices(model_dir)
-        else:
-            weights = iter_safetensors(model_dir, skip=kept)
+        several = get_parallel_rank().world_size > 1  # a rank reads only its slices
+        weights = iter_safetensors(model_dir, skip=kept, lazy=several)
     model.load_weights((name, tensor) for name, tensor in weights if name not in kept)
     if quantization == "gguf":
         from engine.models.gguf_weights import check_gguf_blocks

@@ -40,7 +40,11 @@ def _lib() -> ctypes.CDLL:
     return library
 
 
-def _address(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+def tensor_address(
+    t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> int:
+    """A tensor's address for the native layer tables (0 for None); a ValueError for what
+    the kernels cannot read (not contiguous CPU memory of one of `dtypes`)."""
     if t is None:
         return 0
     if t.dtype not in dtypes or not t.is_contiguous() or t.device.type != "cpu":
@@ -54,7 +58,7 @@ def _address(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.fl
 def _linear_fields(bias: torch.Tensor | None, parts: list[QuantizedWeight]) -> list[int]:
     if not 1 <= len(parts) <= MAX_PARTS:
         raise ValueError(f"a projection has 1..{MAX_PARTS} parts, got {len(parts)}")
-    fields = [_address(bias)]
+    fields = [tensor_address(bias)]
     for part in parts:
         scales = 0 if part.scales is None else part.scales.data_ptr()
         fields += [part.data.data_ptr(), int(part.qtype), part.data.shape[1], scales]
@@ -69,8 +73,8 @@ def step_layer_table(layers: list[dict[str, Any]]) -> torch.Tensor:
     tensor alive as long as the table."""
     rows = []
     for layer in layers:
-        row = [_address(layer[name]) for name in ("input_norm", "post_norm")]
-        row += [_address(layer[name], CACHE_DTYPES) for name in ("key_cache", "value_cache")]
+        row = [tensor_address(layer[name]) for name in ("input_norm", "post_norm")]
+        row += [tensor_address(layer[name], CACHE_DTYPES) for name in ("key_cache", "value_cache")]
         for role in LINEAR_ROLES:
             row += _linear_fields(*layer[role])
         rows.append(row)
