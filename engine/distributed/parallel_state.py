@@ -8,7 +8,7 @@ stage (vLLM's layout)::
     world_size = tp * pp        rank = pp_rank * tp + tp_rank
 
     tp=2, pp=2:   stage 0: ranks 0 1     stage 1: ranks 2 3
-                  TP groups {0,1} {2,3}  PP groups {0,2} {1,3}
+                  TP groups {0,1} {2,3}; stages talk point to point (rank r -> r + tp)
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class ParallelRank:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's TP ranks
-    pp_group: Any = None  # ... of the ranks holding the same TP shard in every stage
 
     @property
     def rank(self) -> int:
@@ -70,7 +69,7 @@ def init_distributed(
     timeout_s: float = 600.0,
 ) -> ParallelRank:
     """Joins the world (`init_method`: a ``tcp://host:port`` rendezvous) and builds the TP
-    and PP groups; gloo on CPU, NCCL on CUDA."""
+    groups; gloo on CPU, NCCL on CUDA."""
     import torch.distributed as dist
 
     global _current
@@ -83,17 +82,13 @@ def init_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
-    tp_group = pp_group = None
+    tp_group = None
     # Every rank creates every group, in the same order (new_group is collective).
     for stage in range(pp_size):
         group = dist.new_group([stage * tp_size + t for t in range(tp_size)])
         if stage == pp_rank:
             tp_group = group
-    for shard in range(tp_size):
-        group = dist.new_group([s * tp_size + shard for s in range(pp_size)])
-        if shard == tp_rank:
-            pp_group = group
-    _current = ParallelRank(tp_rank, tp_size, pp_rank, pp_size, tp_group, pp_group)
+    _current = ParallelRank(tp_rank, tp_size, pp_rank, pp_size, tp_group)
     return _current
 
 

@@ -165,8 +165,6 @@ class RequestMirror:
                 table = self._block_tables[change.request_id] = list(change.block_ids)
             else:
                 table.extend(change.block_ids)
-            request.num_computed_tokens = change.num_computed_tokens
-            request.spec_token_ids = change.spec_token_ids
             request.structured_output = None
             if change.grammar_rows is not None:
                 from engine.distributed.grammar_masks import ReplayGrammar
