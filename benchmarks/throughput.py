@@ -24,12 +24,18 @@ process's peak RSS. `--llamacpp-baseline` (needs `llama-cpp-python`, not a proje
 llama.cpp on the same GGUF file in the same run: the same start measurement, the same
 prompt ids and output length, one stream at a time (benchmarks/llamacpp_baseline.py),
 `--llamacpp-threads` threads (2).
+
+`--emulate-isa avx2` runs the whole benchmark (transformers included) as an AVX2-only CPU
+would: it re-executes itself with torch's, MKL's and oneDNN's ISA capped at AVX2 and our
+kernels built for x86-64-v3 with their AVX2 paths (`EMULATED_ISA_ENV`). llama.cpp's own
+dispatch is not capped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import statistics
@@ -41,6 +47,25 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
+
+# The environment of an AVX2-only machine on a wider CPU (read at import, hence re-exec).
+EMULATED_ISA_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3",
+        "PAGEDSERVE_QUANT_ISA": "avx2",
+    }
+}
+
+
+def reexec_with_isa(isa: str) -> None:
+    """Re-executes this script with `EMULATED_ISA_ENV[isa]` set, unless it already is."""
+    wanted = EMULATED_ISA_ENV[isa]
+    if all(os.environ.get(name) == value for name, value in wanted.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
 
 
 def peak_rss_mib() -> float:
@@ -184,9 +209,21 @@ def main() -> int:
     )
     parser.add_argument("--llamacpp-threads", type=int, default=2)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--emulate-isa",
+        choices=sorted(EMULATED_ISA_ENV),
+        default=None,
+        help="cap every library's and kernel's ISA (an AVX2-only CPU on an AVX-512 one)",
+    )
     args = parser.parse_args()
+    if args.emulate_isa:
+        reexec_with_isa(args.emulate_isa)
 
+    limits = " ".join(f"{k}={os.environ[k]}" for k in EMULATED_ISA_ENV["avx2"] if k in os.environ)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}")
+    if limits:
+        capability = torch.backends.cpu.get_cpu_capability()
+        print(f"ISA capped: {limits}; torch CPU capability {capability}")
     llamacpp = None
     if args.llamacpp_baseline:
         from llamacpp_baseline import gguf_path, llamacpp_missing

@@ -16,9 +16,10 @@ that won somewhere get a prepared copy of the weight (the packed/reordered copie
 large as the weight, and the default model should fit under 1 GB).
 
 The decisions are cached as JSON under the model cache root (`linear_methods/`), keyed by
-CPU model, ISA flags, torch version and thread count, so later starts read them and time
-nothing. ``$PAGEDSERVE_LINEAR_METHOD`` (`mkl_packed`, `onednn`, `torch`, `native`, `auto`)
-forces one method for every bucket it can run (tests, benchmarks).
+CPU model, ISA flags (and any ISA limit set in the environment), torch version and thread
+count, so later starts read them and time nothing. ``$PAGEDSERVE_LINEAR_METHOD``
+(`mkl_packed`, `onednn`, `torch`, `native`, `auto`) forces one method for every bucket it
+can run (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ _NATIVE_MAX_ROWS = 8  # our GEMV reads each weight row once for all rows: few ro
 _TIME_BUDGET_S = 0.03
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 50
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile")
+# Settings that narrow the ISA the libraries and our kernels use below what the CPU has
+# (an emulated AVX2-only machine, benchmarks/throughput.py --emulate-isa): part of the key.
+_ISA_LIMIT_ENVS = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "ONEDNN_MAX_CPU_ISA",
+    "PAGEDSERVE_NATIVE_MARCH",
+    "PAGEDSERVE_QUANT_ISA",
+)
 
 # Per-row-count bucket index for rows 0..128; above that the last bucket.
 _BUCKET_OF = [0] + [
@@ -275,6 +285,7 @@ def cache_key() -> dict[str, Any]:
     return {
         "cpu": model or platform.machine(),
         "isa": [f for f in _ISA_FLAGS if f in flags],
+        "isa_limits": {name: os.environ[name] for name in _ISA_LIMIT_ENVS if name in os.environ},
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }

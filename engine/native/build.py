@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 KERNEL_CACHE_DIR_ENV = "PAGEDSERVE_KERNEL_CACHE_DIR"
 # "0" turns the native kernels off (pure torch everywhere), e.g. to compare the two.
 NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
+# The -march the kernels are compiled for ("native" unless set): "x86-64-v3" builds the
+# AVX2 code an AVX2-only CPU would get, so a benchmark can emulate one on an AVX-512 part
+# (benchmarks/throughput.py --emulate-isa avx2).
+NATIVE_MARCH_ENV = "PAGEDSERVE_NATIVE_MARCH"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
 _EXTRA_SOURCES = tuple(
@@ -42,9 +46,8 @@ _HEADERS = tuple(
 )
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
 # one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).
-_FLAGS = (
+_BASE_FLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -55,6 +58,15 @@ _FLAGS = (
     # long enough that full-width ones win (~1.3x on the scores pass).
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler flags: `_BASE_FLAGS` and the -march ($PAGEDSERVE_NATIVE_MARCH or native)."""
+    march = os.environ.get(NATIVE_MARCH_ENV, "").strip() or "native"
+    if not march.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise NativeKernelError(f"${NATIVE_MARCH_ENV}={march!r} is not an -march value.")
+    return (f"-march={march}", *_BASE_FLAGS)
+
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -117,12 +129,13 @@ def load_library() -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeKernelError(f"C compiler {compiler!r} does not run: {error}") from error
     key = hashlib.sha256()
-    for part in (source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature()):
+    flags = compile_flags()
+    for part in (source, " ".join(flags).encode(), version.encode(), _cpu_signature()):
         key.update(part)
         key.update(b"\0")
     path = kernel_cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not path.exists():
-        _build(compiler, path)
+        _build(compiler, path, flags)
     try:
         library = ctypes.CDLL(str(path))
     except OSError as error:
@@ -151,11 +164,11 @@ def _warn_once(reason: str) -> None:
     logger.warning("CPU attention kernels unavailable (%s); using pure-torch attention.", reason)
 
 
-def _build(compiler: str, path: Path) -> None:
+def _build(compiler: str, path: Path, flags: tuple[str, ...]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    command = [compiler, *_FLAGS, str(_SOURCE), *map(str, _EXTRA_SOURCES), "-o", tmp]
+    command = [compiler, *flags, str(_SOURCE), *map(str, _EXTRA_SOURCES), "-o", tmp]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:

@@ -152,3 +152,12 @@ def test_disagreeing_method_is_dropped(monkeypatch, caplog):
         chosen = select_methods([torch.randn(40, 24)])
     assert "mkl_packed" not in chosen[(40, 24)]
     assert "disagrees" in caplog.text
+
+
+def test_isa_limits_key_their_own_cache(monkeypatch):
+    """Measurements taken with the libraries capped at AVX2 are not reused uncapped."""
+    plain = cache_key()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    capped = cache_key()
+    assert capped["isa_limits"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert cache_file(capped) != cache_file(plain)

@@ -423,3 +423,14 @@ def test_native_decode_rejects_bad_inputs():
         native.decode_token(hidden, layers, cos, sin, table, 9, 0, *args)
     with pytest.raises(ValueError, match="cos/sin"):
         native.decode_token(hidden, layers, cos[:3], sin, table, 3, 0, *args)
+
+
+def test_march_override_names_the_build_and_rejects_junk(monkeypatch):
+    from engine.native.build import NATIVE_MARCH_ENV, NativeKernelError, compile_flags
+
+    assert compile_flags()[0] == "-march=native"
+    monkeypatch.setenv(NATIVE_MARCH_ENV, "x86-64-v3")  # what an AVX2-only CPU would get
+    assert compile_flags()[0] == "-march=x86-64-v3"
+    monkeypatch.setenv(NATIVE_MARCH_ENV, "native -o /tmp/x")
+    with pytest.raises(NativeKernelError, match=NATIVE_MARCH_ENV):
+        compile_flags()
