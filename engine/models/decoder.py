@@ -13,7 +13,7 @@ gathered on the rank that samples (engine/distributed/).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -208,8 +208,13 @@ class DecoderForCausalLM(nn.Module):
             num_packed += 1
         return num_packed
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face-named tensors into the (fused) parameters (`weight_loader`)."""
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        on_loaded: Callable[[str], None] | None = None,
+    ) -> None:
+        """Hugging Face-named tensors into the (fused) parameters (`weight_loader`);
+        `on_loaded(name)` runs as each parameter is complete."""
         ignored = self.ignored_weight_suffixes
         if self.lm_head is None:
             ignored = (*ignored, "lm_head.weight")  # some tied checkpoints keep a copy
@@ -221,6 +226,7 @@ class DecoderForCausalLM(nn.Module):
             self.expert_weights_mapping,
             self.weight_name_substitutions,
             self.weights_on_other_stages(),
+            on_loaded,
         )
         post_load(self)
 

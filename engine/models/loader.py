@@ -243,7 +243,7 @@ def load_model(
     `op_impl` overrides the op implementation chosen from the backend, device and dtype.
     `quantization` keeps the projections quantized (engine/models/quantization.py):
     "gguf" fills them from `gguf_file`'s blocks before any fp32 storage exists; "int8"
-    quantizes the loaded fp32 weights.
+    quantizes each projection as soon as it is loaded.
     """
     model_class = get_model_class(hf_config)
     if op_impl is None:
@@ -260,7 +260,12 @@ def load_model(
 
         several = get_parallel_rank().world_size > 1  # a rank reads only its slices
         weights = iter_safetensors(model_dir, skip=kept, lazy=several)
-    model.load_weights((name, tensor) for name, tensor in weights if name not in kept)
+    on_loaded = None
+    if quantization is not None and quantization != "gguf":
+        from engine.models.quantization import quantize_on_load
+
+        on_loaded = quantize_on_load(model, quantization)
+    model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
     if quantization == "gguf":
         from engine.models.gguf_weights import check_gguf_blocks
 

@@ -9,8 +9,10 @@ weight, and its fp32 `weight` is left empty. The model code is untouched: a `Lin
   file into the model while it is still on meta (engine/models/gguf_weights.py), so no
   fp32 copy of a projection is ever made, and sample rows are checked against the fp32
   weights transformers dequantized from the same file.
-- ``"int8"``: per-output-channel symmetric int8 of each projection (weight-only), made by
-  `quantize_model` from the loaded fp32 weights; the embedding and LM head stay in the
+- ``"int8"``: per-output-channel symmetric int8 of each projection (weight-only), made from
+  the checkpoint's weights while they load: `quantize_on_load` quantizes a projection as
+  soon as all its shards are in and frees its fp32 copy, so at most one projection's fp32
+  weight is resident beside the int8 ones; the embedding and LM head stay in the
   checkpoint's dtype, as in vLLM's weight-only methods.
 
 Only a CPU method exists today (`CPUQuantizedLinearMethod`, native kernels); a GPU one (a
@@ -20,6 +22,7 @@ Triton dequant-GEMM) would be another `LinearMethod` picked by `_linear_method`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -85,17 +88,30 @@ def check_quantizable(model: nn.Module, quantization: str) -> None:
         )
 
 
-def quantize_model(model: nn.Module, quantization: str) -> int:
-    """Switches a loaded model's projections to int8; returns how many layers. ("gguf"
-    weights are never fp32: engine/models/gguf_weights.py fills them from the file.)"""
+def quantize_on_load(model: nn.Module, quantization: str) -> Callable[[str], None]:
+    """The `on_loaded` callback of `load_weights` for int8: quantizes each projection once
+    its weight is complete and releases the fp32 copy. ("gguf" weights are never fp32:
+    engine/models/gguf_weights.py fills them from the file.)"""
     check_quantizable(model, quantization)
     if quantization != "int8":
-        raise ValueError(
-            f"quantize_model quantizes loaded fp32 weights to int8, not {quantization!r}."
-        )
+        raise ValueError(f"only int8 is quantized from fp32 weights, not {quantization!r}.")
+    layers = {f"{name}.weight": layer for name, layer in projection_layers(model)}
+
+    def loaded(param_name: str) -> None:
+        layer = layers.get(param_name)
+        if layer is not None and layer.quant_method is None:
+            install_quantized(layer, [quantize_int8(layer.weight.data)], layer.weight.device)
+
+    return loaded
+
+
+def quantize_model(model: nn.Module, quantization: str) -> int:
+    """Switches a loaded model's remaining fp32 projections to int8 (those `quantize_on_load`
+    has not done already); returns how many projections are int8."""
+    loaded = quantize_on_load(model, quantization)
     layers = projection_layers(model)
-    for _, layer in layers:
-        install_quantized(layer, [quantize_int8(layer.weight.data)], layer.weight.device)
+    for name, _ in layers:
+        loaded(f"{name}.weight")
     return len(layers)
 
 

@@ -27,7 +27,8 @@ missing or misshapen tensors raise ValueError naming them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -142,11 +143,14 @@ def load_weights(
     expert_weights_mapping: Mapping[str, tuple[str, int | None]] | None = None,
     weight_name_substitutions: tuple[tuple[str, str], ...] = (),
     skipped_prefixes: tuple[str, ...] = (),
+    on_loaded: Callable[[str], None] | None = None,
 ) -> None:
     """Copies checkpoint tensors into `model`'s (fused) parameters; checks every name.
 
     `ignored`: exact names or name suffixes (starting with '.') skipped on sight;
-    `skipped_prefixes`: names held by another pipeline stage.
+    `skipped_prefixes`: names held by another pipeline stage; `on_loaded(name)` is called
+    as soon as parameter `name` has all its shards (int8 quantizes each projection then,
+    so the whole model is never resident in fp32).
     """
     params = dict(model.named_parameters())
     shard_rows = _shard_rows(model, packed_modules_mapping)
@@ -163,6 +167,7 @@ def load_weights(
             pending |= {(name, (e, i)) for e in range(num_experts) for i in range(num_shards)}
         else:
             pending.add((name, None))
+    remaining = Counter(name for name, _ in pending)  # shards still to come, per parameter
     for ckpt_name, tensor in weights:
         if ckpt_name in ignored or any(s.startswith(".") and s in ckpt_name for s in ignored):
             continue
@@ -200,7 +205,14 @@ def load_weights(
         if name in slices and rows < target.shape[0]:  # vocabulary padding rows stay zero
             target = target.narrow(0, 0, rows)
         _copy(ckpt_name, tensor, target)
-        pending.discard((name, shard))
+        if (name, shard) in pending:
+            pending.discard((name, shard))
+            remaining[name] -= 1
+            if remaining[name] == 0 and on_loaded is not None:
+                on_loaded(name)
+                # The callback may have replaced the parameter: hold the new one, so the
+                # old storage is freed now rather than when loading ends.
+                params[name] = model.get_parameter(name)
     if pending:
         missing = sorted(name if shard is None else f"{name}[{shard}]" for name, shard in pending)
         raise ValueError(f"missing weights: {', '.join(missing[:8])} ({len(missing)} in all).")

@@ -65,6 +65,52 @@ def test_int8_matches_transformers_on_the_rounded_weights(tmp_path):
     assert twin_logits_differ or _weights_differ(model_dir, twin)
 
 
+def test_int8_quantizes_each_projection_as_it_loads(tmp_path, monkeypatch):
+    """No fp32 detour: a layer's projections are int8 (their fp32 weight released) before
+    the next layer's tensors are read, so the whole fp32 model is never resident."""
+    from engine.attention.cpu_backend import CPUAttentionBackend
+    from engine.models.loader import iter_safetensors, load_hf_config, load_model
+    from engine.models.quantization import projection_layers
+
+    model_dir = make_tiny_llama(tmp_path / "model", num_layers=3, mlp_bias=True)
+    seen: list[tuple[str, int]] = []
+    holder: dict[str, torch.nn.Module] = {}
+
+    def watched():
+        for name, tensor in iter_safetensors(model_dir):
+            if "model" in holder:  # quantized projections so far, as this tensor arrives
+                layers = projection_layers(holder["model"])
+                seen.append((name, sum(m.quant_method is not None for _, m in layers)))
+            yield name, tensor
+
+    from engine.models import decoder
+
+    load = decoder.DecoderForCausalLM.load_weights
+
+    def spying_load(self, weights, on_loaded=None):
+        holder["model"] = self
+        return load(self, weights, on_loaded)
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "load_weights", spying_load)
+    model = load_model(
+        model_dir,
+        load_hf_config(model_dir),
+        torch.float32,
+        torch.device("cpu"),
+        CPUAttentionBackend(),
+        weights=watched(),
+        quantization="int8",
+    )
+    layers = projection_layers(model)
+    assert len(layers) == 3 * 4 and all(m.quant_method is not None for _, m in layers)
+    assert all(m.weight.numel() == 0 for _, m in layers)  # no fp32 copy kept
+    for name, done in seen:
+        if name.startswith("model.layers.1.") or name.startswith("model.layers.2."):
+            assert done >= 4, f"layer 0 still fp32 when {name} was read"
+        if name.startswith("model.layers.2."):
+            assert done >= 8, f"layer 1 still fp32 when {name} was read"
+
+
 def _weights_differ(a: Path, b: Path) -> bool:
     from safetensors.torch import load_file
 
