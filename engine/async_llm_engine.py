@@ -22,7 +22,6 @@ from engine.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
-    ParallelConfig,
     SchedulerConfig,
 )
 from engine.engine_commands import (
@@ -39,6 +38,7 @@ from engine.kv_event_publisher import KVEventBatch, KVEventSubscription
 from engine.llm_engine import LLMEngine, PromptType
 from engine.lora.request import LoRARequest
 from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.parallel_config import ParallelConfig
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output.config import DecodingConfig

@@ -1,36 +1,21 @@
-"""Engine configuration: `EngineArgs` (what a user sets) and the resolved configs."""
+"""Engine configuration: `EngineArgs` (what a user sets) and the resolved configs.
+
+Some parts resolve in their own modules: `ParallelConfig` (parallel_config.py), the KV
+cache's dtype (kv_cache_dtype.py) and the weight quantization (quantization_config.py).
+"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from engine.parallel_config import ExecutorBackend, ParallelConfig
 from engine.pooler_config import PoolerConfig
+from engine.quantization_config import gguf_source, resolve_quantization
 
 SchedulingPolicy = Literal["fcfs", "priority"]
-
-# The default CPU KV budget is what the scheduler can use (max_num_seqs full-length
-# sequences), capped at this fraction of the memory available at start-up: the cache is
-# mapped lazily (engine/worker/kv_memory.py), so the cap bounds what a full cache could
-# grow to, and half leaves room for the weights, the step's activations and the rest of the
-# machine (other processes, the page cache the model files are read through).
-CPU_KV_CACHE_MEMORY_FRACTION = 0.5
-# Used where the available memory cannot be read (no /proc/meminfo, no psutil).
-_FALLBACK_CPU_KV_CACHE_BYTES = 4 * 1024**3
-CPU_KVCACHE_SPACE_ENV = "PAGEDSERVE_CPU_KVCACHE_SPACE"
-
-# kv_cache_dtype values besides "auto" (vLLM's names) and aliases -> the torch dtype name.
-# Never wider than the model dtype: "auto" is the model's own.
-_KV_CACHE_DTYPES = {
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-}
-_CACHE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # CacheConfig.cache_dtype, resolved
 
 
 @dataclass
@@ -84,7 +69,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # vLLM's field: the KV cache's element type, a torch dtype name ("float32", "bfloat16",
     # "float16"), or "auto" = the model dtype. EngineArgs resolves it once (never "auto"
-    # in an engine's config); see resolve_kv_cache_dtype.
+    # in an engine's config); see kv_cache_dtype.resolve_kv_cache_dtype.
     cache_dtype: str = "auto"
     # Decided once at start-up from the memory budget (ModelRunner); the engine's resolved
     # config is a copy carrying it. 0 in a config that no engine has resolved yet.
@@ -105,7 +90,7 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}."
             )
-        if self.cache_dtype != "auto" and self.cache_dtype not in _CACHE_DTYPE_NAMES:
+        if self.cache_dtype != "auto" and self.cache_dtype not in CACHE_DTYPE_NAMES:
             raise ValueError(
                 f"cache_dtype must be 'auto' or a resolved dtype name, got {self.cache_dtype!r}."
             )
@@ -190,53 +175,6 @@ class SpeculativeConfig:
 class DeviceConfig:
     device: str  # "cpu", "cuda", "cuda:1"...
     attention_backend: str | None = None  # None: triton on CUDA, cpu (else torch) on CPU
-
-
-ExecutorBackend = Literal["uni", "mp"]
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """vLLM's `ParallelConfig`: how one engine's model is split over ranks.
-
-    `distributed_executor_backend`: "uni" runs the model in the engine's own process (a
-    world of one); "mp" starts one worker process per rank (engine/distributed/), which
-    the engine owns. None resolves to "uni" for a world of one, else "mp".
-    """
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: ExecutorBackend | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-        if self.data_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size={self.data_parallel_size}: run more engine replicas "
-                "behind the tokenizer service or a gateway instead (docs/deployment.md)."
-            )
-        backend = self.distributed_executor_backend
-        if backend not in (None, "uni", "mp"):
-            raise ValueError(
-                f"distributed_executor_backend must be 'uni', 'mp' or None, got {backend!r}."
-            )
-        if backend == "uni" and self.world_size > 1:
-            raise ValueError(
-                "distributed_executor_backend='uni' runs one process, but tensor_parallel_size"
-                f" x pipeline_parallel_size = {self.world_size}: use 'mp'."
-            )
-        if backend is None:  # resolved once, here: the config is frozen
-            object.__setattr__(
-                self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -359,8 +297,8 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
-        gguf_file = _gguf_source(self.model)
-        quantization = _resolve_quantization(
+        gguf_file = gguf_source(self.model)
+        quantization = resolve_quantization(
             self.quantization, gguf_file, device, dtype, parallel_config.world_size
         )
         generation = load_generation_config(model_dir)
@@ -414,72 +352,6 @@ class EngineArgs:
         )
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """The KV cache's torch dtype name for `kv_cache_dtype` ("auto": the model's)."""
-    if not isinstance(kv_cache_dtype, str):
-        raise ValueError(f"kv_cache_dtype must be a string, got {kv_cache_dtype!r}.")
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype.startswith("fp8"):
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r}: fp8 KV caches are not supported; "
-            "use 'auto', 'bfloat16' or 'float16'."
-        )
-    if kv_cache_dtype not in _KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype must be 'auto' or one of {sorted(_KV_CACHE_DTYPES)}, "
-            f"got {kv_cache_dtype!r}."
-        )
-    return _KV_CACHE_DTYPES[kv_cache_dtype]
-
-
-def default_cpu_kv_cache_bytes(useful_bytes: int, available_bytes: int | None = None) -> int:
-    """The CPU KV budget when none is set explicitly.
-
-    `PAGEDSERVE_CPU_KVCACHE_SPACE` GiB (like vLLM's CPU knob) wins; else what the scheduler
-    can use (`useful_bytes`: max_num_seqs x max_model_len tokens), capped at
-    CPU_KV_CACHE_MEMORY_FRACTION of the memory available now (`available_bytes`, default
-    MemAvailable), or at 4 GiB where that cannot be read.
-    """
-    value = os.environ.get(CPU_KVCACHE_SPACE_ENV)
-    if value:
-        try:
-            space = float(value)
-        except ValueError:
-            space = -1.0
-        if not space > 0:
-            raise ValueError(
-                f"{CPU_KVCACHE_SPACE_ENV} must be a positive GiB count, got {value!r}."
-            )
-        return int(space * 1024**3)
-    if available_bytes is None:
-        available_bytes = available_memory_bytes()
-    if available_bytes is None:
-        cap = _FALLBACK_CPU_KV_CACHE_BYTES
-    else:
-        cap = int(available_bytes * CPU_KV_CACHE_MEMORY_FRACTION)
-    return min(useful_bytes, cap)
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable: what the kernel estimates can be allocated now without swapping
-    (free memory plus reclaimable caches), or None where it cannot be read."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _resolve_device(device: str) -> str:
     import torch
 
@@ -513,67 +385,3 @@ def _eos_ids(gen_config: dict[str, Any], hf_config: Any) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}
-
-
-def _gguf_source(model: str | None) -> Path | None:
-    """The .gguf file the model is read from (the default model is one), else None."""
-    from engine.models.loader import default_model_path
-
-    path = default_model_path() if model is None else Path(model).expanduser()
-    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
-
-
-def _resolve_quantization(
-    quantization: str | None,
-    gguf_file: Path | None,
-    device: str,
-    dtype: str,
-    world_size: int = 1,
-) -> str | None:
-    """ "auto" -> "gguf" where it runs (a llama GGUF on CPU, fp32, native kernels built,
-    one rank), else None; an explicit method is checked and errors name what is missing."""
-    allowed = ("auto", "none", "gguf", "int8")
-    if quantization is not None and quantization not in allowed:
-        raise ValueError(f"quantization must be one of {allowed} or None, got {quantization!r}.")
-    if quantization in (None, "none"):
-        return None
-    if quantization == "auto":
-        if gguf_file is None or device != "cpu" or dtype != "float32" or world_size > 1:
-            return None
-        return "gguf" if _gguf_quantization_problem(gguf_file) is None else None
-    if device != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only, device is {device!r}.")
-    if world_size > 1:
-        # Quantized blocks are not split between ranks (yet): docs/parallelism.md.
-        raise ValueError(
-            f"quantization={quantization!r} needs tensor_parallel_size x "
-            f"pipeline_parallel_size = 1, got {world_size}."
-        )
-    if dtype != "float32":
-        raise ValueError(f"quantization={quantization!r} needs dtype float32, got {dtype!r}.")
-    if quantization == "gguf":
-        if gguf_file is None:
-            raise ValueError("quantization='gguf' needs a .gguf model file.")
-        problem = _gguf_quantization_problem(gguf_file)
-        if problem is not None:
-            raise ValueError(f"quantization='gguf': {problem}.")
-    from engine.native import native_kernels_available
-
-    if not native_kernels_available():
-        raise ValueError(
-            f"quantization={quantization!r} needs the native CPU kernels (no C compiler?)."
-        )
-    return quantization
-
-
-def _gguf_quantization_problem(gguf_file: Path) -> str | None:
-    """Why the file's blocks cannot be kept quantized here, or None."""
-    from engine.models.gguf_blocks import SUPPORTED_ARCHITECTURES, gguf_architecture
-    from engine.native import native_kernels_available
-
-    architecture = gguf_architecture(gguf_file)
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        return f"GGUF architecture {architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
-    if not native_kernels_available():
-        return "the native CPU kernels are unavailable (no C compiler?)"
-    return None

@@ -10,20 +10,20 @@ step():
 With pipeline parallelism up to `pipeline_parallel_size` steps are submitted before the
 oldest is collected, so the stages work on different batches at once (vLLM's virtual
 engines); a request is in at most one of them.
+
+Beside this file: `add_request`'s arguments become `Request`s in request_builder.py, the
+metrics, stats line and spans are recorded by engine_recorder.py, and the LoRA, sleep-mode
+and profiling methods come from llm_engine_admin.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import random
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 from engine.config import (
     CacheConfig,
@@ -32,58 +32,36 @@ from engine.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
-    ParallelConfig,
     SchedulerConfig,
 )
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
+from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.engine_recorder import EngineRecorder
 from engine.executor import create_executor
 from engine.input_processor import InputProcessor, PromptType
-from engine.lora.request import LoRARequest
+from engine.llm_engine_admin import LLMEngineAdminMixin
 from engine.metrics import EngineMetrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingRequestOutput, RequestOutput
+from engine.parallel_config import ParallelConfig
 from engine.pooling_params import PoolingParams
+from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
-from engine.stats import StatLogger, StepStats
+from engine.stats import StatLogger
 from engine.stop_tokenizer import StopStringTokenizer
 from engine.structured_output.config import DecodingConfig
 from engine.structured_output.manager import StructuredOutputManager
-from engine.tracing import (
-    RequestTracer,
-    TraceInfo,
-    contains_trace_headers,
-    init_tracer_provider,
-    tracing_is_configured,
-)
-
-if TYPE_CHECKING:
-    from engine.lora.manager import LoRAManager
-    from engine.lora.metrics import LoRAInfoGauge
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _LiveRequest:
-    params: SamplingParams | PoolingParams
-    trace_headers: Mapping[str, str] | None
-    samples: list[Request]
-    traced: bool
-    lora_name: str | None = None
-
-
-_SEED_MASK = (1 << 63) - 1
-_STATS_INTERVAL_S = 10.0
 _IDLE_WAIT_S = 0.01
 
 
-class LLMEngine:
+class LLMEngine(LLMEngineAdminMixin):
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         from engine.lora.manager import LoRAManager
-        from engine.lora.metrics import LoRAInfoGauge
         from engine.models.loader import load_tokenizer
         from engine.models.registry import get_model_class
 
@@ -139,7 +117,6 @@ class LLMEngine:
             self.kv_cache_manager,
             config.speculative_config,
         )
-        self._last_logged_drafts = (0, 0)  # (scheduled, accepted) at the last stats line
         stop_tokenizer = StopStringTokenizer(
             self.tokenizer, model_config.tokenizer_dir or model_config.model_dir
         )
@@ -147,30 +124,26 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config, num_blocks, self.get_tokenizer, stop_tokenizer
         )
-        self.log_stats = log_stats
-        self.stat_logger = StatLogger()
-        self._seed_rng = random.Random(model_config.seed)
         self._pending_outputs: list[RequestOutput | PoolingRequestOutput] = []
-        self._salt_counter = 0
-        if config.otlp_traces_endpoint:
-            service = os.environ.get("OTEL_SERVICE_NAME", "pagedserve-engine")
-            init_tracer_provider(config.otlp_traces_endpoint, service)
-        self.tracing_enabled = tracing_is_configured()
-        self.request_tracer = RequestTracer(model_config.served_model_name)
-        self.metrics = EngineMetrics(model_config.served_model_name)
-        self.metrics.set_cache_config_info(
-            config.cache_config.block_size, self.kv_cache_manager.num_blocks
-        )
-        self.lora_info: LoRAInfoGauge | None = None
-        if config.lora_config is not None:
-            self.lora_info = LoRAInfoGauge(self.metrics.registry, config.lora_config.max_loras)
-            self.lora_info.update([], [])
-        self._live: dict[str, _LiveRequest] = {}  # until the final output is returned
+        self.recorder = EngineRecorder(config, self.scheduler, self.kv_cache_manager, log_stats)
         self.structured_output_manager = StructuredOutputManager(model_config)
+        self.request_builder = RequestBuilder(
+            config, self.input_processor, self.structured_output_manager
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        """The engine's Prometheus metrics, in its own registry (engine/metrics.py)."""
+        return self.recorder.metrics
+
+    @property
+    def stat_logger(self) -> StatLogger:
+        """The stats line's counters, and token totals since start (engine/stats.py)."""
+        return self.recorder.stat_logger
 
     # ---- config getters -----------------------------------------------------------------
 
@@ -197,17 +170,6 @@ class LLMEngine:
         return self.config.parallel_config
 
     # ---- the executor -------------------------------------------------------------------
-
-    def _require_runner(self, feature: str) -> Any:
-        """The in-process model runner, which `feature` needs."""
-        if self.runner is None:
-            raise ValueError(
-                f"{feature}: needs the model in the engine's process, not supported with "
-                "distributed_executor_backend='mp' (tensor_parallel_size="
-                f"{self.config.parallel_config.tensor_parallel_size}, pipeline_parallel_size="
-                f"{self.config.parallel_config.pipeline_parallel_size})."
-            )
-        return self.runner
 
     def add_failure_listener(self, listener: Callable[[], None]) -> None:
         """`listener` runs (on another thread) when a rank fails; the next `step()` then
@@ -266,95 +228,28 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
             self._require_lora().add_lora(lora_request)  # loads and checks it if new
-        if not isinstance(params, SamplingParams | PoolingParams):
-            raise TypeError(
-                f"params must be SamplingParams or PoolingParams, got {type(params).__name__}."
-            )
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an int, got {priority!r}.")
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            raise ValueError(
-                f"priority={priority} needs scheduling_policy='priority' "
-                f"(the engine uses {self.config.scheduler_config.policy!r})."
-            )
+        self.request_builder.check_params(params, priority)
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
-        text, prompt_token_ids = self.input_processor.process(prompt, params)
-        if isinstance(params, PoolingParams):  # the engine's copy, checked and completed
-            params = params.clone()
-            params.verify(self.config.pooler_config, self.config.model_config)
-
-        # vLLM's `cache_salt` in the prompt dict: prompts with different salts never share
-        # prefix-cache blocks (the services salt by tenant).
-        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
-        if salt is not None and not isinstance(salt, str):
-            raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}.")
-        salt = salt or None  # "" is no salt
-        if not self.config.cache_config.enable_prefix_caching:
-            # Without prefix caching only the n samples of this prompt share blocks.
-            self._salt_counter += 1
-            salt = f"{salt or ''}/{request_id}/{self._salt_counter}"
-        arrival = arrival_time if arrival_time is not None else time.time()
-        headers = dict(trace_headers) if trace_headers else None
+        new = self.request_builder.build(
+            request_id, prompt, params, arrival_time, lora_request, trace_headers, priority
+        )
+        params, headers, samples = new.params, new.trace_headers, new.samples
         if isinstance(params, PoolingParams):
-            pooling = Request(
-                request_id,
-                prompt_token_ids,
-                None,
-                arrival_time=arrival,
-                priority=priority,
-                cache_salt=salt,
-                trace_headers=headers,
-                pooling_params=params,
-                lora_request=lora_request,
-            )
-            self.output_processor.add_pooling_request(text, pooling)
-            self.scheduler.add_request(pooling)
-            self._track(request_id, headers, params, [pooling])
+            self.output_processor.add_pooling_request(new.text, samples[0])
+            self.scheduler.add_request(samples[0])
+            self.recorder.track(request_id, headers, params, samples)
             return
-        params = params.clone()
-        params.update_from_generation_config(self.config.model_config.eos_token_ids)
-        self.input_processor.process_token_controls(params)
-        if params.structured_outputs is not None:
-            self.structured_output_manager.validate(params.structured_outputs)
-        samples = []
-        for index in range(params.n):
-            seed = (
-                (params.seed + index) & _SEED_MASK
-                if params.seed is not None
-                else self._seed_rng.getrandbits(63)
-            )
-            samples.append(
-                Request(
-                    request_id if params.n == 1 else f"{request_id}#{index}",
-                    prompt_token_ids,
-                    params,
-                    arrival_time=arrival,
-                    priority=priority,
-                    seed=seed,
-                    cache_salt=salt,
-                    parent_id=request_id,
-                    index=index,
-                    trace_headers=headers,
-                    lora_request=lora_request,
-                )
-            )
         if any(s.request_id in self.scheduler.requests for s in samples):
             raise ValueError(f"request_id {request_id!r} collides with a live request's sample.")
-        self.output_processor.add_request(request_id, text, prompt_token_ids, params, samples)
+        self.output_processor.add_request(
+            request_id, new.text, new.prompt_token_ids, params, samples
+        )
         for sample in samples:
             if params.structured_outputs is not None:
                 self.structured_output_manager.add_request(sample)
             self.scheduler.add_request(sample)
-        self._track(request_id, headers, params, samples)
-
-    def _track(self, request_id, headers, params, samples: list[Request]) -> None:
-        """Remembers what the request's metrics and span need once it finishes. A span is
-        recorded when the caller sent trace context or a tracer provider is configured."""
-        traced = contains_trace_headers(headers) or self.tracing_enabled
-        lora = samples[0].lora_request
-        lora_name = lora.lora_name if lora is not None else None
-        self._live[request_id] = _LiveRequest(params, headers, samples, traced, lora_name)
+        self.recorder.track(request_id, headers, params, samples)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (unknown or finished ids are ignored); frees their blocks now.
@@ -370,8 +265,8 @@ class LLMEngine:
             if final is not None:
                 self._pending_outputs.append(final)
             else:  # an aborted pooling request ends without an output
-                self._live.pop(rid, None)
-        self._update_gauges()
+                self.recorder.untrack(rid)
+        self.recorder.update_gauges()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -412,9 +307,9 @@ class LLMEngine:
             step_outputs, stopped = self.output_processor.process(updated, runner_output)
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             outputs.extend(step_outputs)
-            self._record_stats(scheduler_output, runner_output)
-        self._finish_outputs(outputs)
-        self._update_gauges()
+            self.recorder.record_step(scheduler_output)
+        self.recorder.record_finished(outputs)
+        self.recorder.update_gauges()
         return outputs
 
     def _batch_cap(self) -> int | None:
@@ -443,14 +338,6 @@ class LLMEngine:
             self.executor.submit(scheduler_output)
             self._in_flight.append(scheduler_output)
 
-    def _update_gauges(self) -> None:
-        """The gauges routers read (waiting, running, KV usage), after every step and
-        every abort, so they are right even when an abort leaves nothing to step."""
-        m = self.metrics
-        m.num_requests_running.set(len(self.scheduler.running))
-        m.num_requests_waiting.set(len(self.scheduler.waiting))
-        m.kv_cache_usage.set(self.kv_cache_manager.usage)
-
     def _abort_failed_grammars(self) -> None:
         """A grammar that passed the check at add_request but failed to compile (rare: the
         vocabulary-level step refused it) aborts its request; the reason is logged."""
@@ -459,136 +346,10 @@ class LLMEngine:
             if request is not None:
                 self.abort_request(request.parent_id)
 
-    def _finish_outputs(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
-        """Metrics and the `llm_request` span of each request that finished this step."""
-        for output in outputs:
-            live = self._live.pop(output.request_id, None) if output.finished else None
-            if live is None or output.metrics is None:
-                continue
-            num_generated = sum(r.num_output_tokens for r in live.samples)
-            m = output.metrics
-            completions = output.outputs if isinstance(output, RequestOutput) else []
-            self.metrics.record_finished(
-                [c.finish_reason or "stop" for c in completions] or ["stop"],
-                len(output.prompt_token_ids),
-                num_generated,
-                m.arrival_time,
-                m.first_scheduled_time,
-                m.first_token_time,
-                m.finished_time,
-            )
-            if live.traced:
-                preemptions = sorted(t for r in live.samples for t in r.times.preemption_times)
-                self.request_tracer.record(
-                    output,
-                    TraceInfo(live.trace_headers, live.params, preemptions, live.lora_name),
-                    num_generated,
-                )
-
-    def _record_stats(self, scheduler_output, runner_output) -> None:
-        num_prompt = sum(
-            e.num_new_tokens
-            for e in scheduler_output.scheduled
-            if e.num_computed_tokens < e.request.num_prompt_tokens
-        )
-        num_generated = self.scheduler.num_output_tokens_last_update
-        self.stat_logger.record_step(StepStats(num_prompt, num_generated))
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
-        self.stat_logger.record_prefix_cache(prefix.queries, prefix.hits)
-        m = self.metrics
-        m.num_preemptions.inc(len(scheduler_output.preempted_request_ids))
-        m.prefix_cache_queries.inc(prefix.queries)
-        m.prefix_cache_hits.inc(prefix.hits)
-        m.prompt_tokens.inc(num_prompt)
-        m.generation_tokens.inc(num_generated)
-        if self.lora_info is not None:
-            self.lora_info.update(self.scheduler.running, self.scheduler.waiting)
-        if self.log_stats and time.monotonic() - self.stat_logger.last_log_time > _STATS_INTERVAL_S:
-            self.do_log_stats()
-
     def do_log_stats(self) -> str:
         """Logs (and returns) one line: requests, KV-cache use, throughput, prefix hits; with
         speculative decoding, a second line with the draft acceptance rate since the last."""
-        line = self.stat_logger.log(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-        )
-        if self.config.speculative_config is None:
-            return line
-        scheduler = self.scheduler
-        drafts = (scheduler.num_draft_tokens, scheduler.num_accepted_draft_tokens)
-        num_drafts, num_accepted = (
-            now - last for now, last in zip(drafts, self._last_logged_drafts)
-        )
-        self._last_logged_drafts = drafts
-        rate = 100.0 * num_accepted / num_drafts if num_drafts else 0.0
-        spec_line = (
-            f"Speculative decoding: draft acceptance rate: {rate:.1f}%, "
-            f"Accepted: {num_accepted} tokens, Drafted: {num_drafts} tokens"
-        )
-        logger.info(spec_line)
-        return f"{line}\n{spec_line}"
+        return self.recorder.do_log_stats()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
-
-    # ---- LoRA adapters ------------------------------------------------------------------
-
-    def _require_lora(self) -> LoRAManager:
-        if self.lora_manager is None:
-            raise ValueError("LoRA adapters need enable_lora=True in the engine arguments.")
-        return self.lora_manager
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Loads and checks an adapter (a ValueError says what is wrong with a bad one);
-        False if its id is loaded already."""
-        return self._require_lora().add_lora(lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self._require_lora().remove_lora(lora_id)
-
-    def list_loras(self) -> set[int]:
-        return self._require_lora().list_loras()
-
-    def pin_lora(self, lora_id: int) -> bool:
-        """Keeps the adapter loaded whatever max_cpu_loras' LRU would evict."""
-        return self._require_lora().pin_lora(lora_id)
-
-    # ---- sleep mode ---------------------------------------------------------------------
-
-    def sleep(self, level: int = 1) -> None:
-        """Frees the KV cache (level 1; on CUDA the weights move to host memory) or the KV
-        cache and the weights (level 2), see `worker/sleep.py`. The engine must be idle;
-        requests added while it sleeps wait for `wake_up()`."""
-        self._require_runner("sleep mode")
-        num_unfinished = self.get_num_unfinished_requests()
-        if num_unfinished:
-            raise RuntimeError(
-                f"sleep() needs an idle engine: {num_unfinished} requests are unfinished "
-                "(finish or abort them first)."
-            )
-        if not self.runner.sleep_mode.is_sleeping:
-            # The cached blocks' contents go with the cache.
-            assert self.kv_cache_manager.reset_prefix_cache(), "an idle engine holds blocks"
-        self.runner.sleep_mode.sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restores the parts in `tags` ("weights", "kv_cache"; None: all). Steps resume
-        once every part is back."""
-        self._require_runner("sleep mode").sleep_mode.wake_up(tags)
-
-    def is_sleeping(self) -> bool:
-        return self.runner is not None and self.runner.sleep_mode.is_sleeping
-
-    # ---- profiling ----------------------------------------------------------------------
-
-    def start_profile(self) -> None:
-        """Starts a torch.profiler session over the following steps; the trace directory is
-        `PAGEDSERVE_TORCH_PROFILER_DIR` (a ValueError naming it when unset)."""
-        runner = self._require_runner("profiling")
-        runner.profiler.start(runner.model)
-
-    def stop_profile(self) -> Path:
-        """Ends the session and writes its Chrome trace; returns the trace file's path."""
-        return self._require_runner("profiling").profiler.stop()

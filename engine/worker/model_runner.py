@@ -22,11 +22,7 @@ import sys
 import torch
 
 from engine.attention.backend import get_attention_backend
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    default_cpu_kv_cache_bytes,
-)
+from engine.config import CacheConfig, EngineConfig
 from engine.core.sched_output import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -38,6 +34,7 @@ from engine.models.loader import load_model
 from engine.models.ops import select_op_impl
 from engine.sample import Sampler
 from engine.sample.sampler import select_argmax
+from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
 from engine.worker.pooler import Pooler
@@ -204,7 +201,7 @@ class ModelRunner:
     def _determine_num_blocks(self, cache_config: CacheConfig) -> int:
         """Blocks from the memory budget: an explicit byte budget, the free GPU memory
         times `gpu_memory_utilization`, or the CPU budget (what the scheduler can use,
-        capped by the available memory: config.default_cpu_kv_cache_bytes). Never more
+        capped by the available memory: cpu_kv_budget.default_cpu_kv_cache_bytes). Never more
         than the scheduler could ever use (max_num_seqs full-length sequences)."""
         per_block = self.kv_bytes_per_block
         sched = self.config.scheduler_config

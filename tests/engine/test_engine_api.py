@@ -14,7 +14,7 @@ import logging
 import pytest
 
 from engine import AsyncLLMEngine, EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from engine.config import ParallelConfig
+from engine.parallel_config import ParallelConfig
 from engine.structured_output import DecodingConfig
 from engine.structured_output.backend import BACKEND_NAME
 from tests.model_utils import make_tiny_llama

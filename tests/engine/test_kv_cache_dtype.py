@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from engine import LLM, EngineArgs, LLMEngine, SamplingParams
-from engine import config as engine_config
-from engine.config import default_cpu_kv_cache_bytes, resolve_kv_cache_dtype
+from engine.kv_cache_dtype import resolve_kv_cache_dtype
+from engine.worker import cpu_kv_budget
+from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
 from engine.worker.kv_memory import lazily_zeroed
 from tests.engine.reference import assert_close_to_reference, ours_greedy
 from tests.model_utils import make_tiny_llama
@@ -83,19 +84,19 @@ def test_cache_allocated_in_the_dtype_holds_twice_the_blocks(tiny):
 
 
 def test_default_budget_is_what_the_scheduler_can_use_capped_by_available_memory(monkeypatch):
-    monkeypatch.delenv(engine_config.CPU_KVCACHE_SPACE_ENV, raising=False)
+    monkeypatch.delenv(cpu_kv_budget.CPU_KVCACHE_SPACE_ENV, raising=False)
     gib = 1 << 30
     assert default_cpu_kv_cache_bytes(3 * gib, available_bytes=16 * gib) == 3 * gib
     assert default_cpu_kv_cache_bytes(30 * gib, available_bytes=16 * gib) == 8 * gib
-    monkeypatch.setenv(engine_config.CPU_KVCACHE_SPACE_ENV, "1.5")  # an explicit setting wins
+    monkeypatch.setenv(cpu_kv_budget.CPU_KVCACHE_SPACE_ENV, "1.5")  # an explicit setting wins
     assert default_cpu_kv_cache_bytes(30 * gib, available_bytes=16 * gib) == int(1.5 * gib)
-    monkeypatch.setenv(engine_config.CPU_KVCACHE_SPACE_ENV, "-1")
-    with pytest.raises(ValueError, match=engine_config.CPU_KVCACHE_SPACE_ENV):
+    monkeypatch.setenv(cpu_kv_budget.CPU_KVCACHE_SPACE_ENV, "-1")
+    with pytest.raises(ValueError, match=cpu_kv_budget.CPU_KVCACHE_SPACE_ENV):
         default_cpu_kv_cache_bytes(gib)
 
 
 def test_engine_blocks_follow_max_num_seqs_times_max_model_len(tiny, monkeypatch):
-    monkeypatch.delenv(engine_config.CPU_KVCACHE_SPACE_ENV, raising=False)
+    monkeypatch.delenv(cpu_kv_budget.CPU_KVCACHE_SPACE_ENV, raising=False)
     kv_cache_dtype = "bfloat16"
     for max_num_seqs, max_model_len in ((3, 64), (5, 100)):
         runner = LLMEngine.from_engine_args(
@@ -109,7 +110,7 @@ def test_engine_blocks_follow_max_num_seqs_times_max_model_len(tiny, monkeypatch
         assert runner.num_blocks == max_num_seqs * math.ceil(max_model_len / 16)
     # Capped by the memory available: half of it.
     per_block = runner.kv_bytes_per_block
-    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 2 * 7 * per_block + 5)
+    monkeypatch.setattr(cpu_kv_budget, "available_memory_bytes", lambda: 2 * 7 * per_block + 5)
     runner = LLMEngine.from_engine_args(
         EngineArgs(
             model=str(tiny), max_num_seqs=5, max_model_len=100, kv_cache_dtype=kv_cache_dtype

@@ -87,11 +87,11 @@ def test_llm_request_span_is_a_child_of_the_callers_context(exporter, model_dir)
 
 def test_requests_without_context_are_not_traced_when_tracing_is_off(model_dir) -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir)))
-    engine.tracing_enabled = False  # as in a process with no tracer provider
+    engine.recorder.tracing_enabled = False  # as in a process with no tracer provider
     engine.add_request("plain", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=2))
-    assert not engine._live["plain"].traced
+    assert not engine.recorder._live["plain"].traced
     run(engine)
-    assert "plain" not in engine._live
+    assert "plain" not in engine.recorder._live
 
 
 def test_abort_and_preemption_are_recorded(exporter, model_dir) -> None:
