@@ -209,9 +209,12 @@ def iter_safetensors(
     model_dir: Path, skip: set[str] | frozenset[str] = frozenset(), lazy: bool = False
 ) -> Iterator[tuple[str, Any]]:
     """Streams (name, tensor) from every ``*.safetensors`` file of the directory; names in
-    `skip` are never read. `lazy`: (name, slice) instead, read only where indexed, so a
-    tensor-parallel rank reads only its rows (engine/models/weight_loader.py)."""
+    `skip` are never read. Whole tensors are read without mapping the file
+    (engine/models/safetensors_reader.py). `lazy`: (name, slice) instead, read only where
+    indexed, so a tensor-parallel rank reads only its rows (engine/models/weight_loader.py)."""
     from safetensors import safe_open
+
+    from engine.models.safetensors_reader import read_safetensors
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -219,10 +222,13 @@ def iter_safetensors(
             f"no *.safetensors files in {model_dir} (pickle checkpoints are not supported)."
         )
     for file in files:
+        if not lazy:
+            yield from read_safetensors(file, skip)
+            continue
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 if name not in skip:
-                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
+                    yield name, f.get_slice(name)
 
 
 def load_model(
