@@ -1,0 +1,313 @@
+/*
+ * Dequantize-GEMM: quantized weights (the types of quant_kernels.c, fp32 rows included)
+ * against many activation rows (batched decode steps above GEMV_MAX_ROWS rows, prefill
+ * chunks). Same contract as quant_linear_f32: out[r, n] = scale[n] * W[n] . x[r] in fp32,
+ * the result of dequantize-then-matmul up to summation order.
+ *
+ * The weight is dequantized a panel of NR output rows at a time into a small per-thread
+ * buffer (never the whole fp32 matrix) and multiplied against every activation row before
+ * the next panel. The textbook GEMM roles are swapped so that the dequantized rows need no
+ * transpose: the vectors run along the activation rows, the weight is broadcast.
+ *
+ *   panel  (per thread)  panel[kb][j][kk] = W[n0 + j, kb * KC + kk]    j < NR, kk < KC
+ *   xpack  (shared)      xpack[t][k][i]   = x[m0 + MT * t + i, k]      i < MT (0 past rows)
+ *
+ *   micro-kernel         acc[j][i] += panel[j][k] * xpack[t][k][i]     over all k
+ *                        (one vector load of xpack serves NR outputs; panel[j][k] is an
+ *                        embedded broadcast at a constant offset from one pointer)
+ *
+ * AVX-512 takes two 16-row tiles x 12 outputs (24 zmm accumulators), AVX2 one 16-row tile x
+ * 6 outputs (12 ymm) twice per panel, portable C the same loops on arrays. The activation
+ * rows go in chunks of at most CHUNK_BYTES of packed fp32, so a chunk stays in L2 while
+ * every panel goes past it; each chunk dequantizes the panels again (cheap next to the
+ * 2 * rows flops per weight). Work is split over panels, and over groups of row tiles as
+ * well when there are too few panels to keep every thread busy.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_types.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NR 12  /* outputs per panel */
+#define KC 256 /* panel k-block: a Q4_K / Q6_K super-block, 8 Q8_0 / Q4_x blocks */
+#define MT 16  /* activation rows per packed tile */
+#define CHUNK_BYTES (512 * 1024)
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Fills the panel with weight rows [n0, n0 + NR) (zeros past n1) for all k. */
+static void fill_panel(float *restrict panel, const uint8_t *w, int64_t row_bytes, int type,
+                       int64_t n0, int64_t n1, int64_t k) {
+    const int64_t valid = min64(NR, n1 - n0);
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        float *block = panel + k0 * NR; /* block k0 / KC starts at k0 / KC * NR * KC */
+        quant_dequantize_block(block, KC, w, row_bytes, type, n0, n0 + valid, k0, min64(KC, k - k0));
+        if (valid < NR) memset(block + valid * KC, 0, (size_t)(NR - valid) * KC * sizeof(float));
+    }
+}
+
+/* out[i, j] = scale[j] * acc[j * 2 * MT + i] for i < m, j < n (acc: NR x 2 tiles of MT). */
+static void store_tile(float *restrict out, int64_t out_stride, const float *restrict acc,
+                       int64_t m, int64_t n, const float *restrict scales) {
+    for (int64_t i = 0; i < m; ++i) {
+        float *o = out + i * out_stride;
+        if (scales)
+            for (int64_t j = 0; j < n; ++j) o[j] = scales[j] * acc[j * 2 * MT + i];
+        else
+            for (int64_t j = 0; j < n; ++j) o[j] = acc[j * 2 * MT + i];
+    }
+}
+
+/* ---- portable C ---------------------------------------------------------------------- */
+
+static void pack_tile_portable(float *restrict dst, const float *restrict x, int64_t x_stride,
+                               int64_t m, int64_t k) {
+    for (int64_t kk = 0; kk < k; ++kk)
+        for (int64_t i = 0; i < MT; ++i) dst[kk * MT + i] = i < m ? x[i * x_stride + kk] : 0.0f;
+}
+
+/* acc[j * 2 * MT + i] = panel row j . tile row i (one tile, i < MT). */
+static void kernel_portable(float *restrict acc, const float *restrict tile,
+                            const float *restrict panel, int64_t k) {
+    float a[NR][MT] = {{0.0f}};
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const float *p = panel + k0 * NR, *t = tile + k0 * MT;
+        const int64_t len = min64(KC, k - k0);
+        for (int64_t kk = 0; kk < len; ++kk)
+            for (int j = 0; j < NR; ++j) {
+                const float wv = p[j * KC + kk];
+                for (int i = 0; i < MT; ++i) a[j][i] += wv * t[kk * MT + i];
+            }
+    }
+    for (int j = 0; j < NR; ++j) memcpy(acc + j * 2 * MT, a[j], sizeof a[j]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define GEMM_HAVE_X86 1
+#include <immintrin.h>
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx2,fma")))
+
+/* ---- AVX2 + FMA ---------------------------------------------------------------------- */
+
+/* acc for panel rows [j0, j0 + 6) against one tile: 6 x 2 ymm accumulators. */
+AVX2_TARGET static inline void kernel6_avx2(float *restrict acc, const float *restrict tile,
+                                            const float *restrict panel, int64_t k, int j0) {
+    __m256 a[6][2];
+    for (int j = 0; j < 6; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const float *p = panel + k0 * NR + j0 * KC, *t = tile + k0 * MT;
+        const int64_t len = min64(KC, k - k0);
+        for (int64_t kk = 0; kk < len; ++kk) {
+            const __m256 x0 = _mm256_load_ps(t + kk * MT), x1 = _mm256_load_ps(t + kk * MT + 8);
+            for (int j = 0; j < 6; ++j) {
+                const __m256 wv = _mm256_broadcast_ss(p + j * KC + kk);
+                a[j][0] = _mm256_fmadd_ps(wv, x0, a[j][0]);
+                a[j][1] = _mm256_fmadd_ps(wv, x1, a[j][1]);
+            }
+        }
+    }
+    for (int j = 0; j < 6; ++j) {
+        _mm256_store_ps(acc + (j0 + j) * 2 * MT, a[j][0]);
+        _mm256_store_ps(acc + (j0 + j) * 2 * MT + 8, a[j][1]);
+    }
+}
+
+AVX2_TARGET static void kernel_avx2(float *restrict acc, const float *restrict tile,
+                                    const float *restrict panel, int64_t k) {
+    kernel6_avx2(acc, tile, panel, k, 0);
+    kernel6_avx2(acc, tile, panel, k, 6);
+}
+
+/* ---- AVX-512 ------------------------------------------------------------------------- */
+
+/* acc for all NR panel rows against `tiles` (1 or 2, a literal) consecutive tiles. */
+AVX512_TARGET static inline __attribute__((always_inline)) void kernel_avx512(
+    float *restrict acc, const float *restrict tile, int64_t tile_stride,
+    const float *restrict panel, int64_t k, const int tiles) {
+    __m512 a[NR][2];
+    for (int j = 0; j < NR; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const float *p = panel + k0 * NR, *t = tile + k0 * MT;
+        const int64_t len = min64(KC, k - k0);
+        for (int64_t kk = 0; kk < len; ++kk) {
+            const __m512 x0 = _mm512_load_ps(t + kk * MT);
+            const __m512 x1 = tiles == 2 ? _mm512_load_ps(t + tile_stride + kk * MT) : x0;
+            for (int j = 0; j < NR; ++j) {
+                const __m512 wv = _mm512_set1_ps(p[j * KC + kk]);
+                a[j][0] = _mm512_fmadd_ps(wv, x0, a[j][0]);
+                if (tiles == 2) a[j][1] = _mm512_fmadd_ps(wv, x1, a[j][1]);
+            }
+        }
+    }
+    for (int j = 0; j < NR; ++j) {
+        _mm512_store_ps(acc + j * 2 * MT, a[j][0]);
+        if (tiles == 2) _mm512_store_ps(acc + j * 2 * MT + MT, a[j][1]);
+    }
+}
+
+AVX512_TARGET static void kernel1_avx512(float *restrict acc, const float *restrict tile,
+                                         const float *restrict panel, int64_t k) {
+    kernel_avx512(acc, tile, 0, panel, k, 1);
+}
+
+AVX512_TARGET static void kernel2_avx512(float *restrict acc, const float *restrict tile,
+                                         int64_t tile_stride, const float *restrict panel,
+                                         int64_t k) {
+    kernel_avx512(acc, tile, tile_stride, panel, k, 2);
+}
+
+/* Sixteen rows of 16 floats (r[i]: row i) transposed in registers: r[c] = column c. */
+AVX512_TARGET static inline void transpose16_avx512(__m512 r[16]) {
+    __m512 a[16], b[16];
+    for (int p = 0; p < 8; ++p) { /* pairs of rows interleaved within 128-bit lanes */
+        a[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+        a[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; ++q) { /* b[4q + c], lane L: rows 4q..4q+3 at column 4L + c */
+        const __m512d lo0 = _mm512_castps_pd(a[4 * q]), lo2 = _mm512_castps_pd(a[4 * q + 2]);
+        const __m512d hi1 = _mm512_castps_pd(a[4 * q + 1]), hi3 = _mm512_castps_pd(a[4 * q + 3]);
+        b[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo2));
+        b[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo2));
+        b[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi1, hi3));
+        b[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi1, hi3));
+    }
+    for (int c = 0; c < 4; ++c) { /* gather lane L of the four row quads: column 4L + c */
+        const __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44);
+        const __m512 e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xEE);
+        const __m512 f0 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44);
+        const __m512 f1 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_f32x4(e0, f0, 0x88);
+        r[4 + c] = _mm512_shuffle_f32x4(e0, f0, 0xDD);
+        r[8 + c] = _mm512_shuffle_f32x4(e1, f1, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(e1, f1, 0xDD);
+    }
+}
+
+AVX512_TARGET static void pack_tile_avx512(float *restrict dst, const float *restrict x,
+                                           int64_t x_stride, int64_t m, int64_t k) {
+    for (int64_t k0 = 0; k0 < k; k0 += 16) {
+        const int64_t len = min64(16, k - k0);
+        const __mmask16 mask = (__mmask16)((1u << len) - 1u);
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+            r[i] = i < m ? _mm512_maskz_loadu_ps(mask, x + i * x_stride + k0) : _mm512_setzero_ps();
+        transpose16_avx512(r);
+        for (int64_t c = 0; c < len; ++c) _mm512_store_ps(dst + (k0 + c) * MT, r[c]);
+    }
+}
+#else
+#define GEMM_HAVE_X86 0
+#endif
+
+/* ---- driver -------------------------------------------------------------------------- */
+
+/* Packs activation rows [0, m) into ceil(m / MT) tiles of k * MT floats each. */
+static void pack_tile(int isa, float *dst, const float *x, int64_t x_stride, int64_t m,
+                      int64_t k) {
+#if GEMM_HAVE_X86
+    if (isa == ISA_AVX512) {
+        pack_tile_avx512(dst, x, x_stride, m, k);
+        return;
+    }
+#endif
+    (void)isa;
+    pack_tile_portable(dst, x, x_stride, m, k);
+}
+
+/* Panel `panel` against packed tiles [t0, t1) of a chunk of m rows: out rows from 0. */
+static void panel_times_tiles(int isa, float *out, int64_t out_stride, const float *xpack,
+                              int64_t k, int64_t m, int64_t t0, int64_t t1,
+                              const float *panel, int64_t n, const float *scales) {
+    float acc[NR * 2 * MT] __attribute__((aligned(64)));
+    const int64_t tile_floats = k * MT;
+    for (int64_t t = t0; t < t1;) {
+        const float *tile = xpack + t * tile_floats;
+        int64_t step = 1;
+#if GEMM_HAVE_X86
+        if (isa == ISA_AVX512 && t + 1 < t1) {
+            kernel2_avx512(acc, tile, tile_floats, panel, k);
+            step = 2;
+        } else if (isa == ISA_AVX512) {
+            kernel1_avx512(acc, tile, panel, k);
+        } else if (isa == ISA_AVX2) {
+            kernel_avx2(acc, tile, panel, k);
+        } else
+#endif
+            kernel_portable(acc, tile, panel, k);
+        const int64_t rows = min64(step * MT, m - t * MT);
+        store_tile(out + t * MT * out_stride, out_stride, acc, rows, n, scales);
+        t += step;
+    }
+}
+
+/* out[r, n] = scales[n] (or 1) * W[n] . x[r]: see the file comment. Returns 0, or -1 when a
+ * buffer cannot be allocated. */
+int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                   int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
+                   int type, int64_t n_out, int64_t k, int num_threads) {
+    if (rows <= 0 || n_out <= 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    const int isa = quant_active_isa();
+    const int64_t panels = (n_out + NR - 1) / NR;
+    const int64_t k_pad = (k + KC - 1) / KC * KC;
+    /* Rows per chunk: a multiple of 2 * MT whose packed copy fits CHUNK_BYTES. */
+    int64_t chunk = CHUNK_BYTES / (int64_t)(k * sizeof(float)) / (2 * MT) * (2 * MT);
+    if (chunk < 2 * MT) chunk = 2 * MT;
+    chunk = min64(chunk, (rows + MT - 1) / MT * MT);
+    const size_t pack_bytes = (size_t)(chunk * k * sizeof(float));
+    const size_t panel_bytes = (size_t)(NR * k_pad * sizeof(float));
+    float *xpack = aligned_alloc(64, (pack_bytes + 63) / 64 * 64);
+    float *panels_buf = aligned_alloc(64, panel_bytes * (size_t)num_threads);
+    if (xpack == NULL || panels_buf == NULL) {
+        free(xpack);
+        free(panels_buf);
+        return -1;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef _OPENMP
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const int64_t threads = 1, id = 0;
+#endif
+        float *panel = panels_buf + (size_t)id * (panel_bytes / sizeof(float));
+        for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+            const int64_t m = min64(chunk, rows - m0), tiles = (m + MT - 1) / MT;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; ++t)
+                pack_tile(isa, xpack + t * k * MT, x + (m0 + t * MT) * x_stride, x_stride,
+                          min64(MT, m - t * MT), k);
+            /* Work items: (panel, group of row tiles), panel-major, a contiguous range per
+             * thread so each panel is dequantized once per thread that needs it. Groups of
+             * whole tile pairs (the AVX-512 kernel's step). */
+            const int64_t pairs = (tiles + 1) / 2;
+            int64_t groups = 1;
+            if (panels < 4 * threads) groups = min64(pairs, (4 * threads + panels - 1) / panels);
+            const int64_t items = panels * groups, per = (items + threads - 1) / threads;
+            const int64_t i0 = min64(items, id * per), i1 = min64(items, i0 + per);
+            int64_t filled = -1;
+            for (int64_t item = i0; item < i1; ++item) {
+                const int64_t p = item / groups, g = item % groups;
+                const int64_t n0 = p * NR, n = min64(NR, n_out - n0);
+                if (p != filled) {
+                    fill_panel(panel, w, row_bytes, type, n0, n_out, k);
+                    filled = p;
+                }
+                const int64_t t0 = min64(tiles, pairs * g / groups * 2);
+                const int64_t t1 = min64(tiles, pairs * (g + 1) / groups * 2);
+                panel_times_tiles(isa, out + m0 * out_stride + n0, out_stride, xpack, k, m, t0,
+                                  t1, panel, n, scales ? scales + n0 : NULL);
+            }
+#pragma omp barrier
+        }
+    }
+    free(xpack);
+    free(panels_buf);
+    return 0;
+}
