@@ -40,16 +40,6 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Fills the panel with weight rows [n0, n0 + NR) (zeros past n1) for all k. */
-static void fill_panel(float *restrict panel, const uint8_t *w, int64_t row_bytes, int type,
-                       int64_t n0, int64_t n1, int64_t k) {
-    const int64_t valid = min64(NR, n1 - n0);
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        float *block = panel + k0 * NR; /* block k0 / KC starts at k0 / KC * NR * KC */
-        quant_dequantize_block(block, KC, w, row_bytes, type, n0, n0 + valid, k0, min64(KC, k - k0));
-        if (valid < NR) memset(block + valid * KC, 0, (size_t)(NR - valid) * KC * sizeof(float));
-    }
-}
 
 /* out[i, j] = scale[j] * acc[j * 2 * MT + i] for i < m, j < n (acc: NR x 2 tiles of MT). */
 static void store_tile(float *restrict out, int64_t out_stride, const float *restrict acc,
@@ -91,7 +81,7 @@ static void kernel_portable(float *restrict acc, const float *restrict tile,
 #define GEMM_HAVE_X86 1
 #include <immintrin.h>
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
-#define AVX512_TARGET __attribute__((target("avx512f,avx2,fma")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 /* ---- AVX2 + FMA ---------------------------------------------------------------------- */
 
@@ -189,6 +179,130 @@ AVX512_TARGET static inline void transpose16_avx512(__m512 r[16]) {
     }
 }
 
+/* 16 int8 / uint8 values as fp32. */
+AVX512_TARGET static inline __m512 i8_to_ps(__m128i q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+
+AVX512_TARGET static inline __m512 u8_to_ps(__m128i q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+}
+
+/* Values [k0, k0 + len) of the 32-value block types and int8 rows [n0, n1) into dst rows
+ * of KC floats: a block is two vectors, its fp16 scale one F16C conversion. */
+AVX512_TARGET static void fill_block32_avx512(float *restrict dst, const uint8_t *w,
+                                              int64_t row_bytes, int type, int64_t n0,
+                                              int64_t n1, int64_t k0, int64_t len) {
+    const __m128i nibble = _mm_set1_epi8(15);
+    for (int64_t n = n0; n < n1; ++n, dst += KC) {
+        const uint8_t *row = w + n * row_bytes;
+        if (type == QTYPE_INT8) { /* unscaled: the row scale is applied to the sums */
+            const int8_t *q = (const int8_t *)row + k0;
+            int64_t i = 0;
+            for (; i + 16 <= len; i += 16)
+                _mm512_store_ps(dst + i, i8_to_ps(_mm_loadu_si128((const __m128i *)(q + i))));
+            for (; i < len; ++i) dst[i] = (float)q[i];
+            continue;
+        }
+        const int64_t bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_0 ? 18 : 20;
+        for (int64_t b = 0; b < len / 32; ++b) {
+            const uint8_t *p = row + (k0 / 32 + b) * bb;
+            uint16_t h;
+            memcpy(&h, p, sizeof h);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(h));
+            __m512 lo, hi;
+            if (type == QTYPE_Q8_0) {
+                lo = i8_to_ps(_mm_loadu_si128((const __m128i *)(p + 2)));
+                hi = i8_to_ps(_mm_loadu_si128((const __m128i *)(p + 18)));
+            } else {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(p + (type == QTYPE_Q4_1 ? 4 : 2)));
+                lo = u8_to_ps(_mm_and_si128(raw, nibble));
+                hi = u8_to_ps(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+            }
+            if (type == QTYPE_Q4_0) { /* d * (q - 8); q - 8 is exact in fp32 */
+                lo = _mm512_sub_ps(lo, _mm512_set1_ps(8.0f));
+                hi = _mm512_sub_ps(hi, _mm512_set1_ps(8.0f));
+            }
+            lo = _mm512_mul_ps(d, lo);
+            hi = _mm512_mul_ps(d, hi);
+            if (type == QTYPE_Q4_1) {
+                memcpy(&h, p + 2, sizeof h);
+                const __m512 m = _mm512_set1_ps(_cvtsh_ss(h));
+                lo = _mm512_add_ps(lo, m);
+                hi = _mm512_add_ps(hi, m);
+            }
+            _mm512_store_ps(dst + 32 * b, lo);
+            _mm512_store_ps(dst + 32 * b + 16, hi);
+        }
+    }
+}
+
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* 32 bytes as two vectors of 16 int8 values each, as fp32 times `scale` (lo, hi). */
+AVX512_TARGET static inline void store_i8x32(float *dst, __m256i q, float s_lo, float s_hi) {
+    _mm512_store_ps(dst, _mm512_mul_ps(_mm512_set1_ps(s_lo), i8_to_ps(_mm256_castsi256_si128(q))));
+    _mm512_store_ps(dst + 16,
+                    _mm512_mul_ps(_mm512_set1_ps(s_hi), i8_to_ps(_mm256_extracti128_si256(q, 1))));
+}
+
+/* Values [k0, k0 + len) of Q4_K / Q6_K rows [n0, n1) into dst rows of KC floats (k0 and len
+ * whole 256-value super-blocks; the quant_rows.h decode, 32 values per step). */
+AVX512_TARGET static void fill_k_quant_avx512(float *restrict dst, const uint8_t *w,
+                                              int64_t row_bytes, int type, int64_t n0,
+                                              int64_t n1, int64_t k0, int64_t len) {
+    const __m256i low4 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3 << 4);
+    for (int64_t n = n0; n < n1; ++n, dst += KC)
+        for (int64_t sb = 0; sb < len / 256; ++sb) {
+            float *out = dst + 256 * sb;
+            if (type == QTYPE_Q4_K) {
+                const uint8_t *b = w + n * row_bytes + (k0 / 256 + sb) * 144;
+                const float d = fp16_at(b), dmin = fp16_at(b + 2);
+                const uint8_t *q = b + 16;
+                for (int j = 0; j < 4; ++j, q += 32, out += 64) { /* 64 values, 2 sub-blocks */
+                    uint8_t sc, m;
+                    scale_min_k4(2 * j, b + 4, &sc, &m);
+                    const __m512 d1 = _mm512_set1_ps(d * (float)sc), m1 = _mm512_set1_ps(dmin * (float)m);
+                    scale_min_k4(2 * j + 1, b + 4, &sc, &m);
+                    const __m512 d2 = _mm512_set1_ps(d * (float)sc), m2 = _mm512_set1_ps(dmin * (float)m);
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+                    const __m256i lo = _mm256_and_si256(raw, low4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                              _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+                    for (int i = 0; i < 4; ++i) {
+                        const __m512 dv = i < 2 ? d1 : d2, mv = i < 2 ? m1 : m2;
+                        _mm512_store_ps(out + 16 * i, _mm512_sub_ps(_mm512_mul_ps(dv, u8_to_ps(parts[i])), mv));
+                    }
+                }
+            } else { /* QTYPE_Q6_K: 6-bit values from 4 low bits (ql) and 2 high bits (qh) */
+                const uint8_t *b = w + n * row_bytes + (k0 / 256 + sb) * 210;
+                const float d = fp16_at(b + 208);
+                const int8_t *sc = (const int8_t *)(b + 192);
+                const __m256i bias = _mm256_set1_epi8(32);
+                for (int h = 0; h < 2; ++h, sc += 8, out += 128) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                    const __m256i q[4] = {
+                        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), two)),
+                        _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), two)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(hb, two)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(hb, 2), two)),
+                    };
+                    for (int i = 0; i < 4; ++i)
+                        store_i8x32(out + 32 * i, _mm256_sub_epi8(q[i], bias), d * (float)sc[2 * i],
+                                    d * (float)sc[2 * i + 1]);
+                }
+            }
+        }
+}
+
 AVX512_TARGET static void pack_tile_avx512(float *restrict dst, const float *restrict x,
                                            int64_t x_stride, int64_t m, int64_t k) {
     for (int64_t k0 = 0; k0 < k; k0 += 16) {
@@ -206,6 +320,27 @@ AVX512_TARGET static void pack_tile_avx512(float *restrict dst, const float *res
 #endif
 
 /* ---- driver -------------------------------------------------------------------------- */
+
+/* Fills the panel with weight rows [n0, n0 + NR) (zeros past n1) for all k. */
+static void fill_panel(int isa, float *restrict panel, const uint8_t *w, int64_t row_bytes,
+                       int type, int64_t n0, int64_t n1, int64_t k) {
+    const int64_t valid = min64(NR, n1 - n0);
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        float *block = panel + k0 * NR; /* block k0 / KC starts at k0 / KC * NR * KC */
+        const int64_t len = min64(KC, k - k0);
+#if GEMM_HAVE_X86
+        if (isa == ISA_AVX512 && (type == QTYPE_Q8_0 || type == QTYPE_Q4_0 ||
+                                  type == QTYPE_Q4_1 || type == QTYPE_INT8))
+            fill_block32_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
+        else if (isa == ISA_AVX512 && (type == QTYPE_Q4_K || type == QTYPE_Q6_K))
+            fill_k_quant_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
+        else
+#endif
+            quant_dequantize_block(block, KC, w, row_bytes, type, n0, n0 + valid, k0, len);
+        if (valid < NR) memset(block + valid * KC, 0, (size_t)(NR - valid) * KC * sizeof(float));
+    }
+    (void)isa;
+}
 
 /* Packs activation rows [0, m) into ceil(m / MT) tiles of k * MT floats each. */
 static void pack_tile(int isa, float *dst, const float *x, int64_t x_stride, int64_t m,
@@ -296,7 +431,7 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
                 const int64_t p = item / groups, g = item % groups;
                 const int64_t n0 = p * NR, n = min64(NR, n_out - n0);
                 if (p != filled) {
-                    fill_panel(panel, w, row_bytes, type, n0, n_out, k);
+                    fill_panel(isa, panel, w, row_bytes, type, n0, n_out, k);
                     filled = p;
                 }
                 const int64_t t0 = min64(tiles, pairs * g / groups * 2);

@@ -63,17 +63,6 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* The j-th 6-bit (scale, min) pair of a Q4_K super-block's 12 packed bytes. */
-static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 static inline int64_t block_bytes(int type) {
     switch (type) {
     case QTYPE_Q8_0: return 34;
