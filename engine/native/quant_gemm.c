@@ -41,18 +41,6 @@
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 
-/* out[i, j] = scale[j] * acc[j * 2 * MT + i] for i < m, j < n (acc: NR x 2 tiles of MT). */
-static void store_tile(float *restrict out, int64_t out_stride, const float *restrict acc,
-                       int64_t m, int64_t n, const float *restrict scales) {
-    for (int64_t i = 0; i < m; ++i) {
-        float *o = out + i * out_stride;
-        if (scales)
-            for (int64_t j = 0; j < n; ++j) o[j] = scales[j] * acc[j * 2 * MT + i];
-        else
-            for (int64_t j = 0; j < n; ++j) o[j] = acc[j * 2 * MT + i];
-    }
-}
-
 /* ---- portable C ---------------------------------------------------------------------- */
 
 static void pack_tile_portable(float *restrict dst, const float *restrict x, int64_t x_stride,
@@ -61,20 +49,19 @@ static void pack_tile_portable(float *restrict dst, const float *restrict x, int
         for (int64_t i = 0; i < MT; ++i) dst[kk * MT + i] = i < m ? x[i * x_stride + kk] : 0.0f;
 }
 
-/* acc[j * 2 * MT + i] = panel row j . tile row i (one tile, i < MT). */
-static void kernel_portable(float *restrict acc, const float *restrict tile,
-                            const float *restrict panel, int64_t k) {
-    float a[NR][MT] = {{0.0f}};
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const float *p = panel + k0 * NR, *t = tile + k0 * MT;
-        const int64_t len = min64(KC, k - k0);
-        for (int64_t kk = 0; kk < len; ++kk)
-            for (int j = 0; j < NR; ++j) {
-                const float wv = p[j * KC + kk];
-                for (int i = 0; i < MT; ++i) a[j][i] += wv * t[kk * MT + i];
-            }
-    }
-    for (int j = 0; j < NR; ++j) memcpy(acc + j * 2 * MT, a[j], sizeof a[j]);
+/* c[j * 2 * MT + i] (+)= block row j . tile row i over `len` values, for one tile (i < MT):
+ * the contract of every kernel, with `tiles` tiles (2 * MT rows) where it takes two. */
+static void kernel_portable(float *restrict c, const float *restrict tile,
+                            const float *restrict block, int64_t len, int accumulate) {
+    float a[NR][MT];
+    for (int j = 0; j < NR; ++j)
+        for (int i = 0; i < MT; ++i) a[j][i] = accumulate ? c[j * 2 * MT + i] : 0.0f;
+    for (int64_t kk = 0; kk < len; ++kk)
+        for (int j = 0; j < NR; ++j) {
+            const float wv = block[j * KC + kk];
+            for (int i = 0; i < MT; ++i) a[j][i] += wv * tile[kk * MT + i];
+        }
+    for (int j = 0; j < NR; ++j) memcpy(c + j * 2 * MT, a[j], sizeof a[j]);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -85,71 +72,67 @@ static void kernel_portable(float *restrict acc, const float *restrict tile,
 
 /* ---- AVX2 + FMA ---------------------------------------------------------------------- */
 
-/* acc for panel rows [j0, j0 + 6) against one tile: 6 x 2 ymm accumulators. */
-AVX2_TARGET static inline void kernel6_avx2(float *restrict acc, const float *restrict tile,
-                                            const float *restrict panel, int64_t k, int j0) {
+/* Block rows [j0, j0 + 6) against one tile: 6 x 2 ymm accumulators. */
+AVX2_TARGET static inline void kernel6_avx2(float *restrict c, const float *restrict tile,
+                                            const float *restrict block, int64_t len,
+                                            int accumulate, int j0) {
     __m256 a[6][2];
-    for (int j = 0; j < 6; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const float *p = panel + k0 * NR + j0 * KC, *t = tile + k0 * MT;
-        const int64_t len = min64(KC, k - k0);
-        for (int64_t kk = 0; kk < len; ++kk) {
-            const __m256 x0 = _mm256_load_ps(t + kk * MT), x1 = _mm256_load_ps(t + kk * MT + 8);
-            for (int j = 0; j < 6; ++j) {
-                const __m256 wv = _mm256_broadcast_ss(p + j * KC + kk);
-                a[j][0] = _mm256_fmadd_ps(wv, x0, a[j][0]);
-                a[j][1] = _mm256_fmadd_ps(wv, x1, a[j][1]);
-            }
+    for (int j = 0; j < 6; ++j)
+        for (int v = 0; v < 2; ++v)
+            a[j][v] = accumulate ? _mm256_load_ps(c + (j0 + j) * 2 * MT + 8 * v) : _mm256_setzero_ps();
+    const float *p = block + j0 * KC;
+    for (int64_t kk = 0; kk < len; ++kk) {
+        const __m256 x0 = _mm256_load_ps(tile + kk * MT), x1 = _mm256_load_ps(tile + kk * MT + 8);
+        for (int j = 0; j < 6; ++j) {
+            const __m256 wv = _mm256_broadcast_ss(p + j * KC + kk);
+            a[j][0] = _mm256_fmadd_ps(wv, x0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(wv, x1, a[j][1]);
         }
     }
-    for (int j = 0; j < 6; ++j) {
-        _mm256_store_ps(acc + (j0 + j) * 2 * MT, a[j][0]);
-        _mm256_store_ps(acc + (j0 + j) * 2 * MT + 8, a[j][1]);
-    }
+    for (int j = 0; j < 6; ++j)
+        for (int v = 0; v < 2; ++v) _mm256_store_ps(c + (j0 + j) * 2 * MT + 8 * v, a[j][v]);
 }
 
-AVX2_TARGET static void kernel_avx2(float *restrict acc, const float *restrict tile,
-                                    const float *restrict panel, int64_t k) {
-    kernel6_avx2(acc, tile, panel, k, 0);
-    kernel6_avx2(acc, tile, panel, k, 6);
+AVX2_TARGET static void kernel_avx2(float *restrict c, const float *restrict tile,
+                                    const float *restrict block, int64_t len, int accumulate) {
+    kernel6_avx2(c, tile, block, len, accumulate, 0);
+    kernel6_avx2(c, tile, block, len, accumulate, 6);
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------- */
 
-/* acc for all NR panel rows against `tiles` (1 or 2, a literal) consecutive tiles. */
+/* All NR block rows against `tiles` (1 or 2, a literal) tiles, tile_stride floats apart:
+ * 24 zmm accumulators, each k one vector load per tile and NR broadcasts. */
 AVX512_TARGET static inline __attribute__((always_inline)) void kernel_avx512(
-    float *restrict acc, const float *restrict tile, int64_t tile_stride,
-    const float *restrict panel, int64_t k, const int tiles) {
+    float *restrict c, const float *restrict tile, int64_t tile_stride,
+    const float *restrict block, int64_t len, int accumulate, const int tiles) {
     __m512 a[NR][2];
-    for (int j = 0; j < NR; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        const float *p = panel + k0 * NR, *t = tile + k0 * MT;
-        const int64_t len = min64(KC, k - k0);
-        for (int64_t kk = 0; kk < len; ++kk) {
-            const __m512 x0 = _mm512_load_ps(t + kk * MT);
-            const __m512 x1 = tiles == 2 ? _mm512_load_ps(t + tile_stride + kk * MT) : x0;
-            for (int j = 0; j < NR; ++j) {
-                const __m512 wv = _mm512_set1_ps(p[j * KC + kk]);
-                a[j][0] = _mm512_fmadd_ps(wv, x0, a[j][0]);
-                if (tiles == 2) a[j][1] = _mm512_fmadd_ps(wv, x1, a[j][1]);
-            }
+    for (int j = 0; j < NR; ++j)
+        for (int v = 0; v < tiles; ++v)
+            a[j][v] = accumulate ? _mm512_load_ps(c + j * 2 * MT + MT * v) : _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < len; ++kk) {
+        const __m512 x0 = _mm512_load_ps(tile + kk * MT);
+        const __m512 x1 = tiles == 2 ? _mm512_load_ps(tile + tile_stride + kk * MT) : x0;
+        for (int j = 0; j < NR; ++j) {
+            const __m512 wv = _mm512_set1_ps(block[j * KC + kk]);
+            a[j][0] = _mm512_fmadd_ps(wv, x0, a[j][0]);
+            if (tiles == 2) a[j][1] = _mm512_fmadd_ps(wv, x1, a[j][1]);
         }
     }
-    for (int j = 0; j < NR; ++j) {
-        _mm512_store_ps(acc + j * 2 * MT, a[j][0]);
-        if (tiles == 2) _mm512_store_ps(acc + j * 2 * MT + MT, a[j][1]);
-    }
+    for (int j = 0; j < NR; ++j)
+        for (int v = 0; v < tiles; ++v) _mm512_store_ps(c + j * 2 * MT + MT * v, a[j][v]);
 }
 
-AVX512_TARGET static void kernel1_avx512(float *restrict acc, const float *restrict tile,
-                                         const float *restrict panel, int64_t k) {
-    kernel_avx512(acc, tile, 0, panel, k, 1);
+AVX512_TARGET static void kernel1_avx512(float *restrict c, const float *restrict tile,
+                                         const float *restrict block, int64_t len,
+                                         int accumulate) {
+    kernel_avx512(c, tile, 0, block, len, accumulate, 1);
 }
 
-AVX512_TARGET static void kernel2_avx512(float *restrict acc, const float *restrict tile,
-                                         int64_t tile_stride, const float *restrict panel,
-                                         int64_t k) {
-    kernel_avx512(acc, tile, tile_stride, panel, k, 2);
+AVX512_TARGET static void kernel2_avx512(float *restrict c, const float *restrict tile,
+                                         int64_t tile_stride, const float *restrict block,
+                                         int64_t len, int accumulate) {
+    kernel_avx512(c, tile, tile_stride, block, len, accumulate, 2);
 }
 
 /* Sixteen rows of 16 floats (r[i]: row i) transposed in registers: r[c] = column c. */
@@ -315,34 +298,45 @@ AVX512_TARGET static void pack_tile_avx512(float *restrict dst, const float *res
         for (int64_t c = 0; c < len; ++c) _mm512_store_ps(dst + (k0 + c) * MT, r[c]);
     }
 }
+/* store_tile on AVX-512: each 16 rows x NR sums transposed in registers, then one masked
+ * store of the row's (scaled) outputs. */
+AVX512_TARGET static void store_tile_avx512(float *restrict out, int64_t out_stride,
+                                            const float *restrict c, int64_t m, int64_t n,
+                                            const float *restrict scales) {
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales) : _mm512_set1_ps(1.0f);
+    for (int64_t h = 0; h < m; h += MT) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j < NR ? _mm512_load_ps(c + j * 2 * MT + h) : _mm512_setzero_ps();
+        transpose16_avx512(r);
+        for (int64_t i = 0; i < min64(MT, m - h); ++i)
+            _mm512_mask_storeu_ps(out + (h + i) * out_stride, mask, _mm512_mul_ps(s, r[i]));
+    }
+}
 #else
 #define GEMM_HAVE_X86 0
 #endif
 
 /* ---- driver -------------------------------------------------------------------------- */
 
-/* Fills the panel with weight rows [n0, n0 + NR) (zeros past n1) for all k. */
-static void fill_panel(int isa, float *restrict panel, const uint8_t *w, int64_t row_bytes,
-                       int type, int64_t n0, int64_t n1, int64_t k) {
+/* block[j][kk] = W[n0 + j, k0 + kk] for j < NR (zero rows past n1), kk < len. */
+static void fill_block(int isa, float *restrict block, const uint8_t *w, int64_t row_bytes,
+                       int type, int64_t n0, int64_t n1, int64_t k0, int64_t len) {
     const int64_t valid = min64(NR, n1 - n0);
-    for (int64_t k0 = 0; k0 < k; k0 += KC) {
-        float *block = panel + k0 * NR; /* block k0 / KC starts at k0 / KC * NR * KC */
-        const int64_t len = min64(KC, k - k0);
 #if GEMM_HAVE_X86
-        if (isa == ISA_AVX512 && (type == QTYPE_Q8_0 || type == QTYPE_Q4_0 ||
-                                  type == QTYPE_Q4_1 || type == QTYPE_INT8))
-            fill_block32_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
-        else if (isa == ISA_AVX512 && (type == QTYPE_Q4_K || type == QTYPE_Q6_K))
-            fill_k_quant_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
-        else
+    if (isa == ISA_AVX512 && (type == QTYPE_Q8_0 || type == QTYPE_Q4_0 || type == QTYPE_Q4_1 ||
+                              type == QTYPE_INT8))
+        fill_block32_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
+    else if (isa == ISA_AVX512 && (type == QTYPE_Q4_K || type == QTYPE_Q6_K))
+        fill_k_quant_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
+    else
 #endif
-            quant_dequantize_block(block, KC, w, row_bytes, type, n0, n0 + valid, k0, len);
-        if (valid < NR) memset(block + valid * KC, 0, (size_t)(NR - valid) * KC * sizeof(float));
-    }
+        quant_dequantize_block(block, KC, w, row_bytes, type, n0, n0 + valid, k0, len);
+    if (valid < NR) memset(block + valid * KC, 0, (size_t)(NR - valid) * KC * sizeof(float));
     (void)isa;
 }
 
-/* Packs activation rows [0, m) into ceil(m / MT) tiles of k * MT floats each. */
+/* Packs activation rows [0, m) (m <= MT) into one tile of k * MT floats. */
 static void pack_tile(int isa, float *dst, const float *x, int64_t x_stride, int64_t m,
                       int64_t k) {
 #if GEMM_HAVE_X86
@@ -355,31 +349,66 @@ static void pack_tile(int isa, float *dst, const float *x, int64_t x_stride, int
     pack_tile_portable(dst, x, x_stride, m, k);
 }
 
-/* Panel `panel` against packed tiles [t0, t1) of a chunk of m rows: out rows from 0. */
-static void panel_times_tiles(int isa, float *out, int64_t out_stride, const float *xpack,
-                              int64_t k, int64_t m, int64_t t0, int64_t t1,
-                              const float *panel, int64_t n, const float *scales) {
-    float acc[NR * 2 * MT] __attribute__((aligned(64)));
-    const int64_t tile_floats = k * MT;
-    for (int64_t t = t0; t < t1;) {
-        const float *tile = xpack + t * tile_floats;
-        int64_t step = 1;
-#if GEMM_HAVE_X86
-        if (isa == ISA_AVX512 && t + 1 < t1) {
-            kernel2_avx512(acc, tile, tile_floats, panel, k);
-            step = 2;
-        } else if (isa == ISA_AVX512) {
-            kernel1_avx512(acc, tile, panel, k);
-        } else if (isa == ISA_AVX2) {
-            kernel_avx2(acc, tile, panel, k);
-        } else
-#endif
-            kernel_portable(acc, tile, panel, k);
-        const int64_t rows = min64(step * MT, m - t * MT);
-        store_tile(out + t * MT * out_stride, out_stride, acc, rows, n, scales);
-        t += step;
+/* out[i, j] = scale[j] * c[j * 2 * MT + i] for i < m, j < n. */
+static void store_tile(float *restrict out, int64_t out_stride, const float *restrict c,
+                       int64_t m, int64_t n, const float *restrict scales) {
+    for (int64_t i = 0; i < m; ++i) {
+        float *o = out + i * out_stride;
+        if (scales)
+            for (int64_t j = 0; j < n; ++j) o[j] = scales[j] * c[j * 2 * MT + i];
+        else
+            for (int64_t j = 0; j < n; ++j) o[j] = c[j * 2 * MT + i];
     }
 }
+
+/* Output rows [n0, n0 + NR) ∩ [.., n1) for packed tiles [t0, t1) (t0 even) of a chunk of m
+ * rows whose output starts at `out`: per k-block, one dequantized block (L1-resident) goes
+ * past every tile pair, whose sums wait in `cbuf` (NR * 2 * MT floats per pair). */
+static void panel_times_tiles(int isa, float *out, int64_t out_stride, const float *xpack,
+                              int64_t k, int64_t m, int64_t t0, int64_t t1, const uint8_t *w,
+                              int64_t row_bytes, int type, int64_t n0, int64_t n1,
+                              const float *scales, float *block, float *cbuf) {
+    const int64_t tile_floats = k * MT, pair_floats = NR * 2 * MT;
+    for (int64_t k0 = 0; k0 < k; k0 += KC) {
+        const int64_t len = min64(KC, k - k0);
+        const int accumulate = k0 > 0;
+        fill_block(isa, block, w, row_bytes, type, n0, n1, k0, len);
+        for (int64_t t = t0; t < t1;) {
+            const float *tile = xpack + t * tile_floats + k0 * MT;
+            float *c = cbuf + (t - t0) / 2 * pair_floats + (t - t0) % 2 * MT;
+#if GEMM_HAVE_X86
+            if (isa == ISA_AVX512 && t + 1 < t1) {
+                kernel2_avx512(c, tile, tile_floats, block, len, accumulate);
+                t += 2;
+                continue;
+            }
+            if (isa == ISA_AVX512)
+                kernel1_avx512(c, tile, block, len, accumulate);
+            else if (isa == ISA_AVX2)
+                kernel_avx2(c, tile, block, len, accumulate);
+            else
+#endif
+                kernel_portable(c, tile, block, len, accumulate);
+            t += 1;
+        }
+    }
+    const int64_t n = min64(NR, n1 - n0);
+    for (int64_t t = t0; t < t1; t += 2) {
+        float *o = out + t * MT * out_stride + n0;
+        const float *c = cbuf + (t - t0) / 2 * pair_floats, *s = scales ? scales + n0 : NULL;
+        const int64_t rows = min64(2 * MT, m - t * MT);
+#if GEMM_HAVE_X86
+        if (isa == ISA_AVX512) {
+            store_tile_avx512(o, out_stride, c, rows, n, s);
+            continue;
+        }
+#endif
+        store_tile(o, out_stride, c, rows, n, s);
+    }
+}
+
+int64_t tune_chunk_kb = 0;
+void quant_gemm_tune(int64_t chunk_kb) { tune_chunk_kb = chunk_kb; }
 
 /* out[r, n] = scales[n] (or 1) * W[n] . x[r]: see the file comment. Returns 0, or -1 when a
  * buffer cannot be allocated. */
@@ -390,18 +419,19 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
     if (num_threads < 1) num_threads = 1;
     const int isa = quant_active_isa();
     const int64_t panels = (n_out + NR - 1) / NR;
-    const int64_t k_pad = (k + KC - 1) / KC * KC;
     /* Rows per chunk: a multiple of 2 * MT whose packed copy fits CHUNK_BYTES. */
-    int64_t chunk = CHUNK_BYTES / (int64_t)(k * sizeof(float)) / (2 * MT) * (2 * MT);
+    const int64_t chunk_bytes = tune_chunk_kb ? tune_chunk_kb * 1024 : CHUNK_BYTES;
+    int64_t chunk = chunk_bytes / (int64_t)(k * sizeof(float)) / (2 * MT) * (2 * MT);
     if (chunk < 2 * MT) chunk = 2 * MT;
-    chunk = min64(chunk, (rows + MT - 1) / MT * MT);
-    const size_t pack_bytes = (size_t)(chunk * k * sizeof(float));
-    const size_t panel_bytes = (size_t)(NR * k_pad * sizeof(float));
-    float *xpack = aligned_alloc(64, (pack_bytes + 63) / 64 * 64);
-    float *panels_buf = aligned_alloc(64, panel_bytes * (size_t)num_threads);
-    if (xpack == NULL || panels_buf == NULL) {
+    chunk = min64(chunk, (rows + 2 * MT - 1) / (2 * MT) * (2 * MT));
+    const int64_t pairs_max = chunk / (2 * MT);
+    /* per thread: one dequantized block, then the sums of every tile pair of a chunk */
+    const size_t thread_floats = (size_t)(NR * KC + pairs_max * NR * 2 * MT);
+    float *xpack = aligned_alloc(64, (size_t)(chunk * k) * sizeof(float));
+    float *scratch = aligned_alloc(64, thread_floats * sizeof(float) * (size_t)num_threads);
+    if (xpack == NULL || scratch == NULL) {
         free(xpack);
-        free(panels_buf);
+        free(scratch);
         return -1;
     }
 #pragma omp parallel num_threads(num_threads)
@@ -411,38 +441,35 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
 #else
         const int64_t threads = 1, id = 0;
 #endif
-        float *panel = panels_buf + (size_t)id * (panel_bytes / sizeof(float));
+        float *block = scratch + (size_t)id * thread_floats, *cbuf = block + NR * KC;
         for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
             const int64_t m = min64(chunk, rows - m0), tiles = (m + MT - 1) / MT;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; ++t)
                 pack_tile(isa, xpack + t * k * MT, x + (m0 + t * MT) * x_stride, x_stride,
                           min64(MT, m - t * MT), k);
-            /* Work items: (panel, group of row tiles), panel-major, a contiguous range per
-             * thread so each panel is dequantized once per thread that needs it. Groups of
-             * whole tile pairs (the AVX-512 kernel's step). */
+            /* Work items: (panel, group of tile pairs), panel-major, a contiguous range per
+             * thread; a thread's items on one panel run as one tile range, so each panel is
+             * dequantized once per thread that needs it. */
             const int64_t pairs = (tiles + 1) / 2;
             int64_t groups = 1;
             if (panels < 4 * threads) groups = min64(pairs, (4 * threads + panels - 1) / panels);
             const int64_t items = panels * groups, per = (items + threads - 1) / threads;
             const int64_t i0 = min64(items, id * per), i1 = min64(items, i0 + per);
-            int64_t filled = -1;
-            for (int64_t item = i0; item < i1; ++item) {
-                const int64_t p = item / groups, g = item % groups;
-                const int64_t n0 = p * NR, n = min64(NR, n_out - n0);
-                if (p != filled) {
-                    fill_panel(isa, panel, w, row_bytes, type, n0, n_out, k);
-                    filled = p;
-                }
-                const int64_t t0 = min64(tiles, pairs * g / groups * 2);
-                const int64_t t1 = min64(tiles, pairs * (g + 1) / groups * 2);
-                panel_times_tiles(isa, out + m0 * out_stride + n0, out_stride, xpack, k, m, t0,
-                                  t1, panel, n, scales ? scales + n0 : NULL);
+            for (int64_t item = i0; item < i1;) {
+                const int64_t p = item / groups, g0 = item % groups;
+                const int64_t g1 = min64(groups, g0 + (i1 - item)); /* exclusive */
+                const int64_t t0 = min64(tiles, pairs * g0 / groups * 2);
+                const int64_t t1 = min64(tiles, pairs * g1 / groups * 2);
+                if (t0 < t1)
+                    panel_times_tiles(isa, out + m0 * out_stride, out_stride, xpack, k, m, t0, t1,
+                                      w, row_bytes, type, p * NR, n_out, scales, block, cbuf);
+                item += g1 - g0;
             }
 #pragma omp barrier
         }
     }
     free(xpack);
-    free(panels_buf);
+    free(scratch);
     return 0;
 }
