@@ -165,45 +165,38 @@ def quant_linear(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [..., out_features] fp32
     """x @ W.T (+ bias) with W kept quantized (see the module doc)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    # A decode step calls this ~100 times with small inputs: the checks and the reshapes
+    # below are kept to the ones needed (each torch call costs about a microsecond).
+    if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"quant_linear takes fp32 CPU activations, got {x.dtype} on {x.device}.")
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"activation width {x.shape[-1]} != in_features {weight.in_features}.")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, weight.in_features)
+    x2 = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     if rows:
-        _run_linear(out, x2, weight, "quant_gemm_f32" if rows > GEMV_MAX_ROWS else "quant_linear_f32")
+        kernel = "quant_gemm_f32" if rows > GEMV_MAX_ROWS else "quant_linear_f32"
+        status = getattr(_lib(), kernel)(
+            out.data_ptr(),
+            out.stride(0),
+            x2.data_ptr(),
+            x2.stride(0),
+            rows,
+            weight.data.data_ptr(),
+            weight.data.shape[1],
+            None if weight.scales is None else weight.scales.data_ptr(),
+            int(weight.qtype),
+            weight.out_features,
+            weight.in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError(f"{kernel} could not allocate its buffers.")
     if bias is not None:
         out += bias
-    return out.reshape(*lead, weight.out_features)
-
-
-def _run_linear(
-    out: torch.Tensor,  # [rows, out_features]
-    x2: torch.Tensor,  # [rows, in_features], unit last stride
-    weight: QuantizedWeight,
-    kernel: str,  # quant_linear_f32 (row kernels) or quant_gemm_f32
-) -> None:
-    status = getattr(_lib(), kernel)(
-        out.data_ptr(),
-        out.stride(0),
-        x2.data_ptr(),
-        x2.stride(0),
-        x2.shape[0],
-        weight.data.data_ptr(),
-        weight.data.shape[1],
-        None if weight.scales is None else weight.scales.data_ptr(),
-        int(weight.qtype),
-        weight.out_features,
-        weight.in_features,
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise MemoryError(f"{kernel} could not allocate its buffers.")
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def available_isas() -> list[Isa]:
