@@ -39,7 +39,13 @@ _EXTRA_SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).with_name(h)
-    for h in ("quant_types.h", "quant_rows.h", "quant_fused_avx2.h", "kv_dtype.h")
+    for h in (
+        "quant_types.h",
+        "quant_rows.h",
+        "quant_fused_avx2.h",
+        "quant_gemm_x86.h",
+        "kv_dtype.h",
+    )
 )
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
 # one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).
