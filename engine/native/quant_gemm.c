@@ -12,18 +12,20 @@
  *
  *   block  (per thread)  block[j][kk]   = W[n0 + j, k0 + kk]          j < NR, kk < KC
  *   xpack  (shared)      xpack[t][k][i] = x[m0 + MT * t + i, k]       i < MT, 0 past rows
- *   cbuf   (per thread)  the panel's sums for every tile pair of the chunk, kept across
+ *   cbuf   (per thread)  the panel's sums for every tile of the chunk, kept across
  *                        k-blocks and stored (transposed, scaled) after the last one
  *
  *   micro-kernel         acc[j][i] += block[j][kk] * xpack[t][k0 + kk][i]
  *
  * One vector load of packed activations serves NR outputs; block[j][kk] is a broadcast at
- * a constant offset from one pointer. AVX-512 takes two 16-row tiles x 12 outputs (24 zmm
- * accumulators), AVX2 one tile x 6 outputs (12 ymm) twice, portable C the same loops on
- * arrays (quant_gemm_x86.h holds the x86 parts). The activation rows go in chunks of at
- * most CHUNK_BYTES of packed fp32 (L2-sized), each chunk dequantizing the weight again:
- * at 2 * chunk-rows flops per weight value that is a few percent. Work is split over
- * panels, and over groups of tile pairs too when there are too few panels for the threads.
+ * a constant offset from one pointer. A tile is 16 rows x 16 outputs: 16 zmm accumulators
+ * on AVX-512 (measured at the FMA peak, as fast as two tiles x 12 outputs, and its stores
+ * write whole 64-byte lines of the output), three passes of 6 / 6 / 4 outputs x 2 ymm on
+ * AVX2, the same loops on arrays in portable C (quant_gemm_x86.h holds the x86 parts).
+ * The activation rows go in chunks of at most CHUNK_BYTES of packed fp32 (about L2), each
+ * chunk dequantizing the weight again: at 2 * chunk-rows flops per weight value that is a
+ * few percent. Work is split over panels, and over groups of tiles too when there are too
+ * few panels for the threads.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -35,8 +37,8 @@
 #include <omp.h>
 #endif
 
-#define NR 12  /* outputs per panel */
-#define KC 256 /* panel k-block: a Q4_K / Q6_K super-block, 8 Q8_0 / Q4_x blocks */
+#define NR 16  /* outputs per panel: a 64-byte line of each output row */
+#define KC 256 /* k-block: a Q4_K / Q6_K super-block, 8 Q8_0 / Q4_x blocks */
 #define MT 16  /* activation rows per packed tile */
 #define CHUNK_BYTES (1024 * 1024)
 
@@ -50,19 +52,26 @@ static void pack_tile_portable(float *restrict dst, const float *restrict x, int
         for (int64_t i = 0; i < MT; ++i) dst[kk * MT + i] = i < m ? x[i * x_stride + kk] : 0.0f;
 }
 
-/* c[j * 2 * MT + i] (+)= block row j . tile row i over `len` values, for one tile (i < MT):
- * the contract of every kernel, with `tiles` tiles (2 * MT rows) where it takes two. */
+/* c[j * MT + i] (+)= block row j . tile row i over `len` values: every kernel's contract. */
 static void kernel_portable(float *restrict c, const float *restrict tile,
                             const float *restrict block, int64_t len, int accumulate) {
     float a[NR][MT];
     for (int j = 0; j < NR; ++j)
-        for (int i = 0; i < MT; ++i) a[j][i] = accumulate ? c[j * 2 * MT + i] : 0.0f;
+        for (int i = 0; i < MT; ++i) a[j][i] = accumulate ? c[j * MT + i] : 0.0f;
     for (int64_t kk = 0; kk < len; ++kk)
         for (int j = 0; j < NR; ++j) {
             const float wv = block[j * KC + kk];
             for (int i = 0; i < MT; ++i) a[j][i] += wv * tile[kk * MT + i];
         }
-    for (int j = 0; j < NR; ++j) memcpy(c + j * 2 * MT, a[j], sizeof a[j]);
+    memcpy(c, a, sizeof a);
+}
+
+/* out[i, j] = scale[j] * c[j * MT + i] for i < m, j < n. */
+static void store_tile_portable(float *restrict out, int64_t out_stride, const float *restrict c,
+                                int64_t m, int64_t n, const float *restrict scales) {
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j)
+            out[i * out_stride + j] = (scales ? scales[j] : 1.0f) * c[j * MT + i];
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -104,61 +113,43 @@ static void pack_tile(int isa, float *dst, const float *x, int64_t x_stride, int
     pack_tile_portable(dst, x, x_stride, m, k);
 }
 
-/* out[i, j] = scale[j] * c[j * 2 * MT + i] for i < m, j < n. */
-static void store_tile(float *restrict out, int64_t out_stride, const float *restrict c,
-                       int64_t m, int64_t n, const float *restrict scales) {
-    for (int64_t i = 0; i < m; ++i) {
-        float *o = out + i * out_stride;
-        if (scales)
-            for (int64_t j = 0; j < n; ++j) o[j] = scales[j] * c[j * 2 * MT + i];
-        else
-            for (int64_t j = 0; j < n; ++j) o[j] = c[j * 2 * MT + i];
-    }
-}
-
-/* Output rows [n0, n0 + NR) ∩ [.., n1) for packed tiles [t0, t1) (t0 even) of a chunk of m
- * rows whose output starts at `out`: per k-block, one dequantized block (L1-resident) goes
- * past every tile pair, whose sums wait in `cbuf` (NR * 2 * MT floats per pair). */
+/* Output rows [n0, n0 + NR) ∩ [.., n1) for packed tiles [t0, t1) of a chunk of m rows whose
+ * output starts at `out`: per k-block, one dequantized block (L1-resident) goes past every
+ * tile, whose sums wait in `cbuf` (NR * MT floats per tile) until the last k-block. */
 static void panel_times_tiles(int isa, float *out, int64_t out_stride, const float *xpack,
                               int64_t k, int64_t m, int64_t t0, int64_t t1, const uint8_t *w,
                               int64_t row_bytes, int type, int64_t n0, int64_t n1,
                               const float *scales, float *block, float *cbuf) {
-    const int64_t tile_floats = k * MT, pair_floats = NR * 2 * MT;
     for (int64_t k0 = 0; k0 < k; k0 += KC) {
         const int64_t len = min64(KC, k - k0);
         const int accumulate = k0 > 0;
         fill_block(isa, block, w, row_bytes, type, n0, n1, k0, len);
-        for (int64_t t = t0; t < t1;) {
-            const float *tile = xpack + t * tile_floats + k0 * MT;
-            float *c = cbuf + (t - t0) / 2 * pair_floats + (t - t0) % 2 * MT;
+        for (int64_t t = t0; t < t1; ++t) {
+            const float *tile = xpack + t * k * MT + k0 * MT;
+            float *c = cbuf + (t - t0) * NR * MT;
 #if GEMM_HAVE_X86
-            if (isa == ISA_AVX512 && t + 1 < t1) {
-                kernel2_avx512(c, tile, tile_floats, block, len, accumulate);
-                t += 2;
-                continue;
-            }
             if (isa == ISA_AVX512)
-                kernel1_avx512(c, tile, block, len, accumulate);
+                kernel_avx512(c, tile, block, len, accumulate);
             else if (isa == ISA_AVX2)
                 kernel_avx2(c, tile, block, len, accumulate);
             else
 #endif
                 kernel_portable(c, tile, block, len, accumulate);
-            t += 1;
         }
     }
     const int64_t n = min64(NR, n1 - n0);
-    for (int64_t t = t0; t < t1; t += 2) {
+    const float *s = scales ? scales + n0 : NULL;
+    for (int64_t t = t0; t < t1; ++t) {
         float *o = out + t * MT * out_stride + n0;
-        const float *c = cbuf + (t - t0) / 2 * pair_floats, *s = scales ? scales + n0 : NULL;
-        const int64_t rows = min64(2 * MT, m - t * MT);
+        const float *c = cbuf + (t - t0) * NR * MT;
+        const int64_t rows = min64(MT, m - t * MT);
 #if GEMM_HAVE_X86
         if (isa == ISA_AVX512) {
             store_tile_avx512(o, out_stride, c, rows, n, s);
             continue;
         }
 #endif
-        store_tile(o, out_stride, c, rows, n, s);
+        store_tile_portable(o, out_stride, c, rows, n, s);
     }
 }
 
@@ -171,13 +162,12 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
     if (num_threads < 1) num_threads = 1;
     const int isa = quant_active_isa();
     const int64_t panels = (n_out + NR - 1) / NR;
-    /* Rows per chunk: a multiple of 2 * MT whose packed copy fits CHUNK_BYTES. */
-    int64_t chunk = CHUNK_BYTES / (int64_t)(k * sizeof(float)) / (2 * MT) * (2 * MT);
-    if (chunk < 2 * MT) chunk = 2 * MT;
-    chunk = min64(chunk, (rows + 2 * MT - 1) / (2 * MT) * (2 * MT));
-    const int64_t pairs_max = chunk / (2 * MT);
-    /* per thread: one dequantized block, then the sums of every tile pair of a chunk */
-    const size_t thread_floats = (size_t)(NR * KC + pairs_max * NR * 2 * MT);
+    /* Rows per chunk: a multiple of MT whose packed copy fits CHUNK_BYTES. */
+    int64_t chunk = CHUNK_BYTES / (int64_t)(k * sizeof(float)) / MT * MT;
+    if (chunk < MT) chunk = MT;
+    chunk = min64(chunk, (rows + MT - 1) / MT * MT);
+    /* per thread: one dequantized block, then the sums of every tile of a chunk */
+    const size_t thread_floats = (size_t)(NR * KC + chunk * NR);
     float *xpack = aligned_alloc(64, (size_t)(chunk * k) * sizeof(float));
     float *scratch = aligned_alloc(64, thread_floats * sizeof(float) * (size_t)num_threads);
     if (xpack == NULL || scratch == NULL) {
@@ -195,29 +185,24 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
         float *block = scratch + (size_t)id * thread_floats, *cbuf = block + NR * KC;
         for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
             const int64_t m = min64(chunk, rows - m0), tiles = (m + MT - 1) / MT;
-#pragma omp for schedule(static)
+            /* Dynamic schedules: on a shared machine a thread that loses its core for a
+             * while holds up only its current item, not a fixed share of the call. */
+#pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < tiles; ++t)
                 pack_tile(isa, xpack + t * k * MT, x + (m0 + t * MT) * x_stride, x_stride,
                           min64(MT, m - t * MT), k);
-            /* Work items: (panel, group of tile pairs), panel-major, a contiguous range per
-             * thread; a thread's items on one panel run as one tile range, so each panel is
-             * dequantized once per thread that needs it. */
-            const int64_t pairs = (tiles + 1) / 2;
+            /* Work items: (panel, group of tiles); one group per panel unless there are too
+             * few panels to keep the threads busy. */
             int64_t groups = 1;
-            if (panels < 4 * threads) groups = min64(pairs, (4 * threads + panels - 1) / panels);
-            const int64_t items = panels * groups, per = (items + threads - 1) / threads;
-            const int64_t i0 = min64(items, id * per), i1 = min64(items, i0 + per);
-            for (int64_t item = i0; item < i1;) {
-                const int64_t p = item / groups, g0 = item % groups;
-                const int64_t g1 = min64(groups, g0 + (i1 - item)); /* exclusive */
-                const int64_t t0 = min64(tiles, pairs * g0 / groups * 2);
-                const int64_t t1 = min64(tiles, pairs * g1 / groups * 2);
+            if (panels < 4 * threads) groups = min64(tiles, (4 * threads + panels - 1) / panels);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < panels * groups; ++item) {
+                const int64_t p = item / groups, g = item % groups;
+                const int64_t t0 = tiles * g / groups, t1 = tiles * (g + 1) / groups;
                 if (t0 < t1)
                     panel_times_tiles(isa, out + m0 * out_stride, out_stride, xpack, k, m, t0, t1,
                                       w, row_bytes, type, p * NR, n_out, scales, block, cbuf);
-                item += g1 - g0;
             }
-#pragma omp barrier
         }
     }
     free(xpack);

@@ -10,67 +10,49 @@
 
 /* ---- AVX2 + FMA ---------------------------------------------------------------------- */
 
-/* Block rows [j0, j0 + 6) against one tile: 6 x 2 ymm accumulators. */
-AVX2_TARGET static inline void kernel6_avx2(float *restrict c, const float *restrict tile,
-                                            const float *restrict block, int64_t len,
-                                            int accumulate, int j0) {
+/* Block rows [j0, j0 + count) (count <= 6, a literal) against one tile: count x 2 ymm. */
+AVX2_TARGET static inline __attribute__((always_inline)) void kernel_rows_avx2(
+    float *restrict c, const float *restrict tile, const float *restrict block, int64_t len,
+    int accumulate, int j0, const int count) {
     __m256 a[6][2];
-    for (int j = 0; j < 6; ++j)
+    for (int j = 0; j < count; ++j)
         for (int v = 0; v < 2; ++v)
-            a[j][v] = accumulate ? _mm256_load_ps(c + (j0 + j) * 2 * MT + 8 * v) : _mm256_setzero_ps();
+            a[j][v] = accumulate ? _mm256_load_ps(c + (j0 + j) * MT + 8 * v) : _mm256_setzero_ps();
     const float *p = block + j0 * KC;
     for (int64_t kk = 0; kk < len; ++kk) {
         const __m256 x0 = _mm256_load_ps(tile + kk * MT), x1 = _mm256_load_ps(tile + kk * MT + 8);
-        for (int j = 0; j < 6; ++j) {
+        for (int j = 0; j < count; ++j) {
             const __m256 wv = _mm256_broadcast_ss(p + j * KC + kk);
             a[j][0] = _mm256_fmadd_ps(wv, x0, a[j][0]);
             a[j][1] = _mm256_fmadd_ps(wv, x1, a[j][1]);
         }
     }
-    for (int j = 0; j < 6; ++j)
-        for (int v = 0; v < 2; ++v) _mm256_store_ps(c + (j0 + j) * 2 * MT + 8 * v, a[j][v]);
+    for (int j = 0; j < count; ++j)
+        for (int v = 0; v < 2; ++v) _mm256_store_ps(c + (j0 + j) * MT + 8 * v, a[j][v]);
 }
 
+/* AVX2 has 16 ymm registers: the 16 block rows in passes of 6, 6 and 4. */
 AVX2_TARGET static void kernel_avx2(float *restrict c, const float *restrict tile,
                                     const float *restrict block, int64_t len, int accumulate) {
-    kernel6_avx2(c, tile, block, len, accumulate, 0);
-    kernel6_avx2(c, tile, block, len, accumulate, 6);
+    kernel_rows_avx2(c, tile, block, len, accumulate, 0, 6);
+    kernel_rows_avx2(c, tile, block, len, accumulate, 6, 6);
+    kernel_rows_avx2(c, tile, block, len, accumulate, 12, 4);
 }
 
 /* ---- AVX-512 ------------------------------------------------------------------------- */
 
-/* All NR block rows against `tiles` (1 or 2, a literal) tiles, tile_stride floats apart:
- * 24 zmm accumulators, each k one vector load per tile and NR broadcasts. */
-AVX512_TARGET static inline __attribute__((always_inline)) void kernel_avx512(
-    float *restrict c, const float *restrict tile, int64_t tile_stride,
-    const float *restrict block, int64_t len, int accumulate, const int tiles) {
-    __m512 a[NR][2];
-    for (int j = 0; j < NR; ++j)
-        for (int v = 0; v < tiles; ++v)
-            a[j][v] = accumulate ? _mm512_load_ps(c + j * 2 * MT + MT * v) : _mm512_setzero_ps();
+/* All NR block rows against one tile: 16 zmm accumulators, per k one vector load of the
+ * tile and NR broadcasts of block values. */
+AVX512_TARGET static void kernel_avx512(float *restrict c, const float *restrict tile,
+                                        const float *restrict block, int64_t len,
+                                        int accumulate) {
+    __m512 a[NR];
+    for (int j = 0; j < NR; ++j) a[j] = accumulate ? _mm512_load_ps(c + j * MT) : _mm512_setzero_ps();
     for (int64_t kk = 0; kk < len; ++kk) {
-        const __m512 x0 = _mm512_load_ps(tile + kk * MT);
-        const __m512 x1 = tiles == 2 ? _mm512_load_ps(tile + tile_stride + kk * MT) : x0;
-        for (int j = 0; j < NR; ++j) {
-            const __m512 wv = _mm512_set1_ps(block[j * KC + kk]);
-            a[j][0] = _mm512_fmadd_ps(wv, x0, a[j][0]);
-            if (tiles == 2) a[j][1] = _mm512_fmadd_ps(wv, x1, a[j][1]);
-        }
+        const __m512 xv = _mm512_load_ps(tile + kk * MT);
+        for (int j = 0; j < NR; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(block[j * KC + kk]), xv, a[j]);
     }
-    for (int j = 0; j < NR; ++j)
-        for (int v = 0; v < tiles; ++v) _mm512_store_ps(c + j * 2 * MT + MT * v, a[j][v]);
-}
-
-AVX512_TARGET static void kernel1_avx512(float *restrict c, const float *restrict tile,
-                                         const float *restrict block, int64_t len,
-                                         int accumulate) {
-    kernel_avx512(c, tile, 0, block, len, accumulate, 1);
-}
-
-AVX512_TARGET static void kernel2_avx512(float *restrict c, const float *restrict tile,
-                                         int64_t tile_stride, const float *restrict block,
-                                         int64_t len, int accumulate) {
-    kernel_avx512(c, tile, tile_stride, block, len, accumulate, 2);
+    for (int j = 0; j < NR; ++j) _mm512_store_ps(c + j * MT, a[j]);
 }
 
 /* Sixteen rows of 16 floats (r[i]: row i) transposed in registers: r[c] = column c. */
@@ -236,18 +218,19 @@ AVX512_TARGET static void pack_tile_avx512(float *restrict dst, const float *res
         for (int64_t c = 0; c < len; ++c) _mm512_store_ps(dst + (k0 + c) * MT, r[c]);
     }
 }
-/* store_tile on AVX-512: each 16 rows x NR sums transposed in registers, then one masked
- * store of the row's (scaled) outputs. */
+
+/* store_tile_portable on AVX-512: the 16 x 16 sums transposed in registers, then one
+ * (masked, scaled) row store per activation row: a whole cache line when NR outputs fit. */
 AVX512_TARGET static void store_tile_avx512(float *restrict out, int64_t out_stride,
                                             const float *restrict c, int64_t m, int64_t n,
                                             const float *restrict scales) {
     const __mmask16 mask = (__mmask16)((1u << n) - 1u);
-    const __m512 s = scales ? _mm512_maskz_loadu_ps(mask, scales) : _mm512_set1_ps(1.0f);
-    for (int64_t h = 0; h < m; h += MT) {
-        __m512 r[16];
-        for (int j = 0; j < 16; ++j) r[j] = j < NR ? _mm512_load_ps(c + j * 2 * MT + h) : _mm512_setzero_ps();
-        transpose16_avx512(r);
-        for (int64_t i = 0; i < min64(MT, m - h); ++i)
-            _mm512_mask_storeu_ps(out + (h + i) * out_stride, mask, _mm512_mul_ps(s, r[i]));
+    __m512 r[16];
+    for (int j = 0; j < NR; ++j) r[j] = _mm512_load_ps(c + j * MT);
+    transpose16_avx512(r);
+    if (scales) {
+        const __m512 s = _mm512_maskz_loadu_ps(mask, scales);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_mul_ps(s, r[i]);
     }
+    for (int64_t i = 0; i < m; ++i) _mm512_mask_storeu_ps(out + i * out_stride, mask, r[i]);
 }

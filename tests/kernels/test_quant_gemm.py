@@ -1,7 +1,7 @@
 """The dequantize-GEMM (engine/native/quant_gemm.c, `quant_linear` above GEMV_MAX_ROWS rows)
 against gguf-py's dequantize followed by an fp64 matmul: every block type, int8 and fp32
 rows, over row counts, output counts and widths that leave tails at every level of its
-tiling (16-row tiles, 12-output panels, 256-value k-blocks, row chunks), with each ISA
+tiling (16-row tiles, 16-output panels, 256-value k-blocks, row chunks), with each ISA
 path this CPU runs forced in turn and compared with the others."""
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def _check_all_isas(x: torch.Tensor, weight: QuantizedWeight, dense: torch.Tenso
         assert ((other - first).abs() <= 2 * bound).all(), (isa.name, first_isa.name)
 
 
-# (rows, out_features, blocks per row): rows past the 16-row tiles, the 32-row pairs and
-# the row chunks (224 rows at 576 values, 64 at 1536); outputs past the 12-output panels.
-GRID_32 = [(17, 40, 1), (33, 200, 3), (71, 12, 18), (300, 3088, 18), (GEMV_MAX_ROWS + 1, 5, 48)]
-GRID_256 = [(17, 40, 1), (33, 200, 3), (71, 13, 2), (300, 590, 6)]
+# (rows, out_features, blocks per row): rows past the 16-row tiles and the row chunks
+# (448 rows at 576 values, 160 at 1536, 32 at 8192); outputs past the 16-output panels.
+GRID_32 = [(17, 40, 1), (33, 200, 3), (71, 12, 18), (300, 3088, 18), (GEMV_MAX_ROWS + 1, 5, 256)]
+GRID_256 = [(17, 40, 1), (33, 200, 3), (71, 13, 2), (300, 590, 6), (50, 20, 32)]
 
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
@@ -106,7 +106,7 @@ def test_gemm_k_quants(qtype, rows, out_features, blocks_per_row):
 @pytest.mark.parametrize("qtype", [QType.F32, QType.INT8], ids=lambda t: t.name)
 @pytest.mark.parametrize(
     ("rows", "out_features", "cols"),
-    [(17, 40, 1), (33, 200, 45), (71, 13, 577), (300, 3088, 576), (130, 30, 1536)],
+    [(17, 40, 1), (33, 200, 45), (71, 13, 577), (300, 3088, 576), (200, 30, 1536)],
 )
 def test_gemm_fp32_and_int8_rows(qtype, rows, out_features, cols):
     """Any width (no blocks): k tails inside the 16-value transpose and the 256-value
