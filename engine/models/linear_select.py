@@ -9,7 +9,6 @@ So for each distinct weight shape and each row-count bucket (`ROW_BUCKETS`) the 
 - ``onednn``:     oneDNN's inner product on a reordered copy (torch.ops.mkldnn),
 - ``torch``:      plain `F.linear` (MKL sgemm re-packing the weight on every call),
 - ``native``:     our GEMV (engine/native/quant_kernels.c on the fp32 rows, <= 8 rows),
-- ``native_gemm``: our GEMM (engine/native/quant_gemm.c on the fp32 rows, > 32 rows),
 
 are timed once on the real weight at start-up and the fastest is kept. Every candidate is
 first checked against `F.linear` on that weight (one that disagrees is dropped). Only methods
@@ -18,7 +17,7 @@ large as the weight, and the default model should fit under 1 GB).
 
 The decisions are cached as JSON under the model cache root (`linear_methods/`), keyed by
 CPU model, ISA flags, torch version and thread count, so later starts read them and time
-nothing. ``$PAGEDSERVE_LINEAR_METHOD`` (one of `METHODS`, or `auto`)
+nothing. ``$PAGEDSERVE_LINEAR_METHOD`` (`mkl_packed`, `onednn`, `torch`, `native`, `auto`)
 forces one method for every bucket it can run (tests, benchmarks).
 """
 
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 LINEAR_METHOD_ENV = "PAGEDSERVE_LINEAR_METHOD"
-METHODS = ("mkl_packed", "onednn", "torch", "native", "native_gemm")
+METHODS = ("mkl_packed", "onednn", "torch", "native")
 # Inclusive row-count ranges; the last is open. Each is timed at its `_BUCKET_ROWS` size.
 ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 32), (33, 128), (129, None))
 _BUCKET_ROWS = (1, 4, 8, 32, 128, 256)
@@ -53,9 +52,6 @@ _COPYING = ("mkl_packed", "onednn")
 # more than this fraction of one bucket's best time.
 _COPY_PENALTY = 0.1
 _NATIVE_MAX_ROWS = 8  # our GEMV reads each weight row once for all rows: few rows only
-# Our GEMM pads the rows to 16-row tiles, so it competes only where every row count of a
-# bucket fills them well.
-_NATIVE_GEMM_MIN_ROWS = 33
 # Timing one (shape, bucket): at least _MIN_ROUNDS calls of each method, then more rounds
 # until this many seconds have passed (the default model's 4 shapes: about 1 s when idle;
 # a 2-core machine loaded 4x over took ~10 s).
@@ -97,14 +93,6 @@ def _run_native(
     return quant_linear(x, p, b)
 
 
-def _run_native_gemm(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: Prepared
-) -> torch.Tensor:
-    from engine.native.quant import quant_linear
-
-    return quant_linear(x, p, b, gemm=True)
-
-
 def _prepare(method: str, weight: torch.Tensor) -> Prepared:
     """The method's own copy (or view) of an fp32 [N, K] weight."""
     weight = weight.detach()
@@ -112,10 +100,10 @@ def _prepare(method: str, weight: torch.Tensor) -> Prepared:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), 64)
     if method == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
-    if method in ("native", "native_gemm"):
+    if method == "native":
         from engine.native.quant import fp32_weight
 
-        return fp32_weight(weight)  # a view of the weight, no copy
+        return fp32_weight(weight)
     return None
 
 
@@ -124,7 +112,6 @@ _RUN: dict[str, RunFn] = {
     "onednn": _run_onednn,
     "torch": _run_torch,
     "native": _run_native,
-    "native_gemm": _run_native_gemm,
 }
 
 
@@ -136,7 +123,7 @@ def method_available(method: str) -> bool:
         return torch.backends.mkldnn.is_available() and hasattr(
             torch.ops.mkldnn, "_linear_pointwise"
         )
-    if method in ("native", "native_gemm"):
+    if method == "native":
         from engine.native import native_kernels_available
 
         return native_kernels_available()
@@ -145,9 +132,7 @@ def method_available(method: str) -> bool:
 
 def applies(method: str, bucket: int) -> bool:
     lo, _ = ROW_BUCKETS[bucket]
-    if method == "native":
-        return lo <= _NATIVE_MAX_ROWS
-    return method != "native_gemm" or lo >= _NATIVE_GEMM_MIN_ROWS
+    return method != "native" or lo <= _NATIVE_MAX_ROWS
 
 
 @dataclass

@@ -163,11 +163,8 @@ def quant_linear(
     x: torch.Tensor,  # [..., in_features] fp32
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,  # [out_features]
-    *,
-    gemm: bool | None = None,
 ) -> torch.Tensor:  # [..., out_features] fp32
-    """x @ W.T (+ bias) with W kept quantized (see the module doc). `gemm`: None picks the
-    row kernels up to GEMV_MAX_ROWS rows and the GEMM above; True forces the GEMM."""
+    """x @ W.T (+ bias) with W kept quantized (see the module doc)."""
     # A decode step calls this ~100 times with small inputs: the checks and the reshapes
     # below are kept to the ones needed (each torch call costs about a microsecond).
     if x.dtype != torch.float32 or not x.is_cpu:
@@ -180,7 +177,7 @@ def quant_linear(
     rows = x2.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=torch.float32)
     if rows:
-        kernel = "quant_gemm_f32" if gemm or rows > GEMV_MAX_ROWS else "quant_linear_f32"
+        kernel = "quant_gemm_f32" if rows > GEMV_MAX_ROWS else "quant_linear_f32"
         status = getattr(_lib(), kernel)(
             out.data_ptr(),
             out.stride(0),

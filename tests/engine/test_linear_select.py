@@ -58,29 +58,6 @@ def test_forced_native_runs_only_where_it_applies():
         assert method == ("native" if lo <= 8 else "torch")
 
 
-def test_forced_native_gemm_runs_only_where_it_applies():
-    methods = forced_methods("native_gemm")
-    for (lo, _), method in zip(ROW_BUCKETS, methods, strict=True):
-        assert method == ("native_gemm" if lo >= 33 else "torch")
-
-
-@pytest.mark.skipif("native_gemm" not in AVAILABLE, reason="native kernels unavailable")
-def test_native_gemm_matches_f_linear_at_any_row_count():
-    """Its runner forces the GEMM, also below the buckets it is timed for."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(200, 72, generator=gen)
-    bias = torch.randn(200, generator=gen)
-    prepared = linear_select._prepare("native_gemm", weight)
-    for rows in (1, 16, 17, 33, 100):
-        x = torch.randn(rows, 72, generator=gen)
-        torch.testing.assert_close(
-            linear_select._RUN["native_gemm"](x, weight, bias, prepared),
-            F.linear(x, weight, bias),
-            atol=2e-5,
-            rtol=2e-5,
-        )
-
-
 def test_choice_keeps_at_most_one_weight_copy():
     # MKL wins the big buckets, oneDNN the middle one by a hair: one copy (MKL) is kept.
     table = [
