@@ -123,8 +123,9 @@ def _gemm_weights(weight: torch.Tensor) -> dict[str, quant.QuantizedWeight]:
     return weights
 
 
-def bench_quant_gemm(repeats: int) -> None:
-    print("\nquantized GEMM vs fp32 GEMMs: ms per call (median) / GFLOP/s; '-': type needs")
+def bench_quant_gemm(repeats: int, stat: str) -> None:
+    pick = statistics.median if stat == "median" else min
+    print(f"\nquantized GEMM vs fp32 GEMMs: ms per call ({stat}) / GFLOP/s; '-': type needs")
     print("in_features % 256 == 0; 'old' = dequantize whole weight + matmul, on Q8_0")
     names = [f"gemm {t}" for t in _GEMM_TYPES] + ["old", "mkl packed", "onednn", "F.linear"]
     print(f"{'shape':>9} {'rows':>5} " + " ".join(f"{n:>14}" for n in names))
@@ -135,12 +136,13 @@ def bench_quant_gemm(repeats: int) -> None:
             x = torch.randn(rows, in_features)
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
             reordered = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-            calls = {f"gemm {t}": functools.partial(quant.quant_linear, x, w) for t, w in weights.items()}
+            calls = {
+                f"gemm {t}": functools.partial(quant.quant_linear, x, w) for t, w in weights.items()
+            }
             calls["old"] = functools.partial(_dequantize_then_mm, x, weights["Q8_0"])
-            calls["mkl packed"] = lambda: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)  # noqa: B023
-            calls["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(  # noqa: B023
-                x, reordered, None, "none", [], ""  # noqa: B023
-            )
+            mkl, onednn = torch.ops.mkl._mkl_linear, torch.ops.mkldnn._linear_pointwise
+            calls["mkl packed"] = functools.partial(mkl, x, packed, weight, None, rows)
+            calls["onednn"] = functools.partial(onednn, x, reordered, None, "none", [], "")
             calls["F.linear"] = functools.partial(F.linear, x, weight)
             samples: dict[str, list[float]] = {name: [] for name in calls}
             for call in calls.values():
@@ -154,7 +156,7 @@ def bench_quant_gemm(repeats: int) -> None:
                 if name not in samples:
                     cells.append(f"{'-':>14}")
                     continue
-                ms = statistics.median(samples[name])
+                ms = pick(samples[name])
                 cells.append(f"{ms:>7.3f}/{flops / ms / 1e6:>6.0f}")
             print(f"{out_features:>4}x{in_features:<4} {rows:>5} " + " ".join(cells), flush=True)
 
@@ -180,6 +182,12 @@ def main() -> None:
     parser.add_argument("--skip-linear", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--quant-gemm", action="store_true", help="only the quantized GEMM table")
+    parser.add_argument(
+        "--stat",
+        choices=("median", "best"),
+        default="median",
+        help="--quant-gemm: each method's median or best call (best: on a shared machine)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,7 +195,7 @@ def main() -> None:
         torch.set_num_threads(args.threads or 2)
         print(f"CPU: {_cpu_flags()}  torch {torch.__version__}  threads {torch.get_num_threads()}")
         print(f"quantized kernels' ISA path: {quant.active_isa().name}")
-        bench_quant_gemm(args.repeats)
+        bench_quant_gemm(args.repeats, args.stat)
         return
     key = linear_select.cache_key()
     print(
