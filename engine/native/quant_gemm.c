@@ -41,6 +41,7 @@
 #define KC 256 /* k-block: a Q4_K / Q6_K super-block, 8 Q8_0 / Q4_x blocks */
 #define MT 16  /* activation rows per packed tile */
 #define CHUNK_BYTES (1024 * 1024)
+#define SPLIT_ROWS 256 /* rows per thread from which threads split the rows, not the panels */
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -153,28 +154,49 @@ static void panel_times_tiles(int isa, float *out, int64_t out_stride, const flo
     }
 }
 
-/* out[r, n] = scales[n] (or 1) * W[n] . x[r]: see the file comment. Returns 0, or -1 when a
- * buffer cannot be allocated. */
-int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride,
-                   int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
-                   int type, int64_t n_out, int64_t k, int num_threads) {
-    if (rows <= 0 || n_out <= 0) return 0;
-    if (num_threads < 1) num_threads = 1;
-    const int isa = quant_active_isa();
-    const int64_t panels = (n_out + NR - 1) / NR;
-    /* Rows per chunk: a multiple of MT whose packed copy fits CHUNK_BYTES. */
-    int64_t chunk = CHUNK_BYTES / (int64_t)(k * sizeof(float)) / MT * MT;
-    if (chunk < MT) chunk = MT;
-    chunk = min64(chunk, (rows + MT - 1) / MT * MT);
-    /* per thread: one dequantized block, then the sums of every tile of a chunk */
-    const size_t thread_floats = (size_t)(NR * KC + chunk * NR);
-    float *xpack = aligned_alloc(64, (size_t)(chunk * k) * sizeof(float));
-    float *scratch = aligned_alloc(64, thread_floats * sizeof(float) * (size_t)num_threads);
-    if (xpack == NULL || scratch == NULL) {
-        free(xpack);
-        free(scratch);
-        return -1;
+/* Long inputs: each work item is a slice of rows that one thread packs into its own buffer
+ * and takes past every panel. Threads never wait on each other until the end, and each
+ * dequantizes the whole weight once per slice (a slice has >= SPLIT_ROWS / 2 rows, so the
+ * fill stays a few percent of the flops). */
+static void gemm_row_slices(int isa, float *out, int64_t out_stride, const float *x,
+                            int64_t x_stride, int64_t rows, const uint8_t *w, int64_t row_bytes,
+                            const float *scales, int type, int64_t n_out, int64_t k,
+                            int64_t chunk, float *xpack, float *scratch, size_t thread_floats,
+                            int num_threads) {
+    const int64_t panels = (n_out + NR - 1) / NR, tiles = (rows + MT - 1) / MT;
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef _OPENMP
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const int64_t threads = 1, id = 0;
+#endif
+        float *block = scratch + (size_t)id * thread_floats, *cbuf = block + NR * KC;
+        float *mine = xpack + (size_t)(id * chunk * k);
+        /* A multiple of the thread count of near-equal slices of at most `chunk` rows. */
+        const int64_t per = (tiles + threads * (chunk / MT) - 1) / (threads * (chunk / MT));
+        const int64_t slices = threads * per;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < slices; ++i) {
+            const int64_t t0 = tiles * i / slices, t1 = tiles * (i + 1) / slices;
+            const int64_t m0 = t0 * MT, m = min64(t1 * MT, rows) - m0;
+            for (int64_t t = 0; t < t1 - t0; ++t)
+                pack_tile(isa, mine + t * k * MT, x + (m0 + t * MT) * x_stride, x_stride,
+                          min64(MT, m - t * MT), k);
+            for (int64_t p = 0; p < panels && m > 0; ++p)
+                panel_times_tiles(isa, out + m0 * out_stride, out_stride, mine, k, m, 0, t1 - t0,
+                                  w, row_bytes, type, p * NR, n_out, scales, block, cbuf);
+        }
     }
+}
+
+/* Shorter inputs: the rows packed once per chunk (shared), the panels split over threads,
+ * and their tiles too when there are too few panels to keep the threads busy. */
+static void gemm_panels(int isa, float *out, int64_t out_stride, const float *x,
+                        int64_t x_stride, int64_t rows, const uint8_t *w, int64_t row_bytes,
+                        const float *scales, int type, int64_t n_out, int64_t k, int64_t chunk,
+                        float *xpack, float *scratch, size_t thread_floats, int num_threads) {
+    const int64_t panels = (n_out + NR - 1) / NR;
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef _OPENMP
@@ -185,15 +207,11 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
         float *block = scratch + (size_t)id * thread_floats, *cbuf = block + NR * KC;
         for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
             const int64_t m = min64(chunk, rows - m0), tiles = (m + MT - 1) / MT;
-            /* Dynamic schedules: on a shared machine a thread that loses its core for a
-             * while holds up only its current item, not a fixed share of the call. */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < tiles; ++t)
                 pack_tile(isa, xpack + t * k * MT, x + (m0 + t * MT) * x_stride, x_stride,
                           min64(MT, m - t * MT), k);
-            /* Work items: (panel, group of tiles); one group per panel unless there are too
-             * few panels to keep the threads busy. */
-            int64_t groups = 1;
+            int64_t groups = 1; /* row-tile groups per panel */
             if (panels < 4 * threads) groups = min64(tiles, (4 * threads + panels - 1) / panels);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < panels * groups; ++item) {
@@ -205,7 +223,33 @@ int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_str
             }
         }
     }
+}
+
+/* out[r, n] = scales[n] (or 1) * W[n] . x[r]: see the file comment. Returns 0, or -1 when a
+ * buffer cannot be allocated. Both schedules are dynamic: on a shared machine a thread that
+ * loses its core for a while holds up only its current item, not a fixed share. */
+int quant_gemm_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                   int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
+                   int type, int64_t n_out, int64_t k, int num_threads) {
+    if (rows <= 0 || n_out <= 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    const int isa = quant_active_isa();
+    /* Rows per chunk: a multiple of MT whose packed copy fits CHUNK_BYTES. */
+    int64_t chunk = CHUNK_BYTES / (int64_t)(k * sizeof(float)) / MT * MT;
+    if (chunk < MT) chunk = MT;
+    chunk = min64(chunk, (rows + MT - 1) / MT * MT);
+    const int split_rows = rows >= SPLIT_ROWS * num_threads;
+    /* per thread: one dequantized block, then the sums of every tile of a chunk */
+    const size_t thread_floats = (size_t)(NR * KC + chunk * NR);
+    const size_t pack_floats = (size_t)(chunk * k) * (split_rows ? (size_t)num_threads : 1);
+    float *xpack = aligned_alloc(64, pack_floats * sizeof(float));
+    float *scratch = aligned_alloc(64, thread_floats * sizeof(float) * (size_t)num_threads);
+    if (xpack != NULL && scratch != NULL)
+        (split_rows ? gemm_row_slices : gemm_panels)(isa, out, out_stride, x, x_stride, rows, w,
+                                                     row_bytes, scales, type, n_out, k, chunk,
+                                                     xpack, scratch, thread_floats, num_threads);
+    const int failed = xpack == NULL || scratch == NULL;
     free(xpack);
     free(scratch);
-    return 0;
+    return failed ? -1 : 0;
 }

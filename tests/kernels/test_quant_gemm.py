@@ -76,9 +76,10 @@ def _check_all_isas(x: torch.Tensor, weight: QuantizedWeight, dense: torch.Tenso
 
 
 # (rows, out_features, blocks per row): rows past the 16-row tiles and the row chunks
-# (448 rows at 576 values, 160 at 1536, 32 at 8192); outputs past the 16-output panels.
+# (448 rows at 576 values, 160 at 1536, 32 at 8192); outputs past the 16-output panels;
+# from 256 rows per thread, slices of rows per thread (1100 rows: several per thread).
 GRID_32 = [(17, 40, 1), (33, 200, 3), (71, 12, 18), (300, 3088, 18), (GEMV_MAX_ROWS + 1, 5, 256)]
-GRID_256 = [(17, 40, 1), (33, 200, 3), (71, 13, 2), (300, 590, 6), (50, 20, 32)]
+GRID_256 = [(17, 40, 1), (33, 200, 3), (71, 13, 2), (300, 590, 6), (50, 20, 32), (1100, 40, 8)]
 
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
@@ -106,7 +107,14 @@ def test_gemm_k_quants(qtype, rows, out_features, blocks_per_row):
 @pytest.mark.parametrize("qtype", [QType.F32, QType.INT8], ids=lambda t: t.name)
 @pytest.mark.parametrize(
     ("rows", "out_features", "cols"),
-    [(17, 40, 1), (33, 200, 45), (71, 13, 577), (300, 3088, 576), (200, 30, 1536)],
+    [
+        (17, 40, 1),
+        (33, 200, 45),
+        (71, 13, 577),
+        (300, 3088, 576),
+        (200, 30, 1536),
+        (1100, 40, 2040),
+    ],
 )
 def test_gemm_fp32_and_int8_rows(qtype, rows, out_features, cols):
     """Any width (no blocks): k tails inside the 16-value transpose and the 256-value
@@ -118,12 +126,13 @@ def test_gemm_fp32_and_int8_rows(qtype, rows, out_features, cols):
     _check_all_isas(x, weight, dense, bias)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("threads", [2, 3, 8])
 def test_gemm_thread_counts_split_rows_and_panels(threads):
-    """Few panels for many threads split the row tiles too; any count gives the same
-    numbers (every output is one thread's sum in one order)."""
+    """600 rows: slices of rows per thread at 1 and 2 threads, panels (and groups of row
+    tiles, as there are few panels) at 3 and 8; any count gives the same numbers (every
+    output is one thread's sum in one order)."""
     weight, dense = _weight(QType.Q4_1, 30, 64, seed=3)
-    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(600, 64, generator=torch.Generator().manual_seed(0))
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
