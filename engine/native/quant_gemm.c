@@ -24,8 +24,9 @@
  * AVX2, the same loops on arrays in portable C (quant_gemm_x86.h holds the x86 parts).
  * The activation rows go in chunks of at most CHUNK_BYTES of packed fp32 (about L2), each
  * chunk dequantizing the weight again: at 2 * chunk-rows flops per weight value that is a
- * few percent. Work is split over panels, and over groups of tiles too when there are too
- * few panels for the threads.
+ * few percent. Up to SPLIT_ROWS rows per thread the threads share a chunk and split the
+ * panels (and the tiles too when there are too few panels); from there on each thread
+ * packs its own slices of rows and takes them past every panel (no waiting on each other).
  */
 #include <stddef.h>
 #include <stdint.h>
