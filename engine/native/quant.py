@@ -10,9 +10,10 @@ summation order.
 Up to `GEMV_MAX_ROWS` activation rows (small decode steps) the weight bytes read are the
 cost, and row kernels dequantize each weight row once for all the activation rows. Above
 that (batched decode steps, prefill) the work is compute-bound and quant_gemm.c's GEMM
-takes over: it dequantizes a panel of a dozen output rows at a time into a per-thread
-buffer and multiplies it against every activation row in register tiles, so the fp32
-weight is never materialised and the dequantization is paid once per panel, not per row.
+takes over: it dequantizes 16 output rows x 256 values at a time into a per-thread L1
+buffer and multiplies them into every activation row's sums in register tiles, so the fp32
+weight is never materialised and each weight value is dequantized once per call (per
+chunk of about 1 MiB of activations), not once per row.
 
 The kernels' ISA path (portable C, AVX2+FMA, AVX-512) is the widest this CPU runs unless
 ``$PAGEDSERVE_QUANT_ISA`` (``portable``, ``avx2``, ``avx512``) or `set_isa` forces one.
