@@ -4,6 +4,12 @@ and the fp32 linear methods per weight shape and row bucket (engine/models/linea
 
     python benchmarks/decode_step.py                    # both, default sizes
     python benchmarks/decode_step.py --context 256 --repeats 30
+    python benchmarks/decode_step.py --quant-gemm       # only the quantized GEMM table
+
+`--quant-gemm` times, for the default model's projection shapes at 32..2048 activation rows,
+the dequantize-GEMM of engine/native/quant_gemm.c on each weight type against the path it
+replaced (dequantize the whole weight, then an fp32 matmul) and torch's fp32 GEMMs (MKL
+packed, oneDNN, `F.linear`): ms per call and GFLOP/s.
 
 Each figure is the median of `--repeats` steps (ms), the two paths alternating step by
 step, so a shared machine's drift hits both alike. Prints the CPU model with every table.
@@ -12,14 +18,17 @@ step, so a shared machine's drift hits both alike. Prints the CPU model with eve
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.models import linear_select
 from engine.models.loader import default_model_path, load_hf_config, load_model, resolve_model
+from engine.native import quant
 from engine.worker.inputs import build_step_inputs
 
 
@@ -81,15 +90,113 @@ def bench_linear_methods() -> None:
             print(f"  rows {rows:>4}: {cells}  -> {pick}")
 
 
+# SmolLM2-135M's projections (out, in): q / o, k / v, the fused q|k|v, gate|up, down.
+_GEMM_SHAPES = ((576, 576), (192, 576), (960, 576), (3072, 576), (576, 1536))
+_GEMM_ROWS = (32, 64, 128, 2048)
+_GEMM_TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q6_K", "INT8", "F32")
+
+
+def _dequantize_then_mm(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
+    """The path quant_gemm replaced: the weight dequantized 2048 rows at a time, then MKL."""
+    out = torch.empty(x.shape[0], weight.out_features)
+    for start in range(0, weight.out_features, 2048):
+        end = min(start + 2048, weight.out_features)
+        out[:, start:end] = x @ weight.dequantize(start, end).t()
+    return out
+
+
+def _gemm_weights(weight: torch.Tensor) -> dict[str, quant.QuantizedWeight]:
+    """`weight` in each of _GEMM_TYPES that its width allows (k-quants: 256-multiples)."""
+    from tests.engine.gguf_files import random_blocks
+
+    out_features, in_features = weight.shape
+    weights = {}
+    for name in _GEMM_TYPES:
+        if name == "F32":
+            weights[name] = quant.fp32_weight(weight)
+        elif name == "INT8":
+            weights[name] = quant.quantize_int8(weight)
+        elif in_features % quant.BLOCK_SIZES[quant.QType[name]][0] == 0:
+            qtype = quant.QType[name]
+            blocks = random_blocks(qtype, out_features, in_features, seed=0)
+            weights[name] = quant.QuantizedWeight(torch.from_numpy(blocks), qtype, in_features)
+    return weights
+
+
+def bench_quant_gemm(repeats: int, stat: str) -> None:
+    pick = statistics.median if stat == "median" else min
+    print(f"\nquantized GEMM vs fp32 GEMMs: ms per call ({stat}) / GFLOP/s; '-': type needs")
+    print("in_features % 256 == 0; 'old' = dequantize whole weight + matmul, on Q8_0")
+    names = [f"gemm {t}" for t in _GEMM_TYPES] + ["old", "mkl packed", "onednn", "F.linear"]
+    print(f"{'shape':>9} {'rows':>5} " + " ".join(f"{n:>14}" for n in names))
+    for out_features, in_features in _GEMM_SHAPES:
+        weight = torch.randn(out_features, in_features)
+        weights = _gemm_weights(weight)
+        for rows in _GEMM_ROWS:
+            x = torch.randn(rows, in_features)
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+            calls = {
+                f"gemm {t}": functools.partial(quant.quant_linear, x, w) for t, w in weights.items()
+            }
+            calls["old"] = functools.partial(_dequantize_then_mm, x, weights["Q8_0"])
+            mkl, onednn = torch.ops.mkl._mkl_linear, torch.ops.mkldnn._linear_pointwise
+            calls["mkl packed"] = functools.partial(mkl, x, packed, weight, None, rows)
+            calls["onednn"] = functools.partial(onednn, x, reordered, None, "none", [], "")
+            calls["F.linear"] = functools.partial(F.linear, x, weight)
+            samples: dict[str, list[float]] = {name: [] for name in calls}
+            for call in calls.values():
+                call()
+            for _ in range(repeats):  # interleaved: a stall hits one sample of each method
+                for name, call in calls.items():
+                    samples[name].append(_time(call, 1))
+            flops = 2 * rows * out_features * in_features
+            cells = []
+            for name in names:
+                if name not in samples:
+                    cells.append(f"{'-':>14}")
+                    continue
+                ms = pick(samples[name])
+                cells.append(f"{ms:>7.3f}/{flops / ms / 1e6:>6.0f}")
+            print(f"{out_features:>4}x{in_features:<4} {rows:>5} " + " ".join(cells), flush=True)
+
+
+def _cpu_flags() -> str:
+    model, flags = "?", set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+            elif name.strip() == "flags":
+                flags = set(value.split())
+                break
+    present = [f for f in ("avx512f", "avx2") if f in flags]
+    return f"{model} ({', '.join(present) or 'neither avx512f nor avx2'})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--skip-linear", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
+    parser.add_argument("--quant-gemm", action="store_true", help="only the quantized GEMM table")
+    parser.add_argument(
+        "--stat",
+        choices=("median", "best"),
+        default="median",
+        help="--quant-gemm: each method's median or best call (best: on a shared machine)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.quant_gemm:
+        torch.set_num_threads(args.threads or 2)
+        print(f"CPU: {_cpu_flags()}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+        print(f"quantized kernels' ISA path: {quant.active_isa().name}")
+        bench_quant_gemm(args.repeats, args.stat)
+        return
     key = linear_select.cache_key()
     print(
         f"CPU: {key['cpu']}  ISA: {' '.join(key['isa'])}  torch {key['torch']}  "

@@ -39,10 +39,17 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
 _EXTRA_SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("quant_kernels.c", "moe_kernels.c", "decode_step_kernels.c")
+    for f in ("quant_kernels.c", "quant_gemm.c", "moe_kernels.c", "decode_step_kernels.c")
 )
 _HEADERS = tuple(
-    Path(__file__).with_name(h) for h in ("quant_rows.h", "quant_fused_avx2.h", "kv_dtype.h")
+    Path(__file__).with_name(h)
+    for h in (
+        "quant_types.h",
+        "quant_rows.h",
+        "quant_fused_avx2.h",
+        "quant_gemm_x86.h",
+        "kv_dtype.h",
+    )
 )
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into
 # one FMA, which the kernels' inner loops are made of (~1.5x on prefill attention).

@@ -7,10 +7,13 @@ with one fp32 scale per output row. `quant_linear` multiplies fp32 activations b
 quant_kernels.c with fp32 accumulation, so its result is that of `dequantize()` up to
 summation order.
 
-Long inputs (prefill) are compute-bound rather than weight-bound: above
-`GEMV_MAX_ROWS` rows the weight is dequantized in chunks of output rows and multiplied
-by MKL (`F.linear`), which costs a chunk of fp32 scratch but keeps prompt processing at
-fp32 GEMM speed.
+Up to `GEMV_MAX_ROWS` activation rows (small decode steps) the weight bytes read are the
+cost, and row kernels dequantize each weight row once for all the activation rows. Above
+that (batched decode steps, prefill) the work is compute-bound and quant_gemm.c's GEMM
+takes over: it dequantizes 16 output rows x 256 values at a time into a per-thread L1
+buffer and multiplies them into every activation row's sums in register tiles, so the fp32
+weight is never materialised and each weight value is dequantized once per call (per
+chunk of about 1 MiB of activations), not once per row.
 
 The kernels' ISA path (portable C, AVX2+FMA, AVX-512) is the widest this CPU runs unless
 ``$PAGEDSERVE_QUANT_ISA`` (``portable``, ``avx2``, ``avx512``) or `set_isa` forces one.
@@ -29,10 +32,8 @@ import torch
 from engine.native.build import load_library
 
 QUANT_ISA_ENV = "PAGEDSERVE_QUANT_ISA"
-# Above this many activation rows the chunked dequantize + MKL GEMM path is used.
+# Above this many activation rows the dequantize-GEMM (quant_gemm_f32) is used.
 GEMV_MAX_ROWS = 16
-# Output rows dequantized at once on that path (576 inputs: ~4.5 MiB of fp32 scratch).
-_DEQUANT_CHUNK_ROWS = 2048
 
 
 class QType(enum.IntEnum):
@@ -165,54 +166,38 @@ def quant_linear(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [..., out_features] fp32
     """x @ W.T (+ bias) with W kept quantized (see the module doc)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    # A decode step calls this ~100 times with small inputs: the checks and the reshapes
+    # below are kept to the ones needed (each torch call costs about a microsecond).
+    if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"quant_linear takes fp32 CPU activations, got {x.dtype} on {x.device}.")
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"activation width {x.shape[-1]} != in_features {weight.in_features}.")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, weight.in_features)
+    x2 = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    if rows > GEMV_MAX_ROWS:
-        out = _dequantize_and_mm(x2, weight)
-    else:
-        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-        if rows:
-            _run_linear(out, x2, weight)
+    out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    if rows:
+        kernel = "quant_gemm_f32" if rows > GEMV_MAX_ROWS else "quant_linear_f32"
+        status = getattr(_lib(), kernel)(
+            out.data_ptr(),
+            out.stride(0),
+            x2.data_ptr(),
+            x2.stride(0),
+            rows,
+            weight.data.data_ptr(),
+            weight.data.shape[1],
+            None if weight.scales is None else weight.scales.data_ptr(),
+            int(weight.qtype),
+            weight.out_features,
+            weight.in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError(f"{kernel} could not allocate its buffers.")
     if bias is not None:
         out += bias
-    return out.reshape(*lead, weight.out_features)
-
-
-def _run_linear(out: torch.Tensor, x2: torch.Tensor, weight: QuantizedWeight) -> None:
-    status = _lib().quant_linear_f32(
-        out.data_ptr(),
-        out.stride(0),
-        x2.data_ptr(),
-        x2.stride(0),
-        x2.shape[0],
-        weight.data.data_ptr(),
-        weight.data.shape[1],
-        None if weight.scales is None else weight.scales.data_ptr(),
-        int(weight.qtype),
-        weight.out_features,
-        weight.in_features,
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise MemoryError("quant_linear_f32 could not allocate its row buffers.")
-
-
-def _dequantize_and_mm(
-    x2: torch.Tensor,  # [rows, in_features]
-    weight: QuantizedWeight,
-) -> torch.Tensor:  # [rows, out_features]
-    out = torch.empty(x2.shape[0], weight.out_features, dtype=torch.float32)
-    for start in range(0, weight.out_features, _DEQUANT_CHUNK_ROWS):
-        end = min(start + _DEQUANT_CHUNK_ROWS, weight.out_features)
-        out[:, start:end] = x2 @ weight.dequantize(start, end).t()
-    return out
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def available_isas() -> list[Isa]:
@@ -234,6 +219,11 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     # out, out_stride, x, x_stride, rows, w, row_bytes, scales, type, n_out, k, threads
     "quant_linear_f32": (
+        [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _i64, _i64, _int],
+        _int,
+    ),
+    # the same arguments: the GEMM for more rows than GEMV_MAX_ROWS
+    "quant_gemm_f32": (
         [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int, _i64, _i64, _int],
         _int,
     ),

@@ -6,12 +6,12 @@
  *
  *   quant_linear_f32:     out[r, n] = W[n] . x[r]   (W row n dequantized once per call into
  *                         an L1-resident buffer and reused for every activation row r)
- *   quant_dequantize_f32: W[n0:n1] as fp32 (tests, the embedding lookup, and the chunked
- *                         dequantize-then-GEMM path for long prompts)
+ *   quant_dequantize_f32: W[n0:n1] as fp32 (tests, the embedding lookup)
+ *   quant_dequantize_block: part of W as fp32, unscaled (quant_gemm.c's weight panels)
  *
- * Why a per-row buffer and not a GEMM tile: decode steps have 1 to a few dozen activation
- * rows, so the weight bytes read are the cost; prefill-sized inputs go through the chunked
- * dequantize + MKL path in engine/native/quant.py instead.
+ * Why a per-row buffer and not a GEMM tile: decode steps have 1 to GEMV_MAX_ROWS (16)
+ * activation rows, so the weight bytes read are the cost; more rows go through the GEMM
+ * of quant_gemm.c instead.
  *
  * Three code paths are compiled from one source (quant_rows.h, included once per target):
  * portable C, AVX2+FMA and AVX-512; on both x86 paths the 32-value block types and int8
@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "quant_types.h"
 #ifdef _OPENMP
 #include <omp.h>
 static inline int64_t omp_threads(void) { return omp_get_num_threads(); }
@@ -31,21 +33,6 @@ static inline int64_t omp_id(void) { return omp_get_thread_num(); }
 static inline int64_t omp_threads(void) { return 1; }
 static inline int64_t omp_id(void) { return 0; }
 #endif
-
-/* ggml type ids, plus our own id for per-channel int8. F32 is plain fp32 rows (the weight's
- * own memory): the same row kernels then serve fp32 layers (engine/models/linear_select.py
- * and the batched decode step). */
-#define QTYPE_F32 0
-#define QTYPE_Q4_0 2
-#define QTYPE_Q4_1 3
-#define QTYPE_Q8_0 8
-#define QTYPE_Q4_K 12
-#define QTYPE_Q6_K 14
-#define QTYPE_INT8 1024
-
-#define ISA_PORTABLE 0
-#define ISA_AVX2 1
-#define ISA_AVX512 2
 
 static inline uint16_t load_u16(const uint8_t *p) {
     uint16_t v;
@@ -74,17 +61,6 @@ static inline float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-/* The j-th 6-bit (scale, min) pair of a Q4_K super-block's 12 packed bytes. */
-static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
 }
 
 static inline int64_t block_bytes(int type) {
@@ -229,4 +205,22 @@ void quant_dequantize_f32(float *out, const uint8_t *w, int64_t row_bytes, const
             for (int64_t i = 0; i < k; ++i) row[i] *= s;
         }
     }
+}
+
+static inline int64_t block_values(int type) {
+    switch (type) {
+    case QTYPE_Q8_0:
+    case QTYPE_Q4_0:
+    case QTYPE_Q4_1: return 32;
+    case QTYPE_Q4_K:
+    case QTYPE_Q6_K: return 256;
+    default: return 1;
+    }
+}
+
+void quant_dequantize_block(float *out, int64_t ld, const uint8_t *w, int64_t row_bytes,
+                            int type, int64_t n0, int64_t n1, int64_t k0, int64_t len) {
+    const dequant_row_fn fn = pick_dequant();
+    const uint8_t *start = w + k0 / block_values(type) * block_bytes(type);
+    for (int64_t n = n0; n < n1; ++n) fn(type, start + n * row_bytes, len, out + (n - n0) * ld);
 }

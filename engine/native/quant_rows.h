@@ -66,17 +66,22 @@ static inline void ISA(dequant_q6_k)(const uint8_t *restrict b, float *restrict 
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half_to_float(load_u16(b + 208));
     for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+        /* values l in [16h, 16h + 16) of each quarter share one scale: constant per loop,
+         * so the loop vectorises without gathering scales */
+        for (int h = 0; h < 2; ++h) {
+            const float s1 = d * (float)sc[h], s2 = d * (float)sc[h + 2];
+            const float s3 = d * (float)sc[h + 4], s4 = d * (float)sc[h + 6];
 #pragma omp simd
-        for (int l = 0; l < 32; ++l) {
-            const int is = l / 16;
-            const int q1 = (int)((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
-            const int q2 = (int)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            out[n + l] = d * (float)sc[is] * (float)q1;
-            out[n + l + 32] = d * (float)sc[is + 2] * (float)q2;
-            out[n + l + 64] = d * (float)sc[is + 4] * (float)q3;
-            out[n + l + 96] = d * (float)sc[is + 6] * (float)q4;
+            for (int l = 16 * h; l < 16 * h + 16; ++l) {
+                const int q1 = (int)((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+                const int q2 = (int)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                out[n + l] = s1 * (float)q1;
+                out[n + l + 32] = s2 * (float)q2;
+                out[n + l + 64] = s3 * (float)q3;
+                out[n + l + 96] = s4 * (float)q4;
+            }
         }
     }
 }

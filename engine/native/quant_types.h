@@ -1,0 +1,44 @@
+/*
+ * What quant_kernels.c and quant_gemm.c share: the weight storage types, the ISA paths,
+ * and the quant_kernels.c entry points the GEMM calls.
+ */
+#ifndef PAGEDSERVE_QUANT_TYPES_H
+#define PAGEDSERVE_QUANT_TYPES_H
+
+#include <stdint.h>
+
+/* ggml type ids, plus our own id for per-channel int8. F32 is plain fp32 rows (the weight's
+ * own memory): the same row kernels then serve fp32 layers (engine/models/linear_select.py
+ * and the batched decode step). */
+#define QTYPE_F32 0
+#define QTYPE_Q4_0 2
+#define QTYPE_Q4_1 3
+#define QTYPE_Q8_0 8
+#define QTYPE_Q4_K 12
+#define QTYPE_Q6_K 14
+#define QTYPE_INT8 1024
+
+#define ISA_PORTABLE 0
+#define ISA_AVX2 1
+#define ISA_AVX512 2
+
+/* The j-th 6-bit (scale, min) pair of a Q4_K super-block's 12 packed bytes. */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+int quant_isa_supported(int isa);
+int quant_active_isa(void);
+
+/* Values [k0, k0 + len) of weight rows [n0, n1) as fp32, row n at out + (n - n0) * ld,
+ * without the int8 row scales; k0 and len are whole blocks of the type. */
+void quant_dequantize_block(float *out, int64_t ld, const uint8_t *w, int64_t row_bytes,
+                            int type, int64_t n0, int64_t n1, int64_t k0, int64_t len);
+
+#endif
