@@ -283,9 +283,9 @@ def load_model(
         num_quantized = quantize_model(model, quantization)
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
-        num_packed = model.pack_weights()  # fp32 weights only: quantized layers have none
-        if num_packed:
-            logger.info("Packed %d weight matrices for MKL's fp32 GEMM.", num_packed)
+        num_planned = model.pack_weights()  # fp32 weights only: quantized layers have none
+        if num_planned:
+            logger.info("Chose the fp32 GEMM method of %d weight matrices.", num_planned)
     return model.eval()
 
 

@@ -136,10 +136,30 @@ def test_model_layers_get_plans(tmp_path, monkeypatch, method, tied):
             x = torch.randn(rows, layer.in_features)
             expected = F.linear(x, layer.weight, layer.bias)
             torch.testing.assert_close(layer(x), expected, atol=2e-5, rtol=2e-5)
-    hidden = torch.randn(5, model.config.hidden_size)
+    # The LM head (a table, not a Linear) has its own plan, right at every row bucket.
+    assert model._logits_plan is not None
     weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    for rows in (1, 3, 6, 40, 200):
+        hidden = torch.randn(rows, model.config.hidden_size)
+        torch.testing.assert_close(
+            model.compute_logits(hidden), F.linear(hidden, weight), atol=2e-5, rtol=2e-5
+        )
+
+
+def test_int8_model_plans_its_fp32_lm_head(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2)
+    model = load_model(
+        path,
+        load_hf_config(path),
+        torch.float32,
+        torch.device("cpu"),
+        TorchAttentionBackend(),
+        quantization="int8",
+    )
+    assert model._logits_plan is not None
+    hidden = torch.randn(40, model.config.hidden_size)
     torch.testing.assert_close(
-        model.compute_logits(hidden), F.linear(hidden, weight), atol=1e-5, rtol=1e-5
+        model.compute_logits(hidden), F.linear(hidden, model.lm_head.weight), atol=2e-5, rtol=2e-5
     )
 
 
