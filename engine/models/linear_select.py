@@ -8,7 +8,10 @@ So for each distinct weight shape and each row-count bucket (`ROW_BUCKETS`) the 
 - ``mkl_packed``: `cblas_sgemm_compute` on a `cblas_sgemm_pack`-ed copy (torch.ops.mkl),
 - ``onednn``:     oneDNN's inner product on a reordered copy (torch.ops.mkldnn),
 - ``torch``:      plain `F.linear` (MKL sgemm re-packing the weight on every call),
-- ``native``:     our GEMV (engine/native/quant_kernels.c on the fp32 rows, <= 8 rows),
+- ``native``:     ours on the fp32 rows, read in place (no copy): the GEMV of
+                  engine/native/quant_kernels.c up to 8 rows, the tiled GEMM of
+                  engine/native/quant_gemm.c from 33 rows (not in between, where 16-row
+                  tiles would be half padding),
 
 are timed once on the real weight at start-up and the fastest is kept. Every candidate is
 first checked against `F.linear` on that weight (one that disagrees is dropped). Only methods
@@ -45,14 +48,17 @@ logger = logging.getLogger(__name__)
 LINEAR_METHOD_ENV = "PAGEDSERVE_LINEAR_METHOD"
 METHODS = ("mkl_packed", "onednn", "torch", "native")
 # Inclusive row-count ranges; the last is open. Each is timed at its `_BUCKET_ROWS` size.
-ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 32), (33, 128), (129, None))
-_BUCKET_ROWS = (1, 4, 8, 32, 128, 256)
+# 33..64 and 65..128 are apart because a batch of 64 decode rows is common and its winner
+# can differ from 128's (our GEMM vs oneDNN on a 2-core Zen 4).
+ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 32), (33, 64), (65, 128), (129, None))
+_BUCKET_ROWS = (1, 4, 8, 32, 64, 128, 256)
 # Methods that keep their own copy of the weight (as large as the weight itself).
 _COPYING = ("mkl_packed", "onednn")
 # A weight copy must earn its memory: it is kept only if it saves, summed over the buckets,
 # more than this fraction of one bucket's best time.
 _COPY_PENALTY = 0.1
 _NATIVE_MAX_ROWS = 8  # our GEMV reads each weight row once for all rows: few rows only
+_NATIVE_GEMM_MIN_ROWS = 33  # our GEMM's 16-row tiles are well filled from here on
 # Timing one (shape, bucket): at least _MIN_ROUNDS calls of each method, then more rounds
 # until this many seconds have passed (the default model's 4 shapes: about 1 s when idle;
 # a 2-core machine loaded 4x over took ~10 s).
@@ -141,8 +147,10 @@ def method_available(method: str) -> bool:
 
 
 def applies(method: str, bucket: int) -> bool:
-    lo, _ = ROW_BUCKETS[bucket]
-    return method != "native" or lo <= _NATIVE_MAX_ROWS
+    lo, hi = ROW_BUCKETS[bucket]
+    if method != "native":
+        return True
+    return (hi is not None and hi <= _NATIVE_MAX_ROWS) or lo >= _NATIVE_GEMM_MIN_ROWS
 
 
 @dataclass
@@ -184,7 +192,7 @@ def forced_method() -> str | None:
 
 
 def forced_methods(method: str) -> tuple[str, ...]:
-    """`method` wherever it applies, `torch` elsewhere (native above its row limit)."""
+    """`method` wherever it applies, `torch` elsewhere (native at 9..32 rows)."""
     return tuple(method if applies(method, b) else "torch" for b in range(len(ROW_BUCKETS)))
 
 
@@ -286,6 +294,7 @@ def cache_key() -> dict[str, Any]:
         "cpu": model or platform.machine(),
         "isa": [f for f in _ISA_FLAGS if f in flags],
         "isa_limits": {name: os.environ[name] for name in _ISA_LIMIT_ENVS if name in os.environ},
+        "buckets": [list(b) for b in ROW_BUCKETS],
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
