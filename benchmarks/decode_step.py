@@ -162,17 +162,8 @@ def bench_quant_gemm(repeats: int, stat: str) -> None:
 
 
 def _cpu_flags() -> str:
-    model, flags = "?", set()
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            name, _, value = line.partition(":")
-            if name.strip() == "model name":
-                model = value.strip()
-            elif name.strip() == "flags":
-                flags = set(value.split())
-                break
-    present = [f for f in ("avx512f", "avx2") if f in flags]
-    return f"{model} ({', '.join(present) or 'neither avx512f nor avx2'})"
+    key = linear_select.cache_key()  # the CPU model and its ISA flags
+    return f"{key['cpu']} ({', '.join(key['isa']) or 'no AVX2'})"
 
 
 def main() -> None:

@@ -278,9 +278,9 @@ def load_model(
         check_gguf_blocks(model_dir, checks)
         logger.info("Kept %d GGUF tensors quantized, read from %s.", len(kept), gguf_file)
     elif quantization is not None:
-        from engine.models.quantization import quantize_model
+        from engine.models.quantization import projection_layers
 
-        num_quantized = quantize_model(model, quantization)
+        num_quantized = sum(m.quant_method is not None for _, m in projection_layers(model))
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
         num_planned = model.pack_weights()  # fp32 weights only: quantized layers have none

@@ -105,16 +105,6 @@ def quantize_on_load(model: nn.Module, quantization: str) -> Callable[[str], Non
     return loaded
 
 
-def quantize_model(model: nn.Module, quantization: str) -> int:
-    """Switches a loaded model's remaining fp32 projections to int8 (those `quantize_on_load`
-    has not done already); returns how many projections are int8."""
-    loaded = quantize_on_load(model, quantization)
-    layers = projection_layers(model)
-    for name, _ in layers:
-        loaded(f"{name}.weight")
-    return len(layers)
-
-
 def _linear_method(parts: list[QuantizedWeight], device: torch.device) -> LinearMethod:
     if device.type != "cpu":
         raise ValueError("quantized weights run on CPU only (no GPU dequant-GEMM yet).")

@@ -28,9 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "quant_types.h" /* omp_threads / omp_id */
 
 /* Exported by cpu_kernels.c and quant_kernels.c (the same shared library). */
 void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride,
@@ -74,11 +73,7 @@ static void linear_step(float *out, int64_t out_stride, const float *x, int64_t 
                         int64_t wbuf_floats, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
     {
-#ifdef _OPENMP
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int64_t threads = 1, id = 0;
-#endif
+        const int64_t threads = omp_threads(), id = omp_id();
         int64_t col = 0;
         for (int p = 0; p < MAX_PARTS; ++p) {
             const int64_t *part = lin + 1 + p * PART_FIELDS;

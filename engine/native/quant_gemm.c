@@ -34,9 +34,6 @@
 #include <string.h>
 
 #include "quant_types.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define NR 16  /* outputs per panel: a 64-byte line of each output row */
 #define KC 256 /* k-block: a Q4_K / Q6_K super-block, 8 Q8_0 / Q4_x blocks */
@@ -167,11 +164,7 @@ static void gemm_row_slices(int isa, float *out, int64_t out_stride, const float
     const int64_t panels = (n_out + NR - 1) / NR, tiles = (rows + MT - 1) / MT;
 #pragma omp parallel num_threads(num_threads)
     {
-#ifdef _OPENMP
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int64_t threads = 1, id = 0;
-#endif
+        const int64_t threads = omp_threads(), id = omp_id();
         float *block = scratch + (size_t)id * thread_floats, *cbuf = block + NR * KC;
         float *mine = xpack + (size_t)(id * chunk * k);
         /* A multiple of the thread count of near-equal slices of at most `chunk` rows. */
@@ -200,11 +193,7 @@ static void gemm_panels(int isa, float *out, int64_t out_stride, const float *x,
     const int64_t panels = (n_out + NR - 1) / NR;
 #pragma omp parallel num_threads(num_threads)
     {
-#ifdef _OPENMP
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int64_t threads = 1, id = 0;
-#endif
+        const int64_t threads = omp_threads(), id = omp_id();
         float *block = scratch + (size_t)id * thread_floats, *cbuf = block + NR * KC;
         for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
             const int64_t m = min64(chunk, rows - m0), tiles = (m + MT - 1) / MT;

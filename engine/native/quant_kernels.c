@@ -25,14 +25,6 @@
 #include <string.h>
 
 #include "quant_types.h"
-#ifdef _OPENMP
-#include <omp.h>
-static inline int64_t omp_threads(void) { return omp_get_num_threads(); }
-static inline int64_t omp_id(void) { return omp_get_thread_num(); }
-#else
-static inline int64_t omp_threads(void) { return 1; }
-static inline int64_t omp_id(void) { return 0; }
-#endif
 
 static inline uint16_t load_u16(const uint8_t *p) {
     uint16_t v;

@@ -1,11 +1,22 @@
 /*
- * What quant_kernels.c and quant_gemm.c share: the weight storage types, the ISA paths,
- * and the quant_kernels.c entry points the GEMM calls.
+ * What quant_kernels.c, quant_gemm.c and decode_step_kernels.c share: the weight storage
+ * types, the ISA paths, the OpenMP team helpers and the quant_kernels.c entry points the
+ * GEMM calls.
  */
 #ifndef PAGEDSERVE_QUANT_TYPES_H
 #define PAGEDSERVE_QUANT_TYPES_H
 
 #include <stdint.h>
+
+/* The calling thread's team size and number (1 and 0 without OpenMP). */
+#ifdef _OPENMP
+#include <omp.h>
+static inline int64_t omp_threads(void) { return omp_get_num_threads(); }
+static inline int64_t omp_id(void) { return omp_get_thread_num(); }
+#else
+static inline int64_t omp_threads(void) { return 1; }
+static inline int64_t omp_id(void) { return 0; }
+#endif
 
 /* ggml type ids, plus our own id for per-channel int8. F32 is plain fp32 rows (the weight's
  * own memory): the same row kernels then serve fp32 layers (engine/models/linear_select.py

@@ -174,16 +174,6 @@ _SCALES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer_fields():
-    from gguf import GGUFReader
-
-    from engine.models.loader import default_model_path
-
-    reader = GGUFReader(default_model_path())
-    return [field for name, field in reader.fields.items() if name.startswith("tokenizer.")]
-
-
 def test_gguf_engine_batches_match_transformers(tmp_path, tokenizer_fields):
     """Batches of 1, 3 and 8 requests decode through the quantized whole-step path."""
     from tests.engine.gguf_files import write_tiny_llama_gguf

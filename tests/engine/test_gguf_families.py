@@ -9,7 +9,6 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.native import native_kernels_available
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
-from tests.engine.test_quantization import tokenizer_fields  # noqa: F401 - a fixture
 
 PROMPTS = [[5, 17, 33, 9], [40, 2, 77, 101, 12, 64, 3, 90, 11], [7]]
 MAX_TOKENS = 10
@@ -23,7 +22,7 @@ ARCHITECTURES = {
 
 @pytest.mark.parametrize("quantization", [None, "gguf"])
 @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
-def test_family_gguf_matches_transformers(tmp_path, tokenizer_fields, architecture, quantization):  # noqa: F811
+def test_family_gguf_matches_transformers(tmp_path, tokenizer_fields, architecture, quantization):
     if quantization == "gguf" and not native_kernels_available():
         pytest.skip("the quantized kernels need the native CPU kernels (a C compiler)")
     from tests.engine.gguf_files import write_tiny_family_gguf

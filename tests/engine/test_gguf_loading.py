@@ -16,7 +16,7 @@ from engine.models.gguf_file import read_gguf
 from engine.models.loader import default_model_path, load_hf_config, load_model, resolve_model
 from engine.native import native_kernels_available
 from tests.engine.gguf_files import HIDDEN, NUM_HEADS, NUM_KV_HEADS
-from tests.engine.test_quantization import _SCALES, tokenizer_fields  # noqa: F401 - a fixture
+from tests.engine.test_quantization import _SCALES
 
 pytestmark = pytest.mark.skipif(
     not native_kernels_available(), reason="no C compiler: native kernels unavailable"
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, tokenizer_fields) -> tuple[Path, Path]:  # noqa: F811
+def tiny_gguf(tmp_path_factory, tokenizer_fields) -> tuple[Path, Path]:
     """(the tiny llama GGUF file, its dequantized cache directory)."""
     from tests.engine.gguf_files import write_tiny_llama_gguf
 

@@ -161,17 +161,6 @@ _SCALES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer_fields():
-    """The default model's tokenizer metadata (transformers needs one in a GGUF file)."""
-    from gguf import GGUFReader
-
-    from engine.models.loader import default_model_path
-
-    reader = GGUFReader(default_model_path())
-    return [field for name, field in reader.fields.items() if name.startswith("tokenizer.")]
-
-
 def test_gguf_file_matches_transformers(tmp_path, tokenizer_fields):
     """One file holding every block type (fused q|k|v and gate|up across types too)."""
     from tests.engine.gguf_files import write_tiny_llama_gguf

@@ -82,20 +82,19 @@ GRID_32 = [(17, 40, 1), (33, 200, 3), (71, 12, 18), (300, 3088, 18), (GEMV_MAX_R
 GRID_256 = [(17, 40, 1), (33, 200, 3), (71, 13, 2), (300, 590, 6), (50, 20, 32), (1100, 40, 8)]
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
-@pytest.mark.parametrize(("rows", "out_features", "blocks_per_row"), GRID_32)
-def test_gemm_block32_types(qtype, rows, out_features, blocks_per_row):
-    cols = blocks_per_row * BLOCK_SIZES[qtype][0]
-    weight, dense = _weight(qtype, out_features, cols, seed=rows + out_features)
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, cols, generator=generator)
-    bias = torch.randn(out_features, generator=generator) if rows % 2 else None
-    _check_all_isas(x, weight, dense, bias)
+_BLOCK_CASES = [
+    pytest.param(qtype, *case, id=f"{qtype.name}-{'-'.join(map(str, case))}")
+    for qtypes, grid in (
+        ((QType.Q8_0, QType.Q4_0, QType.Q4_1), GRID_32),
+        ((QType.Q4_K, QType.Q6_K), GRID_256),
+    )
+    for qtype in qtypes
+    for case in grid
+]
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize(("rows", "out_features", "blocks_per_row"), GRID_256)
-def test_gemm_k_quants(qtype, rows, out_features, blocks_per_row):
+@pytest.mark.parametrize(("qtype", "rows", "out_features", "blocks_per_row"), _BLOCK_CASES)
+def test_gemm_block_types(qtype, rows, out_features, blocks_per_row):
     cols = blocks_per_row * BLOCK_SIZES[qtype][0]
     weight, dense = _weight(qtype, out_features, cols, seed=rows + out_features)
     generator = torch.Generator().manual_seed(rows)
