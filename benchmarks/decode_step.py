@@ -5,11 +5,15 @@ and the fp32 linear methods per weight shape and row bucket (engine/models/linea
     python benchmarks/decode_step.py                    # both, default sizes
     python benchmarks/decode_step.py --context 256 --repeats 30
     python benchmarks/decode_step.py --quant-gemm       # only the quantized GEMM table
+    python benchmarks/decode_step.py --gemv             # only the quantized GEMV table
 
 `--quant-gemm` times, for the default model's projection shapes at 32..2048 activation rows,
 the dequantize-GEMM of engine/native/quant_gemm.c on each weight type against the path it
 replaced (dequantize the whole weight, then an fp32 matmul) and torch's fp32 GEMMs (MKL
-packed, oneDNN, `F.linear`): ms per call and GFLOP/s.
+packed, oneDNN, `F.linear`): ms per call and GFLOP/s. `--gemv` times the row kernels of a
+decode step (1..8 activation rows, engine/native/quant_kernels.c) on the 32-value block
+types and int8, every ISA path this CPU runs alternating call by call, over enough copies of
+each weight (64 MB) that it streams from memory as in a step: µs per call and GB/s.
 
 Each figure is the median of `--repeats` steps (ms), the two paths alternating step by
 step, so a shared machine's drift hits both alike. Prints the CPU model with every table.
@@ -20,7 +24,12 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root, for tests.engine
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +170,45 @@ def bench_quant_gemm(repeats: int, stat: str) -> None:
             print(f"{out_features:>4}x{in_features:<4} {rows:>5} " + " ".join(cells), flush=True)
 
 
+_GEMV_TYPES = ("Q4_1", "Q4_0", "Q8_0", "INT8")
+
+
+def bench_gemv(repeats: int) -> None:
+    from tests.engine.gguf_files import random_blocks
+
+    isas = quant.available_isas()
+    print(f"\nquantized GEMV (decode rows): µs per call (median of {repeats}) / GB/s of weights")
+    print(f"{'shape':>9} {'type':>5} {'rows':>5} " + " ".join(f"{i.name:>16}" for i in isas))
+    for out_features, in_features in _GEMM_SHAPES:
+        for name in _GEMV_TYPES:
+            if name == "INT8":
+                first = quant.quantize_int8(torch.randn(out_features, in_features))
+            else:
+                qtype = quant.QType[name]
+                blocks = random_blocks(qtype, out_features, in_features, seed=0)
+                first = quant.QuantizedWeight(torch.from_numpy(blocks), qtype, in_features)
+            copies = [first] + [
+                quant.QuantizedWeight(first.data.clone(), first.qtype, in_features, first.scales)
+                for _ in range(max(0, int(64e6 // first.nbytes) - 1))
+            ]
+            for rows in (1, 2, 4, 8):
+                x = torch.randn(rows, in_features)
+                samples: dict[quant.Isa, list[float]] = {isa: [] for isa in isas}
+                for i in range(repeats):
+                    for isa in isas:
+                        quant.set_isa(isa)
+                        start = time.perf_counter()
+                        quant.quant_linear(x, copies[i % len(copies)])
+                        samples[isa].append(time.perf_counter() - start)
+                quant.set_isa(None)
+                cells = []
+                for isa in isas:
+                    seconds = statistics.median(samples[isa])
+                    cells.append(f"{seconds * 1e6:>9.1f}/{first.nbytes / seconds / 1e9:>6.1f}")
+                shape = f"{out_features}x{in_features}"
+                print(f"{shape:>9} {name:>5} {rows:>5} " + " ".join(cells), flush=True)
+
+
 def _cpu_flags() -> str:
     key = linear_select.cache_key()  # the CPU model and its ISA flags
     return f"{key['cpu']} ({', '.join(key['isa']) or 'no AVX2'})"
@@ -179,7 +227,13 @@ def main() -> None:
         default="median",
         help="--quant-gemm: each method's median or best call (best: on a shared machine)",
     )
+    parser.add_argument("--gemv", action="store_true", help="only the quantized GEMV table")
     args = parser.parse_args()
+    if args.gemv:
+        torch.set_num_threads(args.threads or 2)
+        print(f"CPU: {_cpu_flags()}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+        bench_gemv(max(args.repeats, 200))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quant_gemm:

@@ -47,6 +47,7 @@ _HEADERS = tuple(
         "quant_types.h",
         "quant_rows.h",
         "quant_fused_avx2.h",
+        "quant_fused_avx512.h",
         "quant_gemm_x86.h",
         "kv_dtype.h",
     )

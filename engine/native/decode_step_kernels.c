@@ -7,7 +7,9 @@
  * dequantize a block in registers or into an L1 buffer and use it for every activation
  * row; plain fp32 rows are read in place). Between the projections, the step calls the
  * exported kernels of cpu_kernels.c (RMSNorm, rotary, KV write, paged decode attention,
- * SiLU-and-mul): no Python, no torch dispatch, no tensor allocation per op. Per layer, as
+ * SiLU-and-mul): no Python, no torch dispatch, no tensor allocation per op, and one OpenMP
+ * parallel region for the whole step (a barrier between phases costs about a third of a
+ * fork/join, and a step has nine phases per layer). Per layer, as
  * DecoderLayer does it (neox rotary, GQA):
  *
  *   x = hidden (layer 0) or hidden + residual;  residual = x;  h = rms_norm(x) * w_in
@@ -42,13 +44,14 @@ void write_kv_f32(void *key_cache, void *value_cache, const float *key, const fl
                   int64_t kv_dtype);
 void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t rows, int64_t inter,
                       int num_threads);
-void paged_decode_attention_f32(float *out, const float *query, int64_t query_stride,
-                                float *scores, const void *key_cache, const void *value_cache,
-                                const int32_t *block_tables, int64_t block_table_stride,
-                                const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                int64_t max_len, int64_t window, float scale, float cap,
-                                int num_threads, int64_t kv_dtype);
+void paged_decode_attention_team_f32(float *out, const float *query, int64_t query_stride,
+                                     float *scores, const void *key_cache,
+                                     const void *value_cache, const int32_t *block_tables,
+                                     int64_t block_table_stride, const int32_t *seq_lens,
+                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t block_size, int64_t max_len,
+                                     int64_t window, float scale, float cap, int64_t threads,
+                                     int64_t kv_dtype);
 void quant_linear_range(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                         int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
                         int type, int64_t n0, int64_t n1, int64_t k, float *wbuf);
@@ -65,34 +68,31 @@ int64_t decode_step_layer_fields(void) { return STEP_LAYER_FIELDS; }
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
-/* out[r, :] = W x[r] (+ bias) for r < rows: every part's output rows split evenly over the
- * team, each thread streaming its own slice of the weight once. wbufs: per-thread scratch
- * of wbuf_floats floats (64-byte aligned). */
+/* out[r, :] = W x[r] (+ bias) for r < rows, by the calling team: every part's output rows
+ * split evenly over it, each thread streaming its own slice of the weight once; ends in a
+ * barrier. wbufs: per-thread scratch of wbuf_floats floats (64-byte aligned). */
 static void linear_step(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                         int64_t rows, const int64_t *lin, int64_t k, float *wbufs,
-                        int64_t wbuf_floats, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t threads = omp_threads(), id = omp_id();
-        int64_t col = 0;
-        for (int p = 0; p < MAX_PARTS; ++p) {
-            const int64_t *part = lin + 1 + p * PART_FIELDS;
-            if (part[0] == 0) break;
-            const int64_t n_out = part[4], per = (n_out + threads - 1) / threads;
-            const int64_t n0 = id * per < n_out ? id * per : n_out;
-            const int64_t n1 = n0 + per < n_out ? n0 + per : n_out;
-            quant_linear_range(out + col, out_stride, x, x_stride, rows,
-                               PTR(const uint8_t *, part[0]), part[2],
-                               PTR(const float *, part[3]), (int)part[1], n0, n1, k,
-                               wbufs + id * wbuf_floats);
-            if (lin[0] != 0) {
-                const float *bias = PTR(const float *, lin[0]) + col;
-                for (int64_t r = 0; r < rows; ++r)
-                    for (int64_t n = n0; n < n1; ++n) out[r * out_stride + col + n] += bias[n];
-            }
-            col += n_out;
+                        int64_t wbuf_floats) {
+    const int64_t threads = omp_threads(), id = omp_id();
+    int64_t col = 0;
+    for (int p = 0; p < MAX_PARTS; ++p) {
+        const int64_t *part = lin + 1 + p * PART_FIELDS;
+        if (part[0] == 0) break;
+        const int64_t n_out = part[4], per = (n_out + threads - 1) / threads;
+        const int64_t n0 = id * per < n_out ? id * per : n_out;
+        const int64_t n1 = n0 + per < n_out ? n0 + per : n_out;
+        quant_linear_range(out + col, out_stride, x, x_stride, rows,
+                           PTR(const uint8_t *, part[0]), part[2], PTR(const float *, part[3]),
+                           (int)part[1], n0, n1, k, wbufs + id * wbuf_floats);
+        if (lin[0] != 0) {
+            const float *bias = PTR(const float *, lin[0]) + col;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t n = n0; n < n1; ++n) out[r * out_stride + col + n] += bias[n];
         }
+        col += n_out;
     }
+#pragma omp barrier
 }
 
 /* Scratch (floats): normed [rows, hidden], qkv [rows, q + 2 kv], attn [rows, q],
@@ -118,38 +118,55 @@ int decode_step_f32(float *hidden, float *residual, const int64_t *layers, int64
     const int64_t wbuf_floats = (k_max + 15) / 16 * 16;
     float *wbufs = aligned_alloc(64, (size_t)(wbuf_floats * num_threads) * sizeof(float));
     if (wbufs == NULL) return -1;
+    /* One parallel region for the whole step: the projections and the attention are split
+     * over the team, the small row-wise ops between them run on one thread (`single`, on
+     * the rows of a decode batch they are microseconds); a barrier ends every phase. */
+#pragma omp parallel num_threads(num_threads)
     for (int64_t l = 0; l < num_layers; ++l) {
         const int64_t *f = layers + l * STEP_LAYER_FIELDS;
         const int64_t *lin = f + S_LINEARS;
         void *key_cache = PTR(void *, f[S_KEY_CACHE]); /* of type kv_dtype (kv_dtype.h) */
         void *value_cache = PTR(void *, f[S_VALUE_CACHE]);
+#pragma omp single
         if (l == 0) { /* no residual yet: it starts as the embedding */
             rms_norm_f32(normed, NULL, hidden, H, NULL, PTR(const float *, f[S_INPUT_NORM]),
-                         rows, H, eps, num_threads);
+                         rows, H, eps, 1);
             memcpy(residual, hidden, (size_t)(rows * H) * sizeof(float));
         } else {
             rms_norm_f32(normed, residual, hidden, H, residual,
-                         PTR(const float *, f[S_INPUT_NORM]), rows, H, eps, num_threads);
+                         PTR(const float *, f[S_INPUT_NORM]), rows, H, eps, 1);
         }
         linear_step(qkv, qkv_size, normed, H, rows, lin + L_QKV * LINEAR_FIELDS, H, wbufs,
-                    wbuf_floats, num_threads);
-        rotary_inplace_f32(qkv, qkv_size, cos, sin, rows, num_heads + num_kv_heads, head_dim,
-                           num_threads);
-        write_kv_f32(key_cache, value_cache, qkv + q_size, qkv + q_size + kv_size, qkv_size,
-                     slot_mapping, rows, kv_size, kv_dtype);
-        paged_decode_attention_f32(attn, qkv, qkv_size, scores, key_cache, value_cache,
-                                   block_tables, block_table_stride, seq_lens, rows, num_heads,
-                                   num_kv_heads, head_dim, block_size, max_len, window, scale,
-                                   0.0f, num_threads, kv_dtype);
+                    wbuf_floats);
+#pragma omp single
+        {
+            rotary_inplace_f32(qkv, qkv_size, cos, sin, rows, num_heads + num_kv_heads,
+                               head_dim, 1);
+            write_kv_f32(key_cache, value_cache, qkv + q_size, qkv + q_size + kv_size, qkv_size,
+                         slot_mapping, rows, kv_size, kv_dtype);
+        }
+        paged_decode_attention_team_f32(attn, qkv, qkv_size, scores, key_cache, value_cache,
+                                        block_tables, block_table_stride, seq_lens, rows,
+                                        num_heads, num_kv_heads, head_dim, block_size, max_len,
+                                        window, scale, 0.0f, omp_threads(), kv_dtype);
         linear_step(hidden, H, attn, q_size, rows, lin + L_O * LINEAR_FIELDS, q_size, wbufs,
-                    wbuf_floats, num_threads);
+                    wbuf_floats);
+#pragma omp single
         rms_norm_f32(normed, residual, hidden, H, residual, PTR(const float *, f[S_POST_NORM]),
-                     rows, H, eps, num_threads);
+                     rows, H, eps, 1);
         linear_step(gate_up, 2 * inter, normed, H, rows, lin + L_GATE_UP * LINEAR_FIELDS, H,
-                    wbufs, wbuf_floats, num_threads);
-        silu_and_mul_f32(act, gate_up, 2 * inter, rows, inter, num_threads);
+                    wbufs, wbuf_floats);
+        { /* rows split over the team: 8 rows of SiLU-and-mul are worth two threads */
+            const int64_t per = (rows + omp_threads() - 1) / omp_threads();
+            const int64_t r0 = omp_id() * per < rows ? omp_id() * per : rows;
+            const int64_t r1 = r0 + per < rows ? r0 + per : rows;
+            if (r0 < r1)
+                silu_and_mul_f32(act + r0 * inter, gate_up + r0 * 2 * inter, 2 * inter, r1 - r0,
+                                 inter, 1);
+#pragma omp barrier
+        }
         linear_step(hidden, H, act, inter, rows, lin + L_DOWN * LINEAR_FIELDS, inter, wbufs,
-                    wbuf_floats, num_threads);
+                    wbuf_floats);
     }
     free(wbufs);
     return 0;

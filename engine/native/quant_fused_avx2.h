@@ -11,7 +11,7 @@
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 /* The 32 values of one block as fp32 in w[0..3] (values 0-7, 8-15, 16-23, 24-31). */
-AVX2_TARGET static inline void block32_to_ps(int type, const uint8_t *b, __m256 w[4]) {
+AVX2_TARGET static inline __attribute__((always_inline)) void block32_to_ps(int type, const uint8_t *b, __m256 w[4]) {
     if (type == QTYPE_INT8) { /* 32 bare int8 values, the row scale is applied later */
         const __m256i q = _mm256_loadu_si256((const __m256i *)b);
         const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -69,7 +69,8 @@ static inline int fused_avx2_applies(int type, int64_t k) {
 
 /* One weight row against one or two activation rows (x1 may equal x0 when there is one):
  * four accumulators per activation row keep the FMA chains independent; all in registers. */
-AVX2_TARGET static inline void fused_row(const uint8_t *restrict row, int type, int64_t nb,
+AVX2_TARGET static inline __attribute__((always_inline)) void fused_row(
+    const uint8_t *restrict row, int type, int64_t nb,
                                          int64_t bb, const float *restrict x0,
                                          const float *restrict x1, int two, float *y0,
                                          float *y1) {
@@ -117,16 +118,13 @@ AVX2_TARGET static inline __attribute__((always_inline)) void fused_rows(
     for (int j = 0; j < nr; ++j) y[j] = hsum256(_mm256_add_ps(acc[j][0], acc[j][1]));
 }
 
-/* Same contract as linear_rows_*: out[r, n] for n in [n0, n1) and every row r. One or two
- * rows: four accumulators per row (fused_row); more: four rows at a time (fused_rows), so
- * an 8-row decode step dequantizes each block twice instead of four times. */
-AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_stride,
-                                               const float *restrict x, int64_t x_stride,
-                                               int64_t rows, const uint8_t *restrict w,
-                                               int64_t row_bytes, const float *restrict scales,
-                                               int type, int64_t n0, int64_t n1, int64_t k,
-                                               float *restrict unused) {
-    (void)unused;
+/* linear_rows_fused_avx2's work for one block type, `type` a literal at every call. One or
+ * two rows: four accumulators per row (fused_row); more: four rows at a time (fused_rows),
+ * so an 8-row decode step dequantizes each block twice instead of four times. */
+AVX2_TARGET static inline __attribute__((always_inline)) void fused_avx2_body(
+    float *restrict out, int64_t out_stride, const float *restrict x, int64_t x_stride,
+    int64_t rows, const uint8_t *restrict w, int64_t row_bytes, const float *restrict scales,
+    int type, int64_t n0, int64_t n1, int64_t k) {
     const int64_t nb = k / 32, bb = type == QTYPE_INT8 ? 32 : block_bytes(type);
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *row = w + n * row_bytes;
@@ -153,4 +151,24 @@ AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_
             if (two) out[(r + 1) * out_stride + n] = s * y1;
         }
     }
+}
+
+/* Same contract as linear_rows_*: out[r, n] for n in [n0, n1) and every row r. The block
+ * type is a constant in each copy of the loops, so no type test is left inside them (one-
+ * and two-row GEMVs 2-10 % faster on a Zen 4 than with the type a run-time value). */
+AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_stride,
+                                               const float *restrict x, int64_t x_stride,
+                                               int64_t rows, const uint8_t *restrict w,
+                                               int64_t row_bytes, const float *restrict scales,
+                                               int type, int64_t n0, int64_t n1, int64_t k,
+                                               float *restrict unused) {
+    (void)unused;
+#define FUSED_AVX2(t) fused_avx2_body(out, out_stride, x, x_stride, rows, w, row_bytes, scales, t, n0, n1, k)
+    switch (type) {
+    case QTYPE_Q4_1: FUSED_AVX2(QTYPE_Q4_1); break;
+    case QTYPE_Q4_0: FUSED_AVX2(QTYPE_Q4_0); break;
+    case QTYPE_Q8_0: FUSED_AVX2(QTYPE_Q8_0); break;
+    default: FUSED_AVX2(QTYPE_INT8); break;
+    }
+#undef FUSED_AVX2
 }

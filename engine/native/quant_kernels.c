@@ -15,8 +15,9 @@
  *
  * Three code paths are compiled from one source (quant_rows.h, included once per target):
  * portable C, AVX2+FMA and AVX-512; on both x86 paths the 32-value block types and int8
- * go through hand-written fused AVX2 kernels instead (quant_fused_avx2.h). The path is chosen at load time with
- * __builtin_cpu_supports and can be forced (quant_set_isa) so tests compare them.
+ * go through hand-written fused kernels instead (quant_fused_avx2.h, quant_fused_avx512.h).
+ * The path is chosen at load time with __builtin_cpu_supports and can be forced
+ * (quant_set_isa) so tests compare them.
  * Parallel over output rows with OpenMP, like the kernels in cpu_kernels.c.
  */
 #include <stddef.h>
@@ -90,6 +91,7 @@ static inline int64_t block_bytes(int type) {
 #undef ISA
 #pragma GCC pop_options
 #include "quant_fused_avx2.h"
+#include "quant_fused_avx512.h"
 #else
 #define QUANT_HAVE_X86_PATHS 0
 #endif
@@ -133,7 +135,8 @@ int quant_set_isa(int isa) {
 static linear_rows_fn pick_linear(int type, int64_t k) {
 #if QUANT_HAVE_X86_PATHS
     const int isa = quant_active_isa();
-    if (isa != ISA_PORTABLE && fused_avx2_applies(type, k)) return linear_rows_fused_avx2;
+    if (isa != ISA_PORTABLE && fused_avx2_applies(type, k))
+        return isa == ISA_AVX512 ? linear_rows_fused_avx512 : linear_rows_fused_avx2;
     switch (isa) {
     case ISA_AVX512: return linear_rows_avx512;
     case ISA_AVX2: return linear_rows_avx2;

@@ -69,7 +69,7 @@ def test_dequantize_matches_gguf(qtype, out_features, blocks_per_row):
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 5])
 @pytest.mark.parametrize(("out_features", "blocks_per_row"), [(1, 2), (29, 3), (97, 1)])
 def test_linear_matches_dequantize_then_matmul(qtype, rows, out_features, blocks_per_row):
     cols = blocks_per_row * BLOCK_SIZES[qtype][0]
@@ -95,6 +95,30 @@ def test_linear_matches_dequantize_then_matmul(qtype, rows, out_features, blocks
     paths = list(results.items())
     for isa, other in paths[1:]:  # the ISA paths agree with each other to fp32 rounding
         assert ((other - paths[0][1]).abs() <= 2 * bound).all(), (isa.name, paths[0][0].name)
+
+
+@pytest.mark.parametrize("qtype", [*GGUF_TYPES, QType.INT8], ids=lambda t: t.name)
+def test_gemv_decodes_every_weight_exactly(qtype):
+    """One-hot activation rows pick single weights out of the GEMV: x = e_j gives W[:, j]
+    with nothing to round (the other products are exact zeros), so every path's in-register
+    decoding (AVX-512's nibble table, AVX2's conversions, the portable loop) must reproduce
+    gguf-py's dequantized values bit for bit, not just within a tolerance."""
+    out_features, cols = 37, 2 * BLOCK_SIZES[qtype][0] if qtype != QType.INT8 else 64
+    if qtype == QType.INT8:
+        weight = quantize_int8(torch.randn(out_features, cols, generator=torch.Generator()))
+        expected = weight.dequantize()
+    else:
+        blocks = random_blocks(qtype, out_features, cols, seed=7)
+        weight = QuantizedWeight(torch.from_numpy(blocks), qtype, cols)
+        expected = reference_weight(qtype, blocks)
+    eye = torch.eye(cols)
+    for isa in available_isas():
+        set_isa(isa)
+        for start in range(0, cols, GEMV_MAX_ROWS):  # GEMV calls of up to 16 one-hot rows
+            got = quant_linear(eye[start : start + GEMV_MAX_ROWS], weight)  # [rows, out]
+            torch.testing.assert_close(
+                got, expected[:, start : start + GEMV_MAX_ROWS].T, rtol=0, atol=0, msg=isa.name
+            )
 
 
 def test_linear_strided_and_batched_activations():
