@@ -37,7 +37,15 @@
 
 #include "quant_types.h" /* omp_threads / omp_id */
 
+/* One vector register of floats: 16 with AVX-512, else 8. A vector_size wider than the
+ * target's registers is legal C, but GCC splits it badly: built for AVX2 (x86-64-v3) with
+ * 16 lanes, SiLU-and-mul ran 3.7x and the batched decode attention 1.13x slower than with 8
+ * (64 rows, 30 layers, context 192; Zen 4). */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
 #define INLINE static inline __attribute__((always_inline))
 
 /* a . b over n floats. With n a multiple of LANES the partial sums live in LANES
