@@ -149,9 +149,33 @@ AVX2_TARGET static inline __attribute__((always_inline)) void fused_avx2_body(
     }
 }
 
-/* Same contract as linear_rows_*: out[r, n] for n in [n0, n1) and every row r. The block
- * type is a constant in each copy of the loops, so no type test is left inside them (one-
- * and two-row GEMVs 2-10 % faster on a Zen 4 than with the type a run-time value). */
+/* Compiles `call` once per type the fused kernels take, with `T` that type as a constant, so
+ * no type test is left inside the copies' loops (one- and two-row GEMVs 2-10 % faster on a
+ * Zen 4 than with the type a run-time value). Shared with quant_fused_avx512.h. */
+#define DISPATCH_FUSED_TYPE(call, type)  \
+    switch (type) {                      \
+        case QTYPE_Q4_1: {               \
+            const int T = QTYPE_Q4_1;    \
+            call;                        \
+            break;                       \
+        }                                \
+        case QTYPE_Q4_0: {               \
+            const int T = QTYPE_Q4_0;    \
+            call;                        \
+            break;                       \
+        }                                \
+        case QTYPE_Q8_0: {               \
+            const int T = QTYPE_Q8_0;    \
+            call;                        \
+            break;                       \
+        }                                \
+        default: {                       \
+            const int T = QTYPE_INT8;    \
+            call;                        \
+        }                                \
+    }
+
+/* Same contract as linear_rows_*: out[r, n] for n in [n0, n1) and every row r. */
 AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_stride,
                                                const float *restrict x, int64_t x_stride,
                                                int64_t rows, const uint8_t *restrict w,
@@ -159,12 +183,7 @@ AVX2_TARGET static void linear_rows_fused_avx2(float *restrict out, int64_t out_
                                                int type, int64_t n0, int64_t n1, int64_t k,
                                                float *restrict unused) {
     (void)unused;
-#define FUSED_AVX2(t) fused_avx2_body(out, out_stride, x, x_stride, rows, w, row_bytes, scales, t, n0, n1, k)
-    switch (type) {
-    case QTYPE_Q4_1: FUSED_AVX2(QTYPE_Q4_1); break;
-    case QTYPE_Q4_0: FUSED_AVX2(QTYPE_Q4_0); break;
-    case QTYPE_Q8_0: FUSED_AVX2(QTYPE_Q8_0); break;
-    default: FUSED_AVX2(QTYPE_INT8); break;
-    }
-#undef FUSED_AVX2
+    DISPATCH_FUSED_TYPE(
+        fused_avx2_body(out, out_stride, x, x_stride, rows, w, row_bytes, scales, T, n0, n1, k),
+        type)
 }

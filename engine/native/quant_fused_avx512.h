@@ -113,12 +113,7 @@ AVX512_TARGET static void linear_rows_fused_avx512(float *restrict out, int64_t 
                                                    int type, int64_t n0, int64_t n1, int64_t k,
                                                    float *restrict unused) {
     (void)unused;
-#define FUSED_AVX512(t) fused_avx512_body(out, out_stride, x, x_stride, rows, w, row_bytes, scales, t, n0, n1, k)
-    switch (type) {
-    case QTYPE_Q4_1: FUSED_AVX512(QTYPE_Q4_1); break;
-    case QTYPE_Q4_0: FUSED_AVX512(QTYPE_Q4_0); break;
-    case QTYPE_Q8_0: FUSED_AVX512(QTYPE_Q8_0); break;
-    default: FUSED_AVX512(QTYPE_INT8); break;
-    }
-#undef FUSED_AVX512
+    DISPATCH_FUSED_TYPE(
+        fused_avx512_body(out, out_stride, x, x_stride, rows, w, row_bytes, scales, T, n0, n1, k),
+        type)
 }
