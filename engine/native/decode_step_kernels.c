@@ -68,23 +68,29 @@ int64_t decode_step_layer_fields(void) { return STEP_LAYER_FIELDS; }
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
+/* [*lo, *hi): the calling thread's even share of n items (the team splits them in order). */
+static inline void team_share(int64_t n, int64_t *lo, int64_t *hi) {
+    const int64_t per = (n + omp_threads() - 1) / omp_threads(), start = omp_id() * per;
+    *lo = start < n ? start : n;
+    *hi = *lo + per < n ? *lo + per : n;
+}
+
 /* out[r, :] = W x[r] (+ bias) for r < rows, by the calling team: every part's output rows
  * split evenly over it, each thread streaming its own slice of the weight once; ends in a
  * barrier. wbufs: per-thread scratch of wbuf_floats floats (64-byte aligned). */
 static void linear_step(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                         int64_t rows, const int64_t *lin, int64_t k, float *wbufs,
                         int64_t wbuf_floats) {
-    const int64_t threads = omp_threads(), id = omp_id();
     int64_t col = 0;
     for (int p = 0; p < MAX_PARTS; ++p) {
         const int64_t *part = lin + 1 + p * PART_FIELDS;
         if (part[0] == 0) break;
-        const int64_t n_out = part[4], per = (n_out + threads - 1) / threads;
-        const int64_t n0 = id * per < n_out ? id * per : n_out;
-        const int64_t n1 = n0 + per < n_out ? n0 + per : n_out;
+        const int64_t n_out = part[4];
+        int64_t n0, n1;
+        team_share(n_out, &n0, &n1);
         quant_linear_range(out + col, out_stride, x, x_stride, rows,
                            PTR(const uint8_t *, part[0]), part[2], PTR(const float *, part[3]),
-                           (int)part[1], n0, n1, k, wbufs + id * wbuf_floats);
+                           (int)part[1], n0, n1, k, wbufs + omp_id() * wbuf_floats);
         if (lin[0] != 0) {
             const float *bias = PTR(const float *, lin[0]) + col;
             for (int64_t r = 0; r < rows; ++r)
@@ -157,9 +163,8 @@ int decode_step_f32(float *hidden, float *residual, const int64_t *layers, int64
         linear_step(gate_up, 2 * inter, normed, H, rows, lin + L_GATE_UP * LINEAR_FIELDS, H,
                     wbufs, wbuf_floats);
         { /* rows split over the team: 8 rows of SiLU-and-mul are worth two threads */
-            const int64_t per = (rows + omp_threads() - 1) / omp_threads();
-            const int64_t r0 = omp_id() * per < rows ? omp_id() * per : rows;
-            const int64_t r1 = r0 + per < rows ? r0 + per : rows;
+            int64_t r0, r1;
+            team_share(rows, &r0, &r1);
             if (r0 < r1)
                 silu_and_mul_f32(act + r0 * inter, gate_up + r0 * 2 * inter, 2 * inter, r1 - r0,
                                  inter, 1);

@@ -66,10 +66,8 @@ static inline int fused_avx2_applies(int type, int64_t k) {
 /* One weight row against one or two activation rows (x1 may equal x0 when there is one):
  * four accumulators per activation row keep the FMA chains independent; all in registers. */
 AVX2_TARGET static inline __attribute__((always_inline)) void fused_row(
-    const uint8_t *restrict row, int type, int64_t nb,
-                                         int64_t bb, const float *restrict x0,
-                                         const float *restrict x1, int two, float *y0,
-                                         float *y1) {
+    const uint8_t *restrict row, int type, int64_t nb, int64_t bb, const float *restrict x0,
+    const float *restrict x1, int two, float *y0, float *y1) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (int64_t b = 0; b < nb; ++b) {
