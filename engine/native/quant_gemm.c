@@ -92,6 +92,9 @@ static void fill_block(int isa, float *restrict block, const uint8_t *w, int64_t
         fill_block32_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
     else if (isa == ISA_AVX512 && (type == QTYPE_Q4_K || type == QTYPE_Q6_K))
         fill_k_quant_avx512(block, w, row_bytes, type, n0, n0 + valid, k0, len);
+    else if (isa == ISA_AVX2 && (type == QTYPE_Q8_0 || type == QTYPE_Q4_0 ||
+                                 type == QTYPE_Q4_1 || type == QTYPE_INT8))
+        fill_block32_avx2(block, w, row_bytes, type, n0, n0 + valid, k0, len);
     else
 #endif
         quant_dequantize_block(block, KC, w, row_bytes, type, n0, n0 + valid, k0, len);
