@@ -302,7 +302,9 @@ void write_kv_f32(void *key_cache, void *value_cache, const float *key, const fl
  * q, out and scores are indexed by h: q + h * head_dim, out + h * head_dim,
  * scores + h * scores_stride + t (scores_stride >= seq_len). Three passes, each over the
  * blocks front to back (a block's rows hold all KV heads, read as one run when the range is
- * all of them): scores, softmax (max, vectorised exp, sum), then out = probs . values. */
+ * all of them): scores, softmax (max, vectorised exp, sum), then out = probs . values.
+ * With `stats`, stats[2h] and stats[2h + 1] get the softmax's max and sum, so that the
+ * outputs of several key ranges of one query can be merged (merge_parts). */
 
 /* Soft-capping of one attention logit (cap 0: none). */
 INLINE float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
@@ -328,7 +330,7 @@ INLINE void decode_item(float *restrict out, const float *restrict q, float *res
                         const int32_t *table, int64_t seq_len, int64_t first, int64_t kvh0,
                         int64_t kvh1, int64_t g0, int64_t g1, int64_t group, int64_t head_dim,
                         int64_t block_size, int64_t token_stride, float scale, float cap,
-                        int kv) {
+                        float *restrict stats, int kv) {
     const int64_t first_block = first / block_size * block_size;
     for (int64_t start = first_block; start < seq_len; start += block_size) {
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
@@ -369,6 +371,10 @@ INLINE void decode_item(float *restrict out, const float *restrict q, float *res
             const float inv = 1.0f / total;
 #pragma omp simd
             for (t = first; t < seq_len; ++t) row[t] *= inv;
+            if (stats != NULL) { /* this range's softmax max and sum, to merge ranges by */
+                stats[2 * (kvh * group + g)] = best;
+                stats[2 * (kvh * group + g) + 1] = total;
+            }
         }
     for (int64_t kvh = kvh0; kvh < kvh1; ++kvh)
         for (int64_t g = g0; g < g1; ++g)
@@ -403,11 +409,61 @@ static int64_t heads_per_item(int64_t num_reqs, int64_t num_kv_heads, int64_t th
     return num_reqs >= 4 * threads ? num_kv_heads : 1;
 }
 
+/* Key ranges per item: with fewer than two items per thread (batch 1: 3 KV heads over 2
+ * threads left one thread idle a third of the time) each context is split in up to
+ * ATTENTION_MAX_PARTS (quant_types.h) ranges, whose outputs merge_parts combines. Only
+ * where the caller gives the scratch for the partial outputs. */
+static int64_t parts_per_item(int64_t items, int64_t threads, const float *partials) {
+    if (partials == NULL || items >= 2 * threads) return 1;
+    const int64_t parts = (2 * threads + items - 1) / items;
+    return parts < ATTENTION_MAX_PARTS ? parts : ATTENTION_MAX_PARTS;
+}
+
+/* Key range [lo, hi) of part p of `parts` of the window [first, seq_len): block-aligned
+ * cuts, so each part reads whole blocks (a part may be empty on a short context). */
+INLINE void part_range(int64_t first, int64_t seq_len, int64_t p, int64_t parts,
+                       int64_t block_size, int64_t *lo, int64_t *hi) {
+    const int64_t len = seq_len - first;
+    /* cut c: first + len * c / parts rounded down to a block start, not below first */
+    int64_t cut[2];
+    for (int i = 0; i < 2; ++i) {
+        const int64_t at = (first + len * (p + i) / parts) / block_size * block_size;
+        cut[i] = at > first ? at : first;
+    }
+    *lo = p == 0 ? first : cut[0];
+    *hi = p + 1 == parts ? seq_len : (cut[1] > *lo ? cut[1] : *lo);
+}
+
+/* out[h] = the softmax-weighted mean of the parts' outputs out_p[h], each normalised over its
+ * own range: weights sum_p * exp(max_p - max) (empty parts: sum 0). */
+INLINE void merge_parts(float *restrict out, const float *restrict part_out,
+                        const float *restrict part_stats, int64_t parts, int64_t num_heads,
+                        int64_t h, int64_t head_dim) {
+    float best = -INFINITY, weight[ATTENTION_MAX_PARTS], total = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+        const float m = part_stats[(p * num_heads + h) * 2];
+        best = m > best ? m : best;
+    }
+    for (int64_t p = 0; p < parts; ++p) {
+        const float *st = part_stats + (p * num_heads + h) * 2;
+        weight[p] = st[1] > 0.0f ? st[1] * expf(st[0] - best) : 0.0f;
+        total += weight[p];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) {
+        float acc = 0.0f;
+        for (int64_t p = 0; p < parts; ++p)
+            if (weight[p] > 0.0f) acc += weight[p] * part_out[(p * num_heads + h) * head_dim + d];
+        out[h * head_dim + d] = acc / total;
+    }
+}
+
 /* out[r, h] = softmax(cap(scale * q[r, h] . k[r, t])) . v[r, t] over t in request r's window;
  * scores is scratch of [num_reqs, num_heads, max_len] floats (max_len >= every seq_len).
  * The query, scores and out are fp32; the cache is of type kv_dtype (kv_dtype.h).
+ * `partials` (NULL: none) is scratch of num_reqs * ATTENTION_MAX_PARTS * num_heads * (head_dim + 2)
+ * floats that lets a context be split over the threads when there are few items.
  *
- * The work items are shared by the calling team (an orphaned `omp for`, which ends in a
+ * The work items are shared by the calling team (orphaned `omp for`s, which end in a
  * barrier): called from inside a parallel region every thread of it must call; outside one,
  * the calling thread does all of it. `threads` is the team's size (it sets the items). */
 void paged_decode_attention_team_f32(float *out, const float *query, int64_t query_stride,
@@ -417,25 +473,47 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
                                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t block_size, int64_t max_len,
                                      int64_t window, float scale, float cap, int64_t threads,
-                                     int64_t kv_dtype) {
+                                     float *partials, int64_t kv_dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, threads);
     const int64_t num_chunks = num_kv_heads / chunk;
-#pragma omp for collapse(2) schedule(static)
+    const int64_t parts = parts_per_item(num_reqs * num_chunks, threads, partials);
+    /* per request: parts x [num_heads, head_dim] outputs, then parts x [num_heads, 2] stats */
+    const int64_t part_floats = parts * num_heads * (head_dim + 2);
+#pragma omp for collapse(3) schedule(static)
     for (int64_t r = 0; r < num_reqs; ++r) {
         for (int64_t c = 0; c < num_chunks; ++c) {
-            const int64_t seq_len = seq_lens[r];
-            DISPATCH_KV_DTYPE(
-                DISPATCH_HEAD_DIM(
-                    decode_item(out + r * num_heads * head_dim, query + r * query_stride,
-                                scores + r * num_heads * max_len, max_len, key_cache, value_cache,
-                                block_tables + r * block_table_stride, seq_len,
-                                window_first(seq_len - 1, window), c * chunk, (c + 1) * chunk, 0,
-                                group, group, D, block_size, token_stride, scale, cap, KV),
-                    head_dim),
-                kv_dtype)
+            for (int64_t p = 0; p < parts; ++p) {
+                const int64_t seq_len = seq_lens[r], first = window_first(seq_len - 1, window);
+                int64_t lo = first, hi = seq_len;
+                float *o = out + r * num_heads * head_dim, *stats = NULL;
+                if (parts > 1) {
+                    part_range(first, seq_len, p, parts, block_size, &lo, &hi);
+                    o = partials + r * part_floats + p * num_heads * head_dim;
+                    stats = partials + r * part_floats + parts * num_heads * head_dim +
+                            p * num_heads * 2;
+                }
+                DISPATCH_KV_DTYPE(
+                    DISPATCH_HEAD_DIM(
+                        decode_item(o, query + r * query_stride, scores + r * num_heads * max_len,
+                                    max_len, key_cache, value_cache,
+                                    block_tables + r * block_table_stride, hi, lo, c * chunk,
+                                    (c + 1) * chunk, 0, group, group, D, block_size, token_stride,
+                                    scale, cap, stats, KV),
+                        head_dim),
+                    kv_dtype)
+            }
         }
+    }
+    if (parts > 1) {
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < num_reqs; ++r)
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float *base = partials + r * part_floats;
+                merge_parts(out + r * num_heads * head_dim, base,
+                            base + parts * num_heads * head_dim, parts, num_heads, h, head_dim);
+            }
     }
 }
 
@@ -451,7 +529,7 @@ void paged_decode_attention_f32(float *out, const float *query, int64_t query_st
     paged_decode_attention_team_f32(out, query, query_stride, scores, key_cache, value_cache,
                                     block_tables, block_table_stride, seq_lens, num_reqs,
                                     num_heads, num_kv_heads, head_dim, block_size, max_len,
-                                    window, scale, cap, omp_threads(), kv_dtype);
+                                    window, scale, cap, omp_threads(), NULL, kv_dtype);
 }
 
 /* ---- Paged prefill attention --------------------------------------------------------------
@@ -848,7 +926,7 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
                 decode_item(attn, qkv, scores, seq_len, key_cache, value_cache, table, seq_len,
                             window_first(seq_len - 1, window), h / group, h / group + 1,
                             h % group, h % group + 1, group, head_dim, block_size, token_stride,
-                            scale, 0.0f, KV),
+                            scale, 0.0f, NULL, KV),
                 kv_dtype)
         gemv_rows(hidden, FIELD(F_O_WEIGHT), FIELD(F_O_BIAS), attn, hidden_size, q_size);
 #pragma omp single

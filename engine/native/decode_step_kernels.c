@@ -51,7 +51,7 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
                                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t block_size, int64_t max_len,
                                      int64_t window, float scale, float cap, int64_t threads,
-                                     int64_t kv_dtype);
+                                     float *partials, int64_t kv_dtype);
 void quant_linear_range(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                         int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
                         int type, int64_t n0, int64_t n1, int64_t k, float *wbuf);
@@ -122,8 +122,13 @@ int decode_step_f32(float *hidden, float *residual, const int64_t *layers, int64
     int64_t k_max = H > q_size ? H : q_size;
     k_max = k_max > inter ? k_max : inter;
     const int64_t wbuf_floats = (k_max + 15) / 16 * 16;
-    float *wbufs = aligned_alloc(64, (size_t)(wbuf_floats * num_threads) * sizeof(float));
+    /* the row kernels' per-thread buffers, then the attention's partial outputs of split
+     * contexts (paged_decode_attention_team_f32) */
+    const int64_t partial_floats = rows * ATTENTION_MAX_PARTS * num_heads * (head_dim + 2);
+    float *wbufs = aligned_alloc(
+        64, (size_t)((wbuf_floats * num_threads + partial_floats + 15) / 16 * 16) * sizeof(float));
     if (wbufs == NULL) return -1;
+    float *partials = wbufs + wbuf_floats * num_threads;
     /* One parallel region for the whole step: the projections and the attention are split
      * over the team, the small row-wise ops between them run on one thread (`single`, on
      * the rows of a decode batch they are microseconds); a barrier ends every phase. */
@@ -154,7 +159,8 @@ int decode_step_f32(float *hidden, float *residual, const int64_t *layers, int64
         paged_decode_attention_team_f32(attn, qkv, qkv_size, scores, key_cache, value_cache,
                                         block_tables, block_table_stride, seq_lens, rows,
                                         num_heads, num_kv_heads, head_dim, block_size, max_len,
-                                        window, scale, 0.0f, omp_threads(), kv_dtype);
+                                        window, scale, 0.0f, omp_threads(), partials,
+                                        kv_dtype);
         linear_step(hidden, H, attn, q_size, rows, lin + L_O * LINEAR_FIELDS, q_size, wbufs,
                     wbuf_floats);
 #pragma omp single

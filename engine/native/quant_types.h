@@ -1,7 +1,7 @@
 /*
  * What quant_kernels.c, quant_gemm.c and decode_step_kernels.c share: the weight storage
- * types, the ISA paths, the OpenMP team helpers and the quant_kernels.c entry points the
- * GEMM calls.
+ * types, the ISA paths, the OpenMP team helpers (cpu_kernels.c's too, with the attention's
+ * split limit) and the quant_kernels.c entry points the GEMM calls.
  */
 #ifndef PAGEDSERVE_QUANT_TYPES_H
 #define PAGEDSERVE_QUANT_TYPES_H
@@ -17,6 +17,11 @@ static inline int64_t omp_id(void) { return omp_get_thread_num(); }
 static inline int64_t omp_threads(void) { return 1; }
 static inline int64_t omp_id(void) { return 0; }
 #endif
+
+/* Key ranges a batch-1 decode attention item may be split into
+ * (paged_decode_attention_team_f32 in cpu_kernels.c; decode_step_kernels.c sizes the scratch
+ * for the partial outputs with it). */
+#define ATTENTION_MAX_PARTS 4
 
 /* ggml type ids, plus our own id for per-channel int8. F32 is plain fp32 rows (the weight's
  * own memory): the same row kernels then serve fp32 layers (engine/models/linear_select.py

@@ -45,10 +45,12 @@ def isa(request):
     set_isa(None)
 
 
-def _step_against_forward(model, backend, shape: dict, rows: int, seed: int = 0) -> None:
-    """Prefills `rows` prompts of different lengths, then one decode token each through the
-    whole-step path and through the modules (on a copy of the caches): same hidden states,
-    same caches."""
+def _step_against_forward(
+    model, backend, shape: dict, rows: int, seed: int = 0, lens: list[int] | None = None
+) -> None:
+    """Prefills `rows` prompts of different lengths (`lens`, or short ones), then one decode
+    token each through the whole-step path and through the modules (on a copy of the
+    caches): same hidden states, same caches."""
     decode_step_fn = backend.whole_step_decode(model)
     assert decode_step_fn is not None
     config = model.config
@@ -57,7 +59,7 @@ def _step_against_forward(model, backend, shape: dict, rows: int, seed: int = 0)
     cache_shape = (2, num_blocks, block_size, shape["num_kv_heads"], head_dim)
     caches = [torch.zeros(cache_shape) for _ in range(shape["num_layers"])]
     gen = torch.Generator().manual_seed(seed)
-    lens = [3 + (5 * i) % 11 for i in range(rows)]
+    lens = lens or [3 + (5 * i) % 11 for i in range(rows)]
     tables = allocate_block_tables([n + 1 for n in lens], block_size, num_blocks, seed=seed)
     with torch.inference_mode():
         for n, table in zip(lens, tables, strict=True):
@@ -112,6 +114,17 @@ def test_step_matches_the_modules(models, isa, quantization, name):
     model, backend = models(name, quantization)
     for rows in (1, 2, 5, 8):
         _step_against_forward(model, backend, SHAPES[name], rows, seed=rows)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_step_splits_long_contexts_of_one_row(models, name):
+    """At batch 1 the quantized step's attention has fewer items (KV heads) than twice the
+    threads, so each context is split into block-aligned key ranges whose outputs are
+    merged: lengths that cut blocks unevenly, one block, and a part left empty all match
+    the modules. (One fp32 row takes decode_token, whose items are the query heads.)"""
+    model, backend = models(name, "int8")
+    for n in (4, 5, 37, 61, 150):
+        _step_against_forward(model, backend, SHAPES[name], 1, seed=n, lens=[n])
 
 
 def test_step_does_not_apply_to_prefill_or_large_batches(models):
