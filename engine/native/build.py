@@ -46,6 +46,7 @@ _HEADERS = tuple(
     for h in (
         "quant_types.h",
         "quant_rows.h",
+        "quant_block32_avx2.h",
         "quant_fused_avx2.h",
         "quant_fused_avx512.h",
         "quant_gemm_x86.h",

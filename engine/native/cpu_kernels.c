@@ -460,8 +460,8 @@ INLINE void merge_parts(float *restrict out, const float *restrict part_out,
 /* out[r, h] = softmax(cap(scale * q[r, h] . k[r, t])) . v[r, t] over t in request r's window;
  * scores is scratch of [num_reqs, num_heads, max_len] floats (max_len >= every seq_len).
  * The query, scores and out are fp32; the cache is of type kv_dtype (kv_dtype.h).
- * `partials` (NULL: none) is scratch of num_reqs * ATTENTION_MAX_PARTS * num_heads * (head_dim + 2)
- * floats that lets a context be split over the threads when there are few items.
+ * `partials` (NULL: none), scratch of num_reqs * ATTENTION_MAX_PARTS * num_heads *
+ * (head_dim + 2) floats, lets a context be split over the threads when items are few.
  *
  * The work items are shared by the calling team (orphaned `omp for`s, which end in a
  * barrier): called from inside a parallel region every thread of it must call; outside one,

@@ -10,44 +10,30 @@
  */
 #include <immintrin.h>
 
+#include "quant_block32_avx2.h"
+
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/* The 32 values of one block as fp32 in w[0..3] (values 0-7, 8-15, 16-23, 24-31). The
- * quant bytes are widened to 32-bit lanes straight from memory (vpmovzxbd / vpmovsxbd with
- * a memory operand: no shuffles of a loaded register), a 4-bit block's nibbles then split
- * with an AND and a shift per vector; one conversion gives Q4_1's two fp16 scales. */
+/* The 32 values of one block as fp32 in w[0..3] (values 0-7, 8-15, 16-23, 24-31): the
+ * quants (block32_quants_avx2) times the block's scale; one conversion gives Q4_1's two
+ * fp16 scales. */
 AVX2_TARGET static inline __attribute__((always_inline)) void block32_to_ps(int type,
                                                                           const uint8_t *b,
                                                                           __m256 w[4]) {
-    if (type == QTYPE_INT8 || type == QTYPE_Q8_0) { /* int8: unscaled, the row scale later */
-        const uint8_t *qs = type == QTYPE_INT8 ? b : b + 2;
-        for (int j = 0; j < 4; ++j)
-            w[j] = _mm256_cvtepi32_ps(
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * j))));
-        if (type == QTYPE_Q8_0) {
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
-            for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, w[j]);
-        }
-        return;
-    }
-    const uint8_t *qs = b + (type == QTYPE_Q4_1 ? 4 : 2);
-    /* bytes 0-7 and 8-15, one per 32-bit lane: low nibbles are values 0-15, high 16-31 */
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-    const __m256i nibble = _mm256_set1_epi32(15);
-    __m256i q[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(b1, nibble),
-                    _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+    block32_quants_avx2(type, b, w);
+    if (type == QTYPE_INT8) return; /* unscaled: the row scale is applied later */
     if (type == QTYPE_Q4_1) {
         uint32_t dm_bits; /* d and m: the block's first two halves */
         memcpy(&dm_bits, b, sizeof dm_bits);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
         const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-        for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
+        for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, w[j], m);
         return;
     }
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b))); /* Q4_0: d * (q - 8) */
-    for (int j = 0; j < 4; ++j)
-        w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int j = 0; j < 4; ++j) /* Q4_0: d * (q - 8), q - 8 exact in fp32; Q8_0: d * q */
+        w[j] = _mm256_mul_ps(d, type == QTYPE_Q4_0 ? _mm256_sub_ps(w[j], eight) : w[j]);
 }
 
 AVX2_TARGET static inline float hsum256(__m256 v) {
@@ -116,32 +102,22 @@ AVX2_TARGET static inline void block_sums(float *restrict pairs, const float *re
 AVX2_TARGET static inline __attribute__((always_inline)) float fused_row_factored(
     const uint8_t *restrict row, int type, int64_t nb, int64_t bb, const float *restrict x,
     const float *restrict pairs) {
-    const __m256i low = _mm256_set1_epi32(15);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     __m128 mterm = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = row + b * bb;
         const float *p = x + 32 * b;
         __m256 q[4];
+        block32_quants_avx2(type, blk, q);
         __m128 dm;
         if (type == QTYPE_Q8_0) {
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
-            for (int j = 0; j < 4; ++j)
-                q[j] = _mm256_cvtepi32_ps(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * j))));
         } else {
             uint32_t header = type == QTYPE_Q4_1 ? 0 : load_u16(blk); /* Q4_0: d only */
             if (type == QTYPE_Q4_1) memcpy(&header, blk, sizeof header);
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)header));
             mterm = _mm_fmadd_ps(
                 dm, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(pairs + 2 * b))), mterm);
-            const uint8_t *qs = blk + (type == QTYPE_Q4_1 ? 4 : 2);
-            const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-            const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-            q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
-            q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
-            q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-            q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
         }
         /* q . x over the block in two halves: values 0-7 | 8-15 and 16-23 | 24-31 */
         const __m256 t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(p + 8),

@@ -5,6 +5,8 @@
  */
 #include <immintrin.h>
 
+#include "quant_block32_avx2.h"
+
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 #define AVX2_F16C_TARGET __attribute__((target("avx2,fma,f16c")))
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
@@ -41,13 +43,12 @@ AVX2_TARGET static void kernel_avx2(float *restrict c, const float *restrict til
 }
 
 /* Values [k0, k0 + len) of the 32-value block types and int8 rows [n0, n1) into dst rows
- * of KC floats (fill_block32_avx512's contract): a block's bytes widened to 32-bit lanes
- * straight from memory, four vectors of 8. The generic row dequantizer this replaces on
- * AVX2 builds turns out ~1.75 values per cycle, 5-14 % of an AVX2 GEMM at 64-128 rows. */
+ * of KC floats (fill_block32_avx512's contract): a block's quants (block32_quants_avx2),
+ * scaled, four vectors of 8. The generic row dequantizer this replaces on AVX2 builds
+ * turns out ~1.75 values per cycle, 5-14 % of an AVX2 GEMM at 64-128 rows. */
 AVX2_F16C_TARGET static void fill_block32_avx2(float *restrict dst, const uint8_t *w,
                                                int64_t row_bytes, int type, int64_t n0,
                                                int64_t n1, int64_t k0, int64_t len) {
-    const __m256i nibble = _mm256_set1_epi32(15);
     for (int64_t n = n0; n < n1; ++n, dst += KC) {
         const uint8_t *row = w + n * row_bytes;
         if (type == QTYPE_INT8) { /* unscaled: the row scale is applied to the sums */
@@ -66,19 +67,7 @@ AVX2_F16C_TARGET static void fill_block32_avx2(float *restrict dst, const uint8_
             memcpy(&h, p, sizeof h);
             const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
             __m256 v[4];
-            if (type == QTYPE_Q8_0) {
-                for (int j = 0; j < 4; ++j)
-                    v[j] = _mm256_cvtepi32_ps(
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 2 + 8 * j))));
-            } else { /* bytes 0-7 and 8-15: low nibbles values 0-15, high nibbles 16-31 */
-                const uint8_t *qs = p + (type == QTYPE_Q4_1 ? 4 : 2);
-                const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-                const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
-                v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble));
-                v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble));
-                v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-                v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-            }
+            block32_quants_avx2(type, p, v);
             __m256 m = _mm256_setzero_ps();
             if (type == QTYPE_Q4_1) {
                 memcpy(&h, p + 2, sizeof h);
