@@ -18,7 +18,10 @@ from ._helpers import pick
 
 @pytest.mark.parametrize("block_size", pick([16], [16, 32]))
 def test_triton_backend_generates_the_torch_backend_tokens(tmp_path, block_size: int) -> None:
-    model_dir = make_tiny_llama(tmp_path, hidden_size=64, num_heads=4, num_kv_heads=2)
+    # room for the GPU run's 1000-token prompt and its 48 new tokens (the default is 512)
+    model_dir = make_tiny_llama(
+        tmp_path, hidden_size=64, num_heads=4, num_kv_heads=2, max_position_embeddings=2048
+    )
     prompts = [
         {"prompt_token_ids": [3 + (i * 7 + j) % 120 for j in range(n)]}
         for i, n in enumerate(pick([5, 21, 40], [5, 21, 40, 300, 1000]))
