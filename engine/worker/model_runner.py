@@ -184,7 +184,7 @@ class ModelRunner:
         num_tokens = min(self.block_size, self.config.scheduler_config.max_model_len) - 1
         if num_tokens < 1:
             return
-        self._dummy_forward([(list(range(num_tokens)), 0, [0])], self.kv_caches)
+        self._dummy_forward([(self._dummy_tokens(num_tokens), 0, [0])], self.kv_caches)
         self._dummy_forward([([0], num_tokens, [0])], self.kv_caches)
 
     # ---- KV-cache sizing --------------------------------------------------------------
@@ -245,13 +245,28 @@ class ModelRunner:
         other = total - free - torch.cuda.memory_reserved(self.device)  # other processes
         return int(total * utilization) - peak - max(other, 0)
 
-    def _profile_run(self) -> None:
-        """The largest step the scheduler can make, on a scratch cache."""
+    def _profile_request(self) -> tuple[list[int], int, list[int]]:
+        """The largest step the scheduler can make, as one prompt: (token ids, 0, blocks).
+        The ids cycle through the vocabulary (_dummy_tokens): a tiny model's vocabulary can
+        be smaller than the step, and an id past it is an out-of-bounds gather, on a GPU a
+        device-side assert that poisons the process's CUDA context."""
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
-        num_blocks = math.ceil(num_tokens / self.block_size)
-        caches = self._allocate_kv_caches(num_blocks)
-        self._dummy_forward([(list(range(num_tokens)), 0, list(range(num_blocks)))], caches)
+        return (
+            self._dummy_tokens(num_tokens),
+            0,
+            list(range(math.ceil(num_tokens / self.block_size))),
+        )
+
+    def _dummy_tokens(self, n: int) -> list[int]:
+        """n token ids for a forward outside any request, all inside the vocabulary."""
+        return [t % self.vocab_size for t in range(n)]
+
+    def _profile_run(self) -> None:
+        """The largest step the scheduler can make, on a scratch cache."""
+        request = self._profile_request()
+        caches = self._allocate_kv_caches(len(request[2]))
+        self._dummy_forward([request], caches)
         del caches
         torch.cuda.synchronize(self.device)
 
