@@ -109,16 +109,12 @@ AVX2_TARGET static inline __attribute__((always_inline)) float fused_row_factore
         const float *p = x + 32 * b;
         __m256 q[4];
         block32_quants_avx2(type, blk, q);
-        __m128 dm;
-        if (type == QTYPE_Q8_0) {
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(blk)));
-        } else {
-            uint32_t header = type == QTYPE_Q4_1 ? 0 : load_u16(blk); /* Q4_0: d only */
-            if (type == QTYPE_Q4_1) memcpy(&header, blk, sizeof header);
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)header));
+        uint32_t header = load_u16(blk); /* d; Q4_1: d and m, the first two halves */
+        if (type == QTYPE_Q4_1) memcpy(&header, blk, sizeof header);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)header));
+        if (type != QTYPE_Q8_0)
             mterm = _mm_fmadd_ps(
                 dm, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(pairs + 2 * b))), mterm);
-        }
         /* q . x over the block in two halves: values 0-7 | 8-15 and 16-23 | 24-31 */
         const __m256 t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(p + 8),
                                           _mm256_mul_ps(q[0], _mm256_loadu_ps(p)));
