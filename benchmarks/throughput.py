@@ -3,14 +3,16 @@
     python benchmarks/throughput.py                      # our engine only
     python benchmarks/throughput.py --hf-baseline        # + transformers generate, same prompts
 
-Random prompts of `--input-len` token ids, `--output-len` tokens each with `ignore_eos`, all
-submitted at once to `LLM.generate`. With `--hf-baseline` the same prompts run through Hugging
-Face `generate` (static batches of `--hf-batch-size`, left-padded, greedy, exactly
-`--output-len` new tokens) in this process, and the ratio is printed. `--single-stream` also
-times one request alone (batch 1) on both. `--repeats N` runs every measurement N times,
-ours and the baseline alternating, and reports medians (shared machines drift by 10-15 %
-between minutes). Peak resident memory is reported for our engine alone (after its first
-run, before the baseline model loads) and for the whole process at the end.
+`--prompts chat` (the default; issue 13's workload): 64 chat questions through the model's chat
+template, ≈ 45-60 tokens each (benchmarks/chat_prompts.py); `--prompts random`: random token
+ids, `--input-len` each (the workload of the figures before 2026-11-26). `--output-len` tokens
+each with `ignore_eos`, all submitted at once to `LLM.generate`. With `--hf-baseline` the same
+prompts run through Hugging Face `generate` (static batches of `--hf-batch-size`, left-padded,
+greedy, exactly `--output-len` new tokens) in this process, and the ratio is printed.
+`--single-stream` also times one request alone (batch 1) on both. `--repeats N` runs every
+measurement N times, ours and the baseline alternating, and reports medians (shared machines
+drift by 10-15 % between minutes). Peak resident memory is reported for our engine alone (after
+its first run, before the baseline model loads) and for the whole process at the end.
 `--quantization Q [Q ...]` runs one engine per value (`auto`, `none`, `gguf`, `int8`; e.g.
 `none gguf` compares fp32 with the GGUF blocks kept quantized), each measured against the
 same baseline in the same run; the first is the one whose peak RSS is reported.
@@ -141,13 +143,13 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pa
     return time.perf_counter() - start
 
 
-def report(name: str, elapsed: float, num: int, input_len: int, output_len: int) -> dict:
+def report(name: str, elapsed: float, num: int, prompt_tokens: int, output_len: int) -> dict:
     result = {
         "name": name,
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": round(num / elapsed, 3),
         "output_tokens_per_s": round(num * output_len / elapsed, 2),
-        "total_tokens_per_s": round(num * (input_len + output_len) / elapsed, 2),
+        "total_tokens_per_s": round((prompt_tokens + num * output_len) / elapsed, 2),
         "peak_rss_mib": round(peak_rss_mib(), 1),
     }
     print(
@@ -163,7 +165,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument(
+        "--prompts",
+        choices=["chat", "random"],
+        default="chat",
+        help="chat questions through the chat template, or random ids of --input-len",
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="with --prompts random")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -233,7 +241,8 @@ def main() -> int:
         if missing is None:
             llamacpp = {
                 "path": gguf_path(args.model),
-                "context_len": args.input_len + args.output_len + 16,
+                # Chat prompts are at most 64 tokens; random ones --input-len.
+                "context_len": max(args.input_len, 64) + args.output_len + 16,
                 "threads": args.llamacpp_threads,
                 "seed": args.seed,
             }
@@ -271,7 +280,17 @@ def main() -> int:
         starts["llama.cpp"] = ready_in_fresh_process("llama.cpp", llamacpp)
         llamacpp = load_llamacpp(**llamacpp)
     config = llm.llm_engine.get_model_config()
-    prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
+    if args.prompts == "chat":
+        from chat_prompts import chat_prompts
+
+        prompts = chat_prompts(config.model_dir, args.num_prompts)
+    else:
+        prompts = make_prompts(args.num_prompts, args.input_len, config.vocab_size, args.seed)
+    lengths = [len(p) for p in prompts]
+    print(
+        f"{len(prompts)} {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens "
+        f"(mean {statistics.mean(lengths):.1f}), {args.output_len} output tokens each"
+    )
     warm_up = make_prompts(2, args.input_len, config.vocab_size, args.seed + 1)
     for llm in llms.values():
         run_engine(llm, warm_up, 4)
@@ -323,7 +342,8 @@ def main() -> int:
     results = []
     for name, runs in times.items():
         num = 1 if "batch 1" in name else args.num_prompts
-        result = report(name, statistics.median(runs), num, args.input_len, args.output_len)
+        prompt_tokens = sum(lengths[:num])
+        result = report(name, statistics.median(runs), num, prompt_tokens, args.output_len)
         result["runs_s"] = [round(t, 3) for t in runs]
         engine_name = name.removesuffix(" batch 1").removesuffix(" sequential")
         if engine_name in starts:
