@@ -83,8 +83,26 @@ def test_allocate_and_free_reference_counts():
     assert blocks[0].ref_cnt == 1 and pool.get_num_free_blocks() == 1
     pool.free_blocks(reversed(blocks))
     assert pool.get_num_free_blocks() == 4 and pool.get_usage() == 0.0
-    # Freed tail first: block 3 (never used), then 2, 1, 0.
-    assert ids(pool.free_block_queue) == [3, 2, 1, 0]
+    # Uncached blocks go to the head as they are freed (2, then 1, then 0): reused before
+    # block 3, never used.
+    assert ids(pool.free_block_queue) == [0, 1, 2, 3]
+
+
+def test_cached_blocks_queue_lru_and_a_reset_turns_the_queue_newest_first():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(3)
+    for i, block in enumerate(blocks):
+        pool.cache_full_block(
+            block, block_hash=i, token_ids=(i,), parent=blocks[i - 1] if i else None
+        )
+    pool.free_blocks(reversed(blocks))
+    # Cached: behind the never-used blocks, the last block first (evicted first among them).
+    assert ids(pool.free_block_queue) == [3, 4, 2, 1, 0]
+    assert pool.reset_prefix_cache()
+    assert not any(block.is_cached for block in pool.blocks)
+    # Nothing is cached any more: the blocks freed last (their pages written) come first.
+    assert ids(pool.free_block_queue) == [0, 1, 2, 4, 3]
+    assert ids(pool.get_new_blocks(2)) == [0, 1]
 
 
 def test_double_free_asserts():

@@ -137,22 +137,23 @@ def test_lru_eviction_and_revival():
     a_ids, b_ids = manager.get_block_ids("a"), manager.get_block_ids("b")
     manager.free(a)
     manager.free(b)
-    # Freed tail first, a before b: the queue head is the block free the longest.
+    # Freed tail first, a before b. The partial last blocks hold nothing cached and go to
+    # the head (reused first, newest first); the full ones queue in LRU order.
     queue = manager.block_pool.free_block_queue
-    assert [blk.block_id for blk in queue] == a_ids[::-1] + b_ids[::-1]
+    assert [blk.block_id for blk in queue] == [b_ids[2], a_ids[2]] + a_ids[1::-1] + b_ids[1::-1]
 
     # b's prompt revives b's two full blocks from the middle of the queue.
     b2 = make_request("b2", range(100, 109))
     hit_blocks, num_hit_tokens, new_blocks = schedule(manager, b2)
     assert [blk.block_id for blk in hit_blocks] == b_ids[:2] and num_hit_tokens == 8
     assert all(blk.ref_cnt == 1 and blk not in queue for blk in hit_blocks)
-    # The new block is the least recently freed one: a's partial last block.
-    assert [blk.block_id for blk in new_blocks] == [a_ids[2]]
+    # The new block is an uncached one from the head: b's partial last block.
+    assert [blk.block_id for blk in new_blocks] == [b_ids[2]]
 
-    # Three more blocks evict a's second block, then a's first, then b's partial block.
+    # Three more blocks take a's partial block, then evict a's second block, then its first.
     c = make_request("c", range(200, 212))
     _, _, new_blocks = schedule(manager, c)
-    assert [blk.block_id for blk in new_blocks] == [a_ids[1], a_ids[0], b_ids[2]]
+    assert [blk.block_id for blk in new_blocks] == [a_ids[2], a_ids[1], a_ids[0]]
     _, num_hit_tokens, _ = schedule(manager, make_request("a2", range(9)))
     assert num_hit_tokens == 0
     assert manager.get_num_free_blocks() == 0
