@@ -140,7 +140,7 @@ def test_lru_eviction_and_revival():
     # Freed tail first, a before b. The partial last blocks hold nothing cached and go to
     # the head (reused first, newest first); the full ones queue in LRU order.
     queue = manager.block_pool.free_block_queue
-    assert [blk.block_id for blk in queue] == [b_ids[2], a_ids[2]] + a_ids[1::-1] + b_ids[1::-1]
+    assert [blk.block_id for blk in queue] == [b_ids[2], a_ids[2], *a_ids[1::-1], *b_ids[1::-1]]
 
     # b's prompt revives b's two full blocks from the middle of the queue.
     b2 = make_request("b2", range(100, 109))
