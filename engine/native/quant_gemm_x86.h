@@ -60,7 +60,7 @@ AVX2_F16C_TARGET static void fill_block32_avx2(float *restrict dst, const uint8_
             for (; i < len; ++i) dst[i] = (float)q[i];
             continue;
         }
-        const int64_t bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_0 ? 18 : 20;
+        const int64_t bb = block_bytes(type);
         for (int64_t b = 0; b < len / 32; ++b) {
             const uint8_t *p = row + (k0 / 32 + b) * bb;
             uint16_t h;
@@ -152,7 +152,7 @@ AVX512_TARGET static void fill_block32_avx512(float *restrict dst, const uint8_t
             for (; i < len; ++i) dst[i] = (float)q[i];
             continue;
         }
-        const int64_t bb = type == QTYPE_Q8_0 ? 34 : type == QTYPE_Q4_0 ? 18 : 20;
+        const int64_t bb = block_bytes(type);
         for (int64_t b = 0; b < len / 32; ++b) {
             const uint8_t *p = row + (k0 / 32 + b) * bb;
             uint16_t h;

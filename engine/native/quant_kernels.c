@@ -56,18 +56,6 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-static inline int64_t block_bytes(int type) {
-    switch (type) {
-    case QTYPE_Q8_0: return 34;
-    case QTYPE_Q4_0: return 18;
-    case QTYPE_Q4_1: return 20;
-    case QTYPE_Q4_K: return 144;
-    case QTYPE_Q6_K: return 210;
-    case QTYPE_F32: return 4;
-    default: return 1;
-    }
-}
-
 #define QLANES 16
 #define ISA(name) name##_portable
 #include "quant_rows.h"

@@ -38,6 +38,19 @@ static inline int64_t omp_id(void) { return 0; }
 #define ISA_AVX2 1
 #define ISA_AVX512 2
 
+/* Bytes of one block of a ggml type (32 values; 256 for the k-quants; F32: one value). */
+static inline int64_t block_bytes(int type) {
+    switch (type) {
+    case QTYPE_Q8_0: return 34;
+    case QTYPE_Q4_0: return 18;
+    case QTYPE_Q4_1: return 20;
+    case QTYPE_Q4_K: return 144;
+    case QTYPE_Q6_K: return 210;
+    case QTYPE_F32: return 4;
+    default: return 1;
+    }
+}
+
 /* The j-th 6-bit (scale, min) pair of a Q4_K super-block's 12 packed bytes. */
 static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
     if (j < 4) {
