@@ -14,28 +14,6 @@
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/* The 32 values of one block as fp32 in w[0..3] (values 0-7, 8-15, 16-23, 24-31): the
- * quants (block32_quants_avx2) times the block's scale; one conversion gives Q4_1's two
- * fp16 scales. */
-AVX2_TARGET static inline __attribute__((always_inline)) void block32_to_ps(int type,
-                                                                          const uint8_t *b,
-                                                                          __m256 w[4]) {
-    block32_quants_avx2(type, b, w);
-    if (type == QTYPE_INT8) return; /* unscaled: the row scale is applied later */
-    if (type == QTYPE_Q4_1) {
-        uint32_t dm_bits; /* d and m: the block's first two halves */
-        memcpy(&dm_bits, b, sizeof dm_bits);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
-        const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-        for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, w[j], m);
-        return;
-    }
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(b)));
-    const __m256 eight = _mm256_set1_ps(8.0f);
-    for (int j = 0; j < 4; ++j) /* Q4_0: d * (q - 8), q - 8 exact in fp32; Q8_0: d * q */
-        w[j] = _mm256_mul_ps(d, type == QTYPE_Q4_0 ? _mm256_sub_ps(w[j], eight) : w[j]);
-}
-
 AVX2_TARGET static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -43,9 +43,9 @@ AVX2_TARGET static void kernel_avx2(float *restrict c, const float *restrict til
 }
 
 /* Values [k0, k0 + len) of the 32-value block types and int8 rows [n0, n1) into dst rows
- * of KC floats (fill_block32_avx512's contract): a block's quants (block32_quants_avx2),
- * scaled, four vectors of 8. The generic row dequantizer this replaces on AVX2 builds
- * turns out ~1.75 values per cycle, 5-14 % of an AVX2 GEMM at 64-128 rows. */
+ * of KC floats (fill_block32_avx512's contract): each block as four vectors of 8
+ * (block32_to_ps, the row kernels' decode). The generic row dequantizer this replaces on
+ * AVX2 builds turns out ~1.75 values per cycle, 5-14 % of an AVX2 GEMM at 64-128 rows. */
 AVX2_F16C_TARGET static void fill_block32_avx2(float *restrict dst, const uint8_t *w,
                                                int64_t row_bytes, int type, int64_t n0,
                                                int64_t n1, int64_t k0, int64_t len) {
@@ -63,23 +63,9 @@ AVX2_F16C_TARGET static void fill_block32_avx2(float *restrict dst, const uint8_
         const int64_t bb = block_bytes(type);
         for (int64_t b = 0; b < len / 32; ++b) {
             const uint8_t *p = row + (k0 / 32 + b) * bb;
-            uint16_t h;
-            memcpy(&h, p, sizeof h);
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
             __m256 v[4];
-            block32_quants_avx2(type, p, v);
-            __m256 m = _mm256_setzero_ps();
-            if (type == QTYPE_Q4_1) {
-                memcpy(&h, p + 2, sizeof h);
-                m = _mm256_set1_ps(_cvtsh_ss(h));
-            }
-            for (int j = 0; j < 4; ++j) {
-                if (type == QTYPE_Q4_0) /* d * (q - 8); q - 8 is exact in fp32 */
-                    v[j] = _mm256_sub_ps(v[j], _mm256_set1_ps(8.0f));
-                v[j] = _mm256_mul_ps(d, v[j]); /* exact: an fp16 scale times a small integer */
-                if (type == QTYPE_Q4_1) v[j] = _mm256_add_ps(v[j], m);
-                _mm256_store_ps(dst + 32 * b + 8 * j, v[j]);
-            }
+            block32_to_ps(type, p, v);
+            for (int j = 0; j < 4; ++j) _mm256_store_ps(dst + 32 * b + 8 * j, v[j]);
         }
     }
 }
