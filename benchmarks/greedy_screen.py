@@ -10,7 +10,8 @@ For each engine (`--quantization`: none = fp32 weights, auto = the default GGUF 
 2. issue 13's offline workload (64 chat prompts, 128 greedy tokens each, `ignore_eos`)
    with the screen on and off in the same engine, alternating, every run on a cold
    prefix cache; the tokens of both must be identical.
-Prints the CPU model and whether the screen runs here (it needs AVX-512 VNNI).
+Prints the CPU model and the kernels' ISA path (`--emulate-isa avx2`: the AVX2 screen on
+an AVX-512 CPU, with torch, MKL and oneDNN capped too).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 
 import torch
 from chat_prompts import chat_prompts
-from throughput import cpu_model
+from throughput import EMULATED_ISA_ENV, cpu_model, reexec_with_isa
 
 from engine import LLM, SamplingParams
 from engine.sample.sampler import native_argmax
@@ -60,15 +61,32 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--emulate-isa",
+        choices=sorted(EMULATED_ISA_ENV),
+        help="run as a CPU with only this ISA (as throughput.py: torch, MKL, oneDNN and the "
+        "native kernels capped)",
+    )
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.emulate_isa:
+        reexec_with_isa(args.emulate_isa)
+    from engine.native.quant import active_isa
+
+    print(
+        f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, ",
+        end="",
+    )
+    print(
+        f"kernels {active_isa().name}"
+        + (f" (capped: {args.emulate_isa})" if args.emulate_isa else "")
+    )
     for quantization in args.quantization:
         llm = LLM(quantization=None if quantization == "none" else quantization)
         model = llm.llm_engine.runner.model
         screen = model.greedy_screen
         name = llm.llm_engine.get_model_config().quantization or "fp32"
         if screen is None:
-            print(f"{name}: no greedy screen here (needs AVX-512 VNNI); nothing to compare")
+            print(f"{name}: no greedy screen here (portable kernels); nothing to compare")
             continue
         prompts = chat_prompts(llm.llm_engine.get_model_config().model_dir, args.num_prompts)
         captured: list[torch.Tensor] = []

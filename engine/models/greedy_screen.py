@@ -6,15 +6,16 @@ proven bound on its error, which rules out every token but a few (1-3 on the def
 model); those are rescored in fp32 against the LM head's own rows (as the model stores
 them: fp32, or GGUF blocks dequantized), and the largest wins, ties to the lowest id as
 `argmax` does. The token is the argmax of the fp32 logits, up to their summation order
-(the same latitude as any two GEMM kernels): the fp32 LM head's arithmetic, at about a
-quarter of its instructions.
+(the same latitude as any two GEMM kernels), for less than half the LM head's time at 64
+rows (docs/benchmarks.md).
 
 The step's sampler (engine/worker/step_sampler.py) sends it the rows that want nothing
 but the argmax: greedy, no logprobs, penalties, biases, allowed or bad words, logits
 processors or grammar, and no min_tokens still banning stop tokens. The model builds one
-after loading (`DecoderForCausalLM.pack_weights`) where the screen runs: AVX-512 VNNI CPUs,
-an fp32 or CPU-quantized LM head, one tensor-parallel rank, and the family's logits the
-plain projection (no soft-capping or scaling after it).
+after loading (`DecoderForCausalLM.pack_weights`) where the screen runs: x86 CPUs with
+AVX2 or AVX-512 (VNNI's byte products where there are), an fp32 or CPU-quantized LM head,
+one tensor-parallel rank, and the family's logits the plain projection (no soft-capping or
+scaling after it).
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@
  *   rows      hq [rows][K] int8, hs [rows][nb], negcorr = -128 * sum(hq) per
  *             block (where each block's int32 sums start)
  *
- * Only where the CPU has AVX-512 VNNI (Ice Lake / Sapphire Rapids, Zen 4 and later) and the
- * quantized kernels run their AVX-512 path: elsewhere the caller keeps the fp32 LM head
- * (without VNNI the byte products cost as many instructions as the fp32 FMAs they replace).
+ * On AVX2 (and AVX-512 without VNNI) the byte products are vpmaddubsw + vpmaddwd + add, 32
+ * per three instructions against 8 per fp32 FMA, with 7-bit activation quants (see the
+ * AVX2 section). The path follows the quantized kernels' (quant_active_isa: forced or
+ * capped too); on the portable path there is no screen and the caller keeps the fp32 head.
  */
 #include <math.h>
 #include <stddef.h>
@@ -43,6 +44,11 @@
 
 #include "quant_types.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* Outside the per-ISA pragmas below, so each intrinsic keeps its own target. */
+#include <immintrin.h>
+#endif
+
 #define SCREEN_NR 16 /* vocabulary rows per group: one zmm of int32 sums */
 #define SCREEN_KB 32 /* values per block: one weight scale, one activation scale */
 #define SCREEN_RT 8  /* activation rows per register tile (8 int32 + 8 fp32 accumulators);
@@ -51,21 +57,26 @@
 /* Floats of one thread's buffer for a dequantized head row (k values, whole lines). */
 static inline int64_t row_floats(int64_t k) { return (k + 15) / 16 * 16; }
 
-int greedy_screen_supported(void) {
+/* The screen's kernels for this CPU and the quantized kernels' active (or forced) path:
+ * AVX-512 VNNI; AVX2 (also on AVX-512 CPUs without VNNI); none on the portable path. */
+static int screen_isa(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     __builtin_cpu_init();
-    return quant_active_isa() == ISA_AVX512 && __builtin_cpu_supports("avx512vnni");
-#else
-    return 0;
+    const int isa = quant_active_isa();
+    if (isa == ISA_AVX512 && __builtin_cpu_supports("avx512vnni")) return ISA_AVX512;
+    if (isa == ISA_AVX512 || isa == ISA_AVX2) return ISA_AVX2;
 #endif
+    return ISA_PORTABLE;
 }
 
+int greedy_screen_supported(void) { return screen_isa() != ISA_PORTABLE; }
+
 /* Quantizes row r of h (k values, k a multiple of 32, row stride ld) into hq / hs /
- * negcorr and writes the bound's row factors hn and hen (the latter with the fp32 rounding
- * slack of a). Returns 1 when a value is not finite (the caller falls back to the fp32
- * logits), else 0. */
+ * negcorr, quants in [-qmax, qmax], and writes the bound's row factors hn and hen (the
+ * latter with the fp32 rounding slack of a). Returns 1 when a value is not finite (the
+ * caller falls back to the fp32 logits), else 0. */
 static int prepare_row(int8_t *hq, float *hs, int32_t *negcorr, float *hn, float *hen,
-                       const float *h, int64_t ld, int64_t r, int64_t k) {
+                       const float *h, int64_t ld, int64_t r, int64_t k, int qmax) {
     const int64_t nb = k / SCREEN_KB;
     /* Rounding of a: each product wd * hs * int, and the sum over nb blocks, in fp32; each
      * term is at most |Wq_b| |Hq_b|. Generous: K + nb + 8 roundings of 2^-24 each. */
@@ -83,12 +94,12 @@ static int prepare_row(int8_t *hq, float *hs, int32_t *negcorr, float *hn, float
                 if (!(v <= 3.0e38f)) bad = 1; /* inf or NaN */
                 amax = v > amax ? v : amax;
             }
-            const float s = amax / 127.0f;
+            const float s = amax / (float)qmax;
             const float inv = s > 0.0f ? 1.0f / s : 0.0f;
             int32_t sum = 0;
             for (int i = 0; i < SCREEN_KB; ++i) {
                 float t = nearbyintf(xb[i] * inv);
-                t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
+                t = t > (float)qmax ? (float)qmax : (t < (float)-qmax ? (float)-qmax : t);
                 const int32_t p = bad ? 0 : (int32_t)t;
                 q[b * SCREEN_KB + i] = (int8_t)p;
                 sum += p;
@@ -110,7 +121,6 @@ static int prepare_row(int8_t *hq, float *hs, int32_t *negcorr, float *hn, float
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
-#include <immintrin.h>
 
 static inline __m512i bcast_quad(const int8_t *p) {
     int32_t v;
@@ -231,9 +241,138 @@ static int64_t rescore_avx512(int32_t *count, const float *h, const float *a, fl
     return best;
 }
 #pragma GCC pop_options
-#define SCREEN_HAVE_VNNI 1
+
+/* ---- AVX2 ---------------------------------------------------------------------------- */
+/* vpmaddubsw multiplies unsigned by signed bytes into 16-bit pair sums that saturate past
+ * 32767: with the weight as q + 128 (up to 255) the activation quants stay within +-63
+ * (2 * 255 * 63 = 32130), one bit fewer than on VNNI, which the bound accounts for. A
+ * group's 16 tokens go as two halves of 8 (one ymm of int32 sums each). */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+#define SCREEN_RT_AVX2 4 /* rows per tile: 8 ymm of int32 sums (two halves of 16 tokens) */
+
+static inline __attribute__((always_inline)) void
+tile_avx2(const int RT, int64_t r0, float *a, int64_t a_ld, float *tmax, const int8_t *hq,
+          const float *hs, const int32_t *negcorr, const float *hn, const float *hen, int64_t k,
+          const uint8_t *wq, const float *wd, const float *wen, const float *wqn,
+          const float *pad) {
+    const int64_t nb = k / SCREEN_KB;
+    const __m256i ones = _mm256_set1_epi16(1);
+    /* fp32 sums in L1 (16 registers hold the int32 ones and the operands) */
+    __m256 acc[SCREEN_RT_AVX2][2];
+    for (int i = 0; i < RT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i lo[SCREEN_RT_AVX2], hi[SCREEN_RT_AVX2];
+        for (int i = 0; i < RT; ++i)
+            lo[i] = hi[i] = _mm256_set1_epi32(negcorr[(r0 + i) * nb + b]);
+        const uint8_t *wb = wq + b * (SCREEN_KB * SCREEN_NR);
+        const int8_t *xb = hq + r0 * k + b * SCREEN_KB;
+        for (int k4 = 0; k4 < SCREEN_KB / 4; ++k4) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + 64 * k4));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + 64 * k4 + 32));
+            for (int i = 0; i < RT; ++i) {
+                int32_t xq;
+                memcpy(&xq, xb + i * k + 4 * k4, sizeof xq);
+                const __m256i x = _mm256_set1_epi32(xq);
+                const __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
+                lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(p0, ones));
+                hi[i] = _mm256_add_epi32(hi[i], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const __m256 d0 = _mm256_loadu_ps(wd + b * SCREEN_NR);
+        const __m256 d1 = _mm256_loadu_ps(wd + b * SCREEN_NR + 8);
+        for (int i = 0; i < RT; ++i) {
+            const __m256 s = _mm256_set1_ps(hs[(r0 + i) * nb + b]);
+            const __m256 s0 = _mm256_mul_ps(d0, s), s1 = _mm256_mul_ps(d1, s);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[i]), s0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[i]), s1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < RT; ++i) {
+        const int64_t r = r0 + i;
+        for (int half = 0; half < 2; ++half) {
+            _mm256_storeu_ps(a + r * a_ld + 8 * half, acc[i][half]);
+            const __m256 vwqn = _mm256_loadu_ps(wqn + 8 * half);
+            const __m256 vwen = _mm256_loadu_ps(wen + 8 * half);
+            const __m256 bound = _mm256_fmadd_ps(_mm256_set1_ps(hn[r]), vwen,
+                                                 _mm256_mul_ps(_mm256_set1_ps(hen[r]), vwqn));
+            const __m256 lower = _mm256_add_ps(_mm256_sub_ps(acc[i][half], bound),
+                                               _mm256_loadu_ps(pad + 8 * half));
+            float *t = tmax + r * SCREEN_NR + 8 * half;
+            _mm256_storeu_ps(t, _mm256_max_ps(_mm256_loadu_ps(t), lower));
+        }
+    }
+}
+
+static void scores_group_avx2(float *a, int64_t a_ld, float *tmax, const int8_t *hq,
+                              const float *hs, const int32_t *negcorr, const float *hn,
+                              const float *hen, int64_t rows, int64_t k, const uint8_t *wq,
+                              const float *wd, const float *wen, const float *wqn,
+                              const float *pad) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= rows; r0 += 4)
+        tile_avx2(4, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, wen, wqn, pad);
+    if (r0 + 2 <= rows) {
+        tile_avx2(2, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, wen, wqn, pad);
+        r0 += 2;
+    }
+    if (r0 < rows)
+        tile_avx2(1, r0, a, a_ld, tmax, hq, hs, negcorr, hn, hen, k, wq, wd, wen, wqn, pad);
+}
+
+static float dot_avx2(const float *a, const float *b, int64_t k) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    float sum = 0.0f;
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+    for (; i < k; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+/* rescore_avx512's contract, 8 tokens at a time. */
+static int64_t rescore_avx2(int32_t *count, const float *h, const float *a, float hn, float hen,
+                            float threshold, const float *wen, const float *wqn, int64_t vocab,
+                            const uint8_t *w, int64_t row_bytes, const float *scales, int type,
+                            int64_t k, float *row) {
+    int64_t best = -1, n_candidates = 0;
+    float best_logit = 0.0f;
+    const __m256 vhn = _mm256_set1_ps(hn), vhen = _mm256_set1_ps(hen);
+    const __m256 t = _mm256_set1_ps(threshold);
+    for (int64_t n0 = 0; n0 < vocab; n0 += 8) {
+        const int64_t left = vocab - n0;
+        const unsigned valid = left >= 8 ? 0xFFu : (1u << left) - 1;
+        const __m256 bound = _mm256_fmadd_ps(
+            vhn, _mm256_loadu_ps(wen + n0), _mm256_mul_ps(vhen, _mm256_loadu_ps(wqn + n0)));
+        const __m256 upper = _mm256_add_ps(_mm256_loadu_ps(a + n0), bound);
+        unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(upper, t, _CMP_GE_OQ)) & valid;
+        while (mask) {
+            const int64_t n = n0 + __builtin_ctz(mask);
+            mask &= mask - 1;
+            const float *exact = (const float *)(const void *)(w + n * row_bytes);
+            if (type != QTYPE_F32) {
+                quant_dequantize_block(row, k, w, row_bytes, type, n, n + 1, 0, k);
+                exact = row;
+            }
+            float logit = dot_avx2(h, exact, k);
+            if (scales != NULL) logit *= scales[n];
+            if (best < 0 || logit > best_logit) best = n, best_logit = logit;
+            ++n_candidates;
+        }
+    }
+    *count = (int32_t)n_candidates;
+    return best;
+}
+#pragma GCC pop_options
+#define SCREEN_HAVE_X86 1
 #else
-#define SCREEN_HAVE_VNNI 0
+#define SCREEN_HAVE_X86 0
 #endif
 
 /* tokens[r] = the argmax over n < vocab of the head's fp32 logit W[n] . h[r] (ties: the
@@ -250,9 +389,11 @@ int greedy_screen_argmax(int64_t *tokens, int32_t *counts, const float *h, int64
                          const uint8_t *w, int64_t row_bytes, const float *scales, int type,
                          int64_t vocab, int num_threads) {
     if (rows <= 0) return 0;
-    if (!greedy_screen_supported()) return -2;
-#if SCREEN_HAVE_VNNI
+    const int isa = screen_isa();
+    if (isa == ISA_PORTABLE) return -2;
+#if SCREEN_HAVE_X86
     if (num_threads < 1) num_threads = 1;
+    const int vnni = isa == ISA_AVX512;
     const int64_t nb = k_padded / SCREEN_KB, groups = (vocab + SCREEN_NR - 1) / SCREEN_NR;
     const int64_t a_ld = groups * SCREEN_NR;
     int8_t *hq = aligned_alloc(64, (size_t)((rows * k_padded + 63) / 64 * 64));
@@ -274,14 +415,14 @@ int greedy_screen_argmax(int64_t *tokens, int32_t *counts, const float *h, int64
             float *row = row_bufs + id * row_floats(k);
 #pragma omp for schedule(static) reduction(| : bad)
             for (int64_t r = 0; r < rows; ++r)
-                bad |= prepare_row(hq, hs, negcorr, hn, hen, h, ld, r, k_padded);
+                bad |= prepare_row(hq, hs, negcorr, hn, hen, h, ld, r, k_padded, vnni ? 127 : 63);
             if (!bad) {
 #pragma omp for schedule(dynamic, 8)
                 for (int64_t g = 0; g < groups; ++g)
-                    scores_group_avx512(a + g * SCREEN_NR, a_ld, mine, hq, hs, negcorr, hn, hen,
-                                        rows, k_padded, wq + g * nb * SCREEN_KB * SCREEN_NR,
-                                        wd + g * nb * SCREEN_NR, wen + g * SCREEN_NR,
-                                        wqn + g * SCREEN_NR, pad + g * SCREEN_NR);
+                    (vnni ? scores_group_avx512 : scores_group_avx2)(
+                        a + g * SCREEN_NR, a_ld, mine, hq, hs, negcorr, hn, hen, rows, k_padded,
+                        wq + g * nb * SCREEN_KB * SCREEN_NR, wd + g * nb * SCREEN_NR,
+                        wen + g * SCREEN_NR, wqn + g * SCREEN_NR, pad + g * SCREEN_NR);
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t r = 0; r < rows; ++r) {
                     float threshold = -INFINITY;
@@ -291,9 +432,9 @@ int greedy_screen_argmax(int64_t *tokens, int32_t *counts, const float *h, int64
                             threshold = v > threshold ? v : threshold;
                         }
                     int32_t count;
-                    tokens[r] = rescore_avx512(&count, h + r * ld, a + r * a_ld, hn[r], hen[r],
-                                               threshold, wen, wqn, vocab, w, row_bytes, scales,
-                                               type, k, row);
+                    tokens[r] = (vnni ? rescore_avx512 : rescore_avx2)(
+                        &count, h + r * ld, a + r * a_ld, hn[r], hen[r], threshold, wen, wqn,
+                        vocab, w, row_bytes, scales, type, k, row);
                     if (counts != NULL) counts[r] = count;
                 }
             }

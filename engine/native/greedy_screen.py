@@ -93,12 +93,13 @@ def pack_lm_head(
 
 
 class ScreenUnavailable(RuntimeError):
-    """This CPU (or the forced kernel ISA) has no screen, or a row is not finite."""
+    """This CPU (or the forced kernel path) has no screen, or a row is not finite."""
 
 
 def supported() -> bool:
-    """Whether the screen runs here: AVX-512 VNNI, and the quantized kernels' AVX-512 path
-    (so capping them, e.g. `--emulate-isa avx2`, turns it off too)."""
+    """Whether the screen runs here: on the quantized kernels' AVX-512 path with VNNI, or
+    their AVX2 path (also AVX-512 without VNNI); not on the portable one (the path follows
+    `PAGEDSERVE_QUANT_ISA` / `quant.set_isa`)."""
     return bool(_lib().greedy_screen_supported())
 
 

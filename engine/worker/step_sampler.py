@@ -92,12 +92,20 @@ class StepSampler:
             argmax    a0 a1 a2 a3        a_i: the greedy token after input position i
             accepted  d0 d1 while d_i == a_i; output = accepted drafts + the next a_i
 
-        So the output is exactly what greedy decoding one token at a time produces.
+        So the output is exactly what greedy decoding one token at a time produces. Without
+        grammar masks the argmaxes come from the model's greedy screen where it has one
+        (engine/models/greedy_screen.py), as plain greedy rows' tokens do.
         """
         index = self._draft_index(rows, inputs)
-        logits = self.runner.model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
-        logits = _mask_drafts(logits, [batch[i] for i in rows])
-        argmax = logits.argmax(dim=-1).tolist()
+        model = self.runner.model
+        tokens = None
+        if all(_matcher(batch[i].request) is None for i in rows):  # no grammar masks
+            greedy_argmax = getattr(model, "greedy_argmax", None)
+            tokens = None if greedy_argmax is None else greedy_argmax(hidden[index])
+        if tokens is None:
+            logits = model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
+            tokens = _mask_drafts(logits, [batch[i] for i in rows]).argmax(dim=-1)
+        argmax = tokens.tolist()
         offset = 0
         for i in rows:
             entry = batch[i]

@@ -1,7 +1,7 @@
-"""The greedy screen (engine/native/greedy_screen.c, engine/models/greedy_screen.py): every
-row's candidates hold the exact argmax, and the screen's argmax is that of the fp32 logits,
-over odd shapes, outlier activations, near and exact ties, Q8_0-exact heads, rows that are
-not finite, candidate overflow, and the ISA cap that turns it off."""
+"""The greedy screen (engine/native/greedy_screen.c, engine/models/greedy_screen.py): its
+argmax is that of the fp32 logits over odd shapes, outlier activations, near and exact
+ties, Q8_0-exact and other quantized heads, rows that are not finite, every token a
+candidate, each ISA path; and the portable path has none."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _supported() -> bool:
 
 needs_screen = pytest.mark.skipif(
     not native_kernels_available() or not _supported(),
-    reason="the greedy screen needs AVX-512 VNNI (this CPU or build has none)",
+    reason="the greedy screen needs x86 AVX2 or AVX-512 kernels (this CPU or build has none)",
 )
 
 
@@ -155,12 +155,12 @@ def test_quantized_heads_rescore_against_their_own_rows(qtype):
 
 
 @needs_screen
-def test_capping_the_kernels_below_avx512_turns_the_screen_off():
+def test_portable_kernels_have_no_screen():
     from engine.native import greedy_screen, quant
 
     weight = torch.randn(50, 32)
     screen = _screen(weight)
-    quant.set_isa(quant.Isa.AVX2)
+    quant.set_isa(quant.Isa.PORTABLE)
     try:
         assert not greedy_screen.supported()
         with pytest.raises(greedy_screen.ScreenUnavailable):
@@ -169,6 +169,31 @@ def test_capping_the_kernels_below_avx512_turns_the_screen_off():
         # An engine's screen built before the cap falls back to its full logits.
         hidden = torch.randn(2, 32)
         assert screen.argmax(hidden).tolist() == (hidden @ weight.T).argmax(-1).tolist()
+    finally:
+        quant.set_isa(None)
+
+
+@needs_screen
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 21, 64])
+def test_every_isa_path_gives_the_exact_argmax(rows):
+    """Each path the CPU runs (AVX2's 7-bit activations, AVX-512 VNNI's 8-bit), forced in
+    turn, over row counts that hit every tile height."""
+    from engine.native import greedy_screen, quant
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1500, 96, generator=gen) * 0.05
+    hidden = torch.randn(rows, 96, generator=gen)
+    hidden[:, 3] *= 30.0
+    exact = _exact_argmax(hidden, weight)
+    screen = _screen(weight)
+    paths = [isa for isa in quant.available_isas() if isa != quant.Isa.PORTABLE]
+    try:
+        for isa in paths:
+            quant.set_isa(isa)
+            assert greedy_screen.supported()
+            tokens, counts = greedy_screen.screen_argmax(screen.weights, screen.head, hidden)
+            assert torch.equal(tokens, exact), isa
+            assert bool((counts >= 1).all()), isa
     finally:
         quant.set_isa(None)
 
