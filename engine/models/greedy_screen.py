@@ -2,12 +2,12 @@
 
 A greedy row needs only the argmax of its logits, not all of them. The screen
 (engine/native/greedy_screen.c) computes every logit of a row in 8-bit arithmetic with a
-proven bound on its error, which rules out every token but a few (1-3 on the default
-model); those are rescored in fp32 against the LM head's own rows (as the model stores
-them: fp32, or GGUF blocks dequantized), and the largest wins, ties to the lowest id as
-`argmax` does. The token is the argmax of the fp32 logits, up to their summation order
-(the same latitude as any two GEMM kernels), for less than half the LM head's time at 64
-rows (docs/benchmarks.md).
+proven bound on its error, which rules out every token but a few (3.4 a row on average on
+the default model with VNNI, 14 on AVX2); those are rescored in fp32 against the LM head's
+own rows (as the model stores them: fp32, or GGUF blocks dequantized), and the largest
+wins, ties to the lowest id as `argmax` does. The token is the argmax of the fp32 logits,
+up to their summation order (the same latitude as any two GEMM kernels), for less than
+half the LM head's time at 64 rows with VNNI (docs/benchmarks.md).
 
 The step's sampler (engine/worker/step_sampler.py) sends it the rows that want nothing
 but the argmax: greedy, no logprobs, penalties, biases, allowed or bad words, logits
@@ -48,10 +48,16 @@ class GreedyScreen:
     ) -> GreedyScreen | None:
         """The screen of `head` ([vocab, hidden] in any storage of engine.native.quant), or
         None where this CPU has none. `full_logits` serves the rows the screen cannot
-        (hidden states that are not finite, the kernels capped below AVX-512 later)."""
+        (hidden states that are not finite, the kernels forced to the portable path later)."""
         if not native_screen.supported():
             return None
-        weights = native_screen.pack_lm_head(head.dequantize, head.out_features, head.in_features)
+        try:
+            weights = native_screen.pack_lm_head(
+                head.dequantize, head.out_features, head.in_features
+            )
+        except ValueError as error:  # a head that is not finite: its logits say so as before
+            logger.warning("No greedy screen: %s", error)
+            return None
         logger.info("Greedy screen: LM head packed to 8 bits (%.1f MiB).", weights.nbytes / 2**20)
         return cls(weights, head, full_logits)
 

@@ -115,6 +115,13 @@ def test_all_negative_logits_never_pick_padding():
 
 
 @needs_screen
+def test_a_head_that_is_not_finite_gets_no_screen():
+    weight = torch.randn(40, 32)
+    weight[3, 7] = float("inf")
+    assert GreedyScreen.build(fp32_weight(weight), lambda h: h @ weight.T) is None
+
+
+@needs_screen
 def test_rows_that_are_not_finite_take_the_full_logits():
     weight = torch.randn(100, 32)
     hidden = torch.randn(3, 32)
