@@ -32,21 +32,10 @@ class StepSampler:
         output: ModelRunnerOutput,
     ) -> None:
         index = self._last_token_index(rows, inputs)
-        model = self.runner.model
-        if getattr(model, "greedy_screen", None) is not None:
-            # Rows that want only the argmax skip the fp32 LM head (models/greedy_screen.py).
-            plain = [j for j, i in enumerate(rows) if wants_argmax_only(batch[i].request)]
-            if plain:
-                tokens = model.greedy_argmax(hidden[index[plain]])
-                if tokens is not None:
-                    for j, token in zip(plain, tokens.tolist()):
-                        output.sampled_token_ids[batch[rows[j]].request_id] = token
-                    if len(plain) == len(rows):
-                        return
-                    chosen = set(plain)
-                    index = index[[j for j in range(len(rows)) if j not in chosen]]
-                    rows = [i for j, i in enumerate(rows) if j not in chosen]
-        logits = model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
+        rows, index = self._sample_argmax_rows(batch, rows, index, hidden, output)
+        if not rows:
+            return
+        logits = self.runner.model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
         entries = [batch[i] for i in rows]
         metadata = SamplingMetadata.build(
             [
@@ -77,6 +66,32 @@ class StepSampler:
                 output.logprobs[entry.request_id] = LogprobsLists(
                     [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
                 )
+
+    def _sample_argmax_rows(
+        self,
+        batch: list[ScheduledRequest],
+        rows: list[int],
+        index: torch.Tensor,  # [len(rows)]: each row's hidden state
+        hidden: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> tuple[list[int], torch.Tensor]:
+        """Samples the rows that want only the argmax through the model's greedy screen,
+        skipping the fp32 LM head (models/greedy_screen.py); returns the other rows and
+        their index, for the logits and the sampler."""
+        model = self.runner.model
+        if getattr(model, "greedy_screen", None) is None:
+            return rows, index
+        plain = [j for j, i in enumerate(rows) if wants_argmax_only(batch[i].request)]
+        if not plain:
+            return rows, index
+        every_row = len(plain) == len(rows)
+        tokens = model.greedy_argmax(hidden[index if every_row else index[plain]])
+        if tokens is None:
+            return rows, index
+        for j, token in zip(plain, tokens.tolist()):
+            output.sampled_token_ids[batch[rows[j]].request_id] = token
+        rest = sorted(set(range(len(rows))) - set(plain))
+        return [rows[j] for j in rest], index[rest]
 
     def verify_drafts(
         self,
