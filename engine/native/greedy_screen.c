@@ -118,6 +118,33 @@ static int prepare_row(int8_t *hq, float *hs, int32_t *negcorr, float *hn, float
     return bad;
 }
 
+/* A row's rescore: each candidate's exact fp32 logit against the head's own row. */
+typedef struct {
+    const float *h;       /* the row's hidden state, k values */
+    const uint8_t *w;     /* the head: rows of row_bytes in `type` (QTYPE_F32: fp32) */
+    int64_t row_bytes, k;
+    const float *scales;  /* int8 row scales, else NULL */
+    int type;
+    float *row;           /* k floats for a dequantized head row */
+    int64_t best, count;  /* the best candidate so far (-1: none yet), candidates seen */
+    float best_logit;
+} rescore_t;
+
+/* Candidate n: its logit W[n] . h (`dot`: the ISA's fp32 dot product), kept when it beats
+ * the best so far; candidates come in vocabulary order, so ties keep the lowest id. */
+static void rescore_candidate(rescore_t *s, int64_t n,
+                              float (*dot)(const float *, const float *, int64_t)) {
+    const float *exact = (const float *)(const void *)(s->w + n * s->row_bytes);
+    if (s->type != QTYPE_F32) {
+        quant_dequantize_block(s->row, s->k, s->w, s->row_bytes, s->type, n, n + 1, 0, s->k);
+        exact = s->row;
+    }
+    float logit = dot(s->h, exact, s->k);
+    if (s->scales != NULL) logit *= s->scales[n];
+    if (s->best < 0 || logit > s->best_logit) s->best = n, s->best_logit = logit;
+    ++s->count;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -205,15 +232,9 @@ static float dot_avx512(const float *a, const float *b, int64_t k) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/* Row r's token: every n < vocab with a + bound >= threshold is a candidate, rescored in
- * fp32 against the head's own row n (dequantized into `row` unless it is fp32); the
- * largest wins, ties to the lowest id. `*count` gets the number of candidates. */
-static int64_t rescore_avx512(int32_t *count, const float *h, const float *a, float hn,
-                              float hen, float threshold, const float *wen, const float *wqn,
-                              int64_t vocab, const uint8_t *w, int64_t row_bytes,
-                              const float *scales, int type, int64_t k, float *row) {
-    int64_t best = -1, n_candidates = 0;
-    float best_logit = 0.0f;
+/* Row r's candidates: every n < vocab with a + bound >= threshold, rescored in order. */
+static void rescore_avx512(rescore_t *s, const float *a, float hn, float hen, float threshold,
+                           const float *wen, const float *wqn, int64_t vocab) {
     const __m512 vhn = _mm512_set1_ps(hn), vhen = _mm512_set1_ps(hen);
     const __m512 t = _mm512_set1_ps(threshold);
     for (int64_t n0 = 0; n0 < vocab; n0 += SCREEN_NR) {
@@ -223,22 +244,8 @@ static int64_t rescore_avx512(int32_t *count, const float *h, const float *a, fl
             vhn, _mm512_loadu_ps(wen + n0), _mm512_mul_ps(vhen, _mm512_loadu_ps(wqn + n0)));
         const __m512 upper = _mm512_add_ps(_mm512_loadu_ps(a + n0), bound);
         unsigned mask = _mm512_mask_cmp_ps_mask(valid, upper, t, _CMP_GE_OQ);
-        while (mask) {
-            const int64_t n = n0 + __builtin_ctz(mask);
-            mask &= mask - 1;
-            const float *exact = (const float *)(const void *)(w + n * row_bytes);
-            if (type != QTYPE_F32) {
-                quant_dequantize_block(row, k, w, row_bytes, type, n, n + 1, 0, k);
-                exact = row;
-            }
-            float logit = dot_avx512(h, exact, k);
-            if (scales != NULL) logit *= scales[n];
-            if (best < 0 || logit > best_logit) best = n, best_logit = logit;
-            ++n_candidates;
-        }
+        for (; mask; mask &= mask - 1) rescore_candidate(s, n0 + __builtin_ctz(mask), dot_avx512);
     }
-    *count = (int32_t)n_candidates;
-    return best;
 }
 #pragma GCC pop_options
 
@@ -337,12 +344,8 @@ static float dot_avx2(const float *a, const float *b, int64_t k) {
 }
 
 /* rescore_avx512's contract, 8 tokens at a time. */
-static int64_t rescore_avx2(int32_t *count, const float *h, const float *a, float hn, float hen,
-                            float threshold, const float *wen, const float *wqn, int64_t vocab,
-                            const uint8_t *w, int64_t row_bytes, const float *scales, int type,
-                            int64_t k, float *row) {
-    int64_t best = -1, n_candidates = 0;
-    float best_logit = 0.0f;
+static void rescore_avx2(rescore_t *s, const float *a, float hn, float hen, float threshold,
+                         const float *wen, const float *wqn, int64_t vocab) {
     const __m256 vhn = _mm256_set1_ps(hn), vhen = _mm256_set1_ps(hen);
     const __m256 t = _mm256_set1_ps(threshold);
     for (int64_t n0 = 0; n0 < vocab; n0 += 8) {
@@ -352,22 +355,8 @@ static int64_t rescore_avx2(int32_t *count, const float *h, const float *a, floa
             vhn, _mm256_loadu_ps(wen + n0), _mm256_mul_ps(vhen, _mm256_loadu_ps(wqn + n0)));
         const __m256 upper = _mm256_add_ps(_mm256_loadu_ps(a + n0), bound);
         unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(upper, t, _CMP_GE_OQ)) & valid;
-        while (mask) {
-            const int64_t n = n0 + __builtin_ctz(mask);
-            mask &= mask - 1;
-            const float *exact = (const float *)(const void *)(w + n * row_bytes);
-            if (type != QTYPE_F32) {
-                quant_dequantize_block(row, k, w, row_bytes, type, n, n + 1, 0, k);
-                exact = row;
-            }
-            float logit = dot_avx2(h, exact, k);
-            if (scales != NULL) logit *= scales[n];
-            if (best < 0 || logit > best_logit) best = n, best_logit = logit;
-            ++n_candidates;
-        }
+        for (; mask; mask &= mask - 1) rescore_candidate(s, n0 + __builtin_ctz(mask), dot_avx2);
     }
-    *count = (int32_t)n_candidates;
-    return best;
 }
 #pragma GCC pop_options
 #define SCREEN_HAVE_X86 1
@@ -431,11 +420,11 @@ int greedy_screen_argmax(int64_t *tokens, int32_t *counts, const float *h, int64
                             const float v = tmax[(t * rows + r) * SCREEN_NR + j];
                             threshold = v > threshold ? v : threshold;
                         }
-                    int32_t count;
-                    tokens[r] = (vnni ? rescore_avx512 : rescore_avx2)(
-                        &count, h + r * ld, a + r * a_ld, hn[r], hen[r], threshold, wen, wqn,
-                        vocab, w, row_bytes, scales, type, k, row);
-                    if (counts != NULL) counts[r] = count;
+                    rescore_t state = {h + r * ld, w, row_bytes, k, scales, type, row, -1, 0, 0.0f};
+                    (vnni ? rescore_avx512 : rescore_avx2)(&state, a + r * a_ld, hn[r], hen[r],
+                                                           threshold, wen, wqn, vocab);
+                    tokens[r] = state.best;
+                    if (counts != NULL) counts[r] = (int32_t)state.count;
                 }
             }
         }
