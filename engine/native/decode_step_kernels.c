@@ -31,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_types.h" /* omp_threads / omp_id */
+#include "quant_types.h" /* omp_threads / omp_id, quant_linear_range */
 
 /* Exported by cpu_kernels.c and quant_kernels.c (the same shared library). */
 void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride,
@@ -52,9 +52,6 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
                                      int64_t head_dim, int64_t block_size, int64_t max_len,
                                      int64_t window, float scale, float cap, int64_t threads,
                                      float *partials, int64_t kv_dtype);
-void quant_linear_range(float *out, int64_t out_stride, const float *x, int64_t x_stride,
-                        int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
-                        int type, int64_t n0, int64_t n1, int64_t k, float *wbuf);
 
 #define MAX_PARTS 3
 #define PART_FIELDS 5

@@ -70,4 +70,10 @@ int quant_active_isa(void);
 void quant_dequantize_block(float *out, int64_t ld, const uint8_t *w, int64_t row_bytes,
                             int type, int64_t n0, int64_t n1, int64_t k0, int64_t len);
 
+/* out[r * out_stride + n] = scales[n] (or 1) * W[n] . x[r] for n in [n0, n1), r < rows, on
+ * the calling thread (quant_kernels.c); wbuf: k floats rounded up to 16, 64-byte aligned. */
+void quant_linear_range(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                        int64_t rows, const uint8_t *w, int64_t row_bytes, const float *scales,
+                        int type, int64_t n0, int64_t n1, int64_t k, float *wbuf);
+
 #endif
