@@ -5,11 +5,13 @@ at the first divergence) across chunked prefill, prefix-cache hits and preemptio
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import math
+import mmap
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -119,21 +121,38 @@ def test_engine_blocks_follow_max_num_seqs_times_max_model_len(tiny, monkeypatch
     assert runner.num_blocks == 7
 
 
+def _resident_bytes(address: int, nbytes: int) -> int | None:
+    """Bytes of [address, address + nbytes) backed by memory now (mincore), None if unmapped.
+
+    The mapping's own pages, not the process's RSS: other threads and the allocator move
+    the RSS by megabytes between two reads (a CI run saw 4 MiB written grow it by 3)."""
+    page = mmap.PAGESIZE
+    pages = -(-nbytes // page)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vector) != 0:
+        assert ctypes.get_errno() == errno.ENOMEM
+        return None
+    return sum(byte & 1 for byte in vector) * page
+
+
 def test_large_16_bit_cache_is_not_resident_until_written():
-    process = psutil.Process()
     shape = (2, 8192, 16, 4, 64)  # 128 MiB of bf16
-    before = process.memory_info().rss
     cache = lazily_zeroed(shape, torch.bfloat16)
     assert cache.dtype == torch.bfloat16 and cache.shape == shape and cache.is_contiguous()
-    assert process.memory_info().rss - before < 16 * MiB
+    address, nbytes = cache.data_ptr(), cache.numel() * cache.element_size()
+    assert address % mmap.PAGESIZE == 0
+    assert _resident_bytes(address, nbytes) == 0
     assert not cache[0, :64].any() and not cache[1, -64:].any()
     cache[0, :512].fill_(1.5)  # 4 MiB of blocks written
-    grown = process.memory_info().rss - before
-    assert 4 * MiB <= grown < 24 * MiB
+    resident = _resident_bytes(address, nbytes)
+    # The written 4 MiB, plus the 64 rows of 8 KiB read at the end (mapped to the zero page).
+    assert 4 * MiB <= resident <= 4 * MiB + 64 * 8 * 1024
     assert cache[0, :512].eq(1.5).all() and not cache[0, 512:600].any()
     del cache
     gc.collect()
-    assert process.memory_info().rss - before < 16 * MiB
+    assert _resident_bytes(address, nbytes) is None  # unmapped with the tensor
 
 
 # ---- tokens against the fp32 cache -------------------------------------------------------
