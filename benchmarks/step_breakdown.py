@@ -9,7 +9,9 @@ pure decode steps (after the prefill steps) split by module: the projections
 (`Linear.forward`), attention (the backend's KV write + attention), the LM head
 (`compute_logits`), the norms, SiLU-and-mul, and the rest (rotary, sampling, the
 scheduler, Python; and the whole layer stack where a step of 1..8 rows takes the native
-whole-step path). Each module's method is wrapped by a timer for the run, which adds a
+whole-step path). The LM head counts `compute_logits` and, for the greedy rows that take
+the greedy screen instead, `greedy_argmax`. `--emulate-isa avx2` runs it as an AVX2-only
+CPU (throughput.py's cap). Each module's method is wrapped by a timer for the run, which adds a
 few microseconds per call. Prints the CPU model.
 """
 
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from throughput import EMULATED_ISA_ENV, cpu_model, reexec_with_isa
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import SplitAttentionBackend
@@ -34,6 +37,7 @@ _PARTS = (
     (Linear, "forward", "projections"),
     (SplitAttentionBackend, "forward", "attention"),
     (DecoderForCausalLM, "compute_logits", "LM head"),
+    (DecoderForCausalLM, "greedy_argmax", "LM head"),
     (RMSNorm, "forward", "norms"),
     (SiluAndMul, "forward", "SiLU"),
 )
@@ -108,8 +112,15 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--emulate-isa",
+        choices=sorted(EMULATED_ISA_ENV),
+        help="run as a CPU with only this ISA (as throughput.py: torch, MKL, oneDNN and the "
+        "native kernels capped)",
+    )
     args = parser.parse_args()
-    from throughput import cpu_model
+    if args.emulate_isa:
+        reexec_with_isa(args.emulate_isa)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()}")
     for quantization in args.quantization:
