@@ -23,7 +23,7 @@ import time
 
 import torch
 from chat_prompts import chat_prompts
-from throughput import EMULATED_ISA_ENV, cpu_model, reexec_with_isa
+from throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 
 from engine import LLM, SamplingParams
 from engine.sample.sampler import native_argmax
@@ -39,8 +39,9 @@ def _generate(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[floa
 
 
 def _head_alone(model, hidden: torch.Tensor, repeats: int) -> None:
-    for rows in (1, 16, 64):
-        h = hidden[:rows].contiguous()
+    for wanted in (1, 16, 64):
+        h = hidden[:wanted].contiguous()
+        rows = h.shape[0]  # fewer with fewer prompts than rows wanted
         full, screened = [], []
         agree = int((native_argmax(model.compute_logits(h)) == model.greedy_argmax(h)).sum())
         for _ in range(repeats):
@@ -61,12 +62,7 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--emulate-isa",
-        choices=sorted(EMULATED_ISA_ENV),
-        help="run as a CPU with only this ISA (as throughput.py: torch, MKL, oneDNN and the "
-        "native kernels capped)",
-    )
+    add_emulate_isa_argument(parser)
     args = parser.parse_args()
     if args.emulate_isa:
         reexec_with_isa(args.emulate_isa)

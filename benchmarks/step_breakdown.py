@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from throughput import EMULATED_ISA_ENV, cpu_model, reexec_with_isa
+from throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import SplitAttentionBackend
@@ -112,12 +112,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--emulate-isa",
-        choices=sorted(EMULATED_ISA_ENV),
-        help="run as a CPU with only this ISA (as throughput.py: torch, MKL, oneDNN and the "
-        "native kernels capped)",
-    )
+    add_emulate_isa_argument(parser)
     args = parser.parse_args()
     if args.emulate_isa:
         reexec_with_isa(args.emulate_isa)

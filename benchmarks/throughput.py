@@ -62,6 +62,16 @@ EMULATED_ISA_ENV = {
 }
 
 
+def add_emulate_isa_argument(parser: argparse.ArgumentParser) -> None:
+    """`--emulate-isa`: the benchmark run as a CPU with only that ISA (`reexec_with_isa`)."""
+    parser.add_argument(
+        "--emulate-isa",
+        choices=sorted(EMULATED_ISA_ENV),
+        default=None,
+        help="cap every library's and kernel's ISA (an AVX2-only CPU on an AVX-512 one)",
+    )
+
+
 def reexec_with_isa(isa: str) -> None:
     """Re-executes this script with `EMULATED_ISA_ENV[isa]` set, unless it already is."""
     wanted = EMULATED_ISA_ENV[isa]
@@ -217,12 +227,7 @@ def main() -> int:
     )
     parser.add_argument("--llamacpp-threads", type=int, default=2)
     parser.add_argument("--output-json", default=None)
-    parser.add_argument(
-        "--emulate-isa",
-        choices=sorted(EMULATED_ISA_ENV),
-        default=None,
-        help="cap every library's and kernel's ISA (an AVX2-only CPU on an AVX-512 one)",
-    )
+    add_emulate_isa_argument(parser)
     args = parser.parse_args()
     if args.emulate_isa:
         reexec_with_isa(args.emulate_isa)
