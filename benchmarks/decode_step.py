@@ -1,6 +1,6 @@
 """Decode steps of 1..8 requests on the default model: the modules' forward against the
 `cpu` backend's whole-step path (engine/attention/cpu_decode_step.py), fp32 and GGUF blocks,
-and the fp32 linear methods per weight shape and row bucket (engine/models/linear_select.py).
+and the fp32 linear methods per weight shape and row bucket (engine/layers/linear_select.py).
 
     python benchmarks/decode_step.py                    # both, default sizes
     python benchmarks/decode_step.py --context 256 --repeats 30
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.cpu_backend import CPUAttentionBackend
-from engine.models import linear_select
-from engine.models.loader import default_model_path, load_hf_config, load_model, resolve_model
+from engine.layers import linear_select
+from engine.loader.model_loader import default_model_path, load_hf_config, load_model, resolve_model
 from engine.native import quant
 from engine.worker.inputs import build_step_inputs
 

@@ -1,4 +1,4 @@
-"""The greedy screen (engine/models/greedy_screen.py) against the fp32 LM head.
+"""The greedy screen (engine/layers/greedy_screen.py) against the fp32 LM head.
 
     python benchmarks/greedy_screen.py                        # fp32 and GGUF, 3 repeats
     python benchmarks/greedy_screen.py --quantization auto --repeats 5

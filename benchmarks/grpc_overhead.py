@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 from benchmarks.throughput import make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
-from services.supervisor import wait_until_serving  # noqa: E402
+from services.cli.supervisor import wait_until_serving  # noqa: E402
 
 
 def _free_port() -> int:

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import cpu_model, make_prompts
+from engine.layers.moe import FusedMoE, select_experts
 from engine.llm import LLM
-from engine.models.moe import FusedMoE, select_experts
 from engine.sampling_params import SamplingParams
 from kernels.reference import ref_moe_experts
 

@@ -39,7 +39,7 @@ from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc  # noqa: E402
 
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
-from services.supervisor import wait_until_serving  # noqa: E402
+from services.cli.supervisor import wait_until_serving  # noqa: E402
 
 
 def free_port() -> int:

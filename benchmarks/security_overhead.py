@@ -30,10 +30,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from clients import Client  # noqa: E402
 from engine import AsyncLLMEngine, EngineArgs  # noqa: E402
-from services.engine_server import EngineServer, EngineServerConfig  # noqa: E402
-from services.model_files import load_text_model_files  # noqa: E402
-from services.tls import EngineLinkTLS, ServerTLSConfig  # noqa: E402
-from services.tokenizer_server import TokenizerServer, TokenizerServerConfig  # noqa: E402
+from services.engine_service.server import EngineServer, EngineServerConfig  # noqa: E402
+from services.security.tls import EngineLinkTLS, ServerTLSConfig  # noqa: E402
+from services.tokenizer_service.model_files import load_text_model_files  # noqa: E402
+from services.tokenizer_service.server import TokenizerServer, TokenizerServerConfig  # noqa: E402
 
 KEY = "bench-key-0123456789abcdef0123"
 

@@ -29,9 +29,9 @@ from throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import SplitAttentionBackend
+from engine.layers.linear import Linear
+from engine.layers.ops import RMSNorm, SiluAndMul
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.linear import Linear
-from engine.models.ops import RMSNorm, SiluAndMul
 
 _PARTS = (
     (Linear, "forward", "projections"),

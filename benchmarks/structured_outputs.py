@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
-from tests.engine.test_structured_outputs import SCHEMAS
+from tests.engine.structured_output.test_structured_outputs import SCHEMAS
 
 
 def _long_schemas() -> list[dict]:

@@ -4,10 +4,11 @@ from engine import LLM, SamplingParams
 outputs = LLM().generate(["The capital of France is"], SamplingParams(max_tokens=16))
 """
 
-from engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineStats
-from engine.config import EngineArgs, EngineConfig
+from engine.config.engine_config import EngineArgs, EngineConfig
+from engine.config.pooler import PoolerConfig
+from engine.front.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineStats
+from engine.front.llm_engine import LLMEngine
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import (
     CompletionOutput,
@@ -17,7 +18,6 @@ from engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from engine.pooler_config import PoolerConfig
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 

@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
-from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine, PromptType
+from engine.config.engine_config import EngineArgs
+from engine.front.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
+from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from engine.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -107,7 +107,8 @@ class LLM:
         lora_request: Any = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
-        """Beam search of every prompt at once (see engine/beam_search.py): each step runs
+        """Beam search of every prompt at once (see engine/processing/beam_search.py): each step
+        runs
         all live beams of all prompts as one batch of one-token requests; the prefix cache
         shares their common blocks. Returns one `BeamSearchOutput` per prompt, in order."""
         if lora_request is not None:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
-    from engine.pooler_config import PoolerConfig
+    from engine.config.engine_config import ModelConfig
+    from engine.config.pooler import PoolerConfig
 
 
 @dataclass
@@ -57,7 +57,7 @@ class PoolingParams:
     def verify(self, pooler_config: PoolerConfig, model_config: ModelConfig) -> None:
         """Checks the request against the model and fills in the engine's defaults (vLLM's
         `PoolingParams.verify`): call it on the engine's own copy."""
-        from engine.pooler_config import matryoshka_dimensions
+        from engine.config.pooler import matryoshka_dimensions
 
         if self.normalize is None:
             self.normalize = pooler_config.normalize is not False

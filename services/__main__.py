@@ -2,7 +2,7 @@
 
 import sys
 
-from services.cli import main
+from services.cli.main import main
 
 # Guarded: the rank processes of a multi-process engine are spawned, and a spawned child
 # imports the parent's main module (as __mp_main__) before running its target.

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.config import SchedulerConfig, SpeculativeConfig
+from engine.config.engine_config import SchedulerConfig, SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.request import Request, RequestStatus

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.config import LoRAConfig
+from engine.config.engine_config import LoRAConfig
 from engine.lora.adapter import LoRAAdapter, linear_shapes, load_peft_adapter
 from engine.lora.ops import add_lora, stack_lora_weights
 from engine.lora.request import LoRARequest

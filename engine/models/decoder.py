@@ -23,22 +23,22 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.distributed.communication import tp_gather_last_dim
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.distributed.sharding import layer_range
-from engine.models.layers import (
+from engine.layers.decoder_layers import (
     DecoderLayer,
     DecoderSpec,
     GatedMLP,
     get_head_dim,
     layer_sliding_windows,
 )
-from engine.models.linear import can_pack, linear, pack_linear_weights
-from engine.models.linear_select import LinearPlan, make_plan, select_methods
-from engine.models.ops import OpImpl, RMSNorm, RotaryEmbedding
-from engine.models.parallel_layers import VocabParallelEmbedding, post_load
-from engine.models.rope import rope_parameters
-from engine.models.weight_loader import load_weights
+from engine.layers.linear import can_pack, linear, pack_linear_weights
+from engine.layers.linear_select import LinearPlan, make_plan, select_methods
+from engine.layers.ops import OpImpl, RMSNorm, RotaryEmbedding
+from engine.layers.parallel_layers import VocabParallelEmbedding, post_load
+from engine.layers.rope import rope_parameters
+from engine.loader.weight_loader import load_weights
 
 if TYPE_CHECKING:
-    from engine.models.greedy_screen import GreedyScreen
+    from engine.layers.greedy_screen import GreedyScreen
 
 
 class PPMissingLayer(nn.Identity):
@@ -118,7 +118,7 @@ class DecoderForCausalLM(nn.Module):
     # Checkpoint tensors we compute instead of loading (old checkpoints store inv_freq).
     ignored_weight_suffixes: ClassVar[tuple[str, ...]] = (".rotary_emb.",)
     # Mixture-of-experts families: per-expert checkpoint modules -> stacked parameters
-    # (engine.models.weight_loader), and renames applied to checkpoint names first.
+    # (engine.loader.weight_loader), and renames applied to checkpoint names first.
     expert_weights_mapping: ClassVar[dict[str, tuple[str, int | None]] | None] = None
     weight_name_substitutions: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Whether the family's layers split over ranks (engine/distributed/sharding.py).
@@ -143,7 +143,7 @@ class DecoderForCausalLM(nn.Module):
         attn = next(layer for layer in self.model.layers if not isinstance(layer, PPMissingLayer))
         self.num_kv_heads = attn.self_attn.num_kv_heads  # this rank's
         self._logits_plan: LinearPlan | None = None  # set by pack_weights
-        self.quantized_logits: Any = None  # set by engine.models.quantization
+        self.quantized_logits: Any = None  # set by engine.layers.quantization
         self.greedy_screen: GreedyScreen | None = None  # set by pack_weights
 
     @classmethod
@@ -203,7 +203,7 @@ class DecoderForCausalLM(nn.Module):
     def pack_weights(self) -> int:
         """Gives every fp32 CPU projection, and the LM head (or tied embedding, a table
         rather than a `Linear`), its measured GEMM method per row bucket (see
-        `engine.models.linear_select`); call after loading. Returns how many matrices got
+        `engine.layers.linear_select`); call after loading. Returns how many matrices got
         one (0 where not applicable; int8 models still plan their fp32 LM head)."""
         num_planned = pack_linear_weights(self)
         self.greedy_screen = self._build_greedy_screen()
@@ -220,7 +220,7 @@ class DecoderForCausalLM(nn.Module):
 
     def greedy_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N] int64, the argmax of `compute_logits(hidden)` (ties to the
-        lowest id) through the greedy screen (engine/models/greedy_screen.py); None where
+        lowest id) through the greedy screen (engine/layers/greedy_screen.py); None where
         the model has none, and the caller computes the logits."""
         if self.greedy_screen is None or hidden.dtype != torch.float32:
             return None
@@ -230,7 +230,7 @@ class DecoderForCausalLM(nn.Module):
         """The screen where its argmax is that of `compute_logits`: the plain projection
         (a family that transforms the logits overrides compute_logits), one TP rank, the
         last pipeline stage, an fp32 or CPU-quantized LM head, native kernels."""
-        from engine.models.greedy_screen import GreedyScreen
+        from engine.layers.greedy_screen import GreedyScreen
         from engine.native import native_kernels_available
         from engine.native.quant import fp32_weight
 

@@ -21,16 +21,16 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import (
+from engine.layers.decoder_layers import (
     Attention,
     DecoderSpec,
     GatedMLP,
     get_head_dim,
     layer_sliding_windows,
 )
-from engine.models.ops import GemmaRMSNorm, OpImpl, RotaryEmbedding
-from engine.models.rope import rope_parameters
+from engine.layers.ops import GemmaRMSNorm, OpImpl, RotaryEmbedding
+from engine.layers.rope import rope_parameters
+from engine.models.decoder import DecoderForCausalLM
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 

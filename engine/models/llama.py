@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import (  # noqa: F401 - re-exported helpers
+from engine.layers.decoder_layers import (  # noqa: F401 - re-exported helpers
     DecoderSpec,
     get_head_dim,
     get_kv_cache_shape,
     kv_cache_bytes_per_token,
 )
+from engine.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

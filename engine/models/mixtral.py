@@ -1,6 +1,6 @@
 """Mixtral (`MixtralForCausalLM`): Mistral's attention (and sliding window, where set) with
 a mixture-of-experts MLP in every layer: top-k of `num_local_experts`, weights renormalised
-over the chosen experts (engine/models/moe.py).
+over the chosen experts (engine/layers/moe.py).
 
 The checkpoint keeps each expert's tensors under ``block_sparse_moe.experts.{e}.w1/w3/w2``
 (gate, up, down) and the router under ``block_sparse_moe.gate``; transformers 5 writes
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from engine.layers.decoder_layers import DecoderSpec
+from engine.layers.moe import MoESpec
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import DecoderSpec
-from engine.models.moe import MoESpec
 
 # Checkpoint names, after `weight_name_substitutions`, onto our stacked parameters.
 STACKED_EXPERT_NAMES = (

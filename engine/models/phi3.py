@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from engine.layers.decoder_layers import DecoderSpec
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import DecoderSpec
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.layers.decoder_layers import DecoderSpec
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import DecoderSpec
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

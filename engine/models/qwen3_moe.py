@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from engine.layers.decoder_layers import DecoderSpec
+from engine.layers.moe import MoESpec
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import DecoderSpec
 from engine.models.mixtral import STACKED_EXPERT_NAMES
-from engine.models.moe import MoESpec
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):

@@ -1,5 +1,5 @@
 """The LM head packed for greedy_screen.c's 8-bit screen, and the call that returns each
-row's argmax (see the C file for the bound and the rescore; engine/models/greedy_screen.py
+row's argmax (see the C file for the bound and the rescore; engine/layers/greedy_screen.py
 for how the engine uses it).
 
 Packing starts from the LM head as fp32 rows, whatever its storage: a fp32 checkpoint, or

@@ -53,7 +53,7 @@ def native_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def select_argmax(op_impl: str) -> Argmax:
-    """The greedy argmax for a model whose ops use `op_impl` (engine/models/ops.py's
+    """The greedy argmax for a model whose ops use `op_impl` (engine/layers/ops.py's
     `select_op_impl`), chosen once when the runner is built: the native kernel where the
     model's ops are native, torch's elsewhere (`attention_backend="torch"` means torch)."""
     return native_argmax if op_impl == "native" else torch_argmax

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.config.engine_config import ModelConfig
 from engine.core.request import Request
 from engine.structured_output.config import DecodingConfig
 from engine.structured_output.params import StructuredOutputsParams
@@ -84,7 +84,7 @@ class StructuredOutputManager:
     def _get_backend(self) -> Any:
         with self._backend_lock:
             if self._backend is None:
-                from engine.models.loader import load_tokenizer
+                from engine.loader.model_loader import load_tokenizer
                 from engine.structured_output.backend import XgrammarBackend
 
                 config = self.model_config

@@ -22,16 +22,16 @@ import sys
 import torch
 
 from engine.attention.backend import get_attention_backend
-from engine.config import CacheConfig, EngineConfig
+from engine.config.engine_config import CacheConfig, EngineConfig
 from engine.core.sched_output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.distributed.stage import stage_forward
+from engine.layers.ops import select_op_impl
+from engine.loader.model_loader import load_model
 from engine.lora.manager import LoRAManager
-from engine.models.loader import load_model
-from engine.models.ops import select_op_impl
 from engine.sample import Sampler
 from engine.sample.sampler import select_argmax
 from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.config.pooler import POOLING_TYPES
 from engine.core.sched_output import ModelRunnerOutput, ScheduledRequest
-from engine.pooler_config import POOLING_TYPES
 from engine.worker.inputs import StepInputs
 
 

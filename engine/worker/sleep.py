@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.models.loader import load_model
+from engine.loader.model_loader import load_model
 
 if TYPE_CHECKING:
     from engine.worker.model_runner import ModelRunner

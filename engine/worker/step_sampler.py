@@ -109,7 +109,7 @@ class StepSampler:
 
         So the output is exactly what greedy decoding one token at a time produces. Without
         grammar masks the argmaxes come from the model's greedy screen where it has one
-        (engine/models/greedy_screen.py), as plain greedy rows' tokens do.
+        (engine/layers/greedy_screen.py), as plain greedy rows' tokens do.
         """
         index = self._draft_index(rows, inputs)
         model = self.runner.model

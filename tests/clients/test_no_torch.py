@@ -42,6 +42,6 @@ def test_importing_the_clients_loads_no_torch():
 def test_the_client_commands_of_pagedserve_load_no_torch():
     # `pagedserve health` against nothing: fails fast, without building the server parser.
     _run(
-        "from services.cli import main\n"
+        "from services.cli.main import main\n"
         "assert main(['health', '--address', '127.0.0.1:1', '--timeout', '1']) == 1"
     )

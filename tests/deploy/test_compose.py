@@ -27,9 +27,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.cli import build_parser
-from services.engine_pool import parse_engine_addresses
-from services.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
+from services.cli.main import build_parser
+from services.common.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
+from services.tokenizer_service.replicas.pool import parse_engine_addresses
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -39,7 +39,7 @@ DOCKERFILES = (ROOT / "docker" / "Dockerfile.cpu", ROOT / "docker" / "Dockerfile
 PROBE = ROOT / "docker" / "healthcheck.py"
 PROBE_IN_IMAGE = "/opt/pagedserve/healthcheck.py"
 APP_SERVICES = ("engine", "tokenizer")
-BAKE_MODEL = "from engine.models.loader import resolve_model; print(resolve_model(None))"
+BAKE_MODEL = "from engine.loader.model_loader import resolve_model; print(resolve_model(None))"
 
 
 # ---- the compose binary -------------------------------------------------------------------

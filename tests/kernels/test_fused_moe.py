@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.moe import (
+from engine.layers.moe import (
     moe_experts,
     select_experts,
     sort_rows,
     torch_grouped_gemm,
 )
-from engine.models.ops import silu_and_mul
+from engine.layers.ops import silu_and_mul
 from kernels.reference import ref_moe_experts
 
 
@@ -32,7 +32,7 @@ def _grouped(name):
         from kernels.fused_moe import moe_grouped_gemm
 
         return moe_grouped_gemm
-    from engine.models.moe import grouped_gemm_impl
+    from engine.layers.moe import grouped_gemm_impl
 
     return grouped_gemm_impl("native")
 

@@ -1,4 +1,4 @@
-"""The greedy screen (engine/native/greedy_screen.c, engine/models/greedy_screen.py): its
+"""The greedy screen (engine/native/greedy_screen.c, engine/layers/greedy_screen.py): its
 argmax is that of the fp32 logits over odd shapes, outlier activations, near and exact
 ties, Q8_0-exact and other quantized heads, rows that are not finite, every token a
 candidate, each ISA path; and the portable path has none."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.greedy_screen import GreedyScreen
+from engine.layers.greedy_screen import GreedyScreen
 from engine.native import native_kernels_available
 from engine.native.quant import QType, QuantizedWeight, fp32_weight
 
@@ -211,7 +211,7 @@ def test_packing_never_dequantizes_the_head_whole():
     than its own per-block scales (1/32 of the head's values)."""
     from engine.native.greedy_screen import pack_lm_head
     from tests.engine.gguf_files import random_blocks
-    from tests.engine.test_gguf_loading import _LargestFloatTensor
+    from tests.engine.loader.test_gguf_loading import _LargestFloatTensor
 
     vocab, hidden = 4096, 256
     data = random_blocks(QType.Q8_0, vocab, hidden, 9, 0.01)

@@ -20,9 +20,9 @@ import pytest
 
 from engine import LLM, AsyncLLMEngine, EngineArgs, EngineStats
 from pagedserve.v1 import engine_pb2_grpc, generation_pb2_grpc
-from services.engine_server import EngineServer, EngineServerConfig
-from services.model_files import load_text_model_files
-from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
+from services.engine_service.server import EngineServer, EngineServerConfig
+from services.tokenizer_service.model_files import load_text_model_files
+from services.tokenizer_service.server import TokenizerServer, TokenizerServerConfig
 from tests.model_utils import make_tiny_llama
 
 # Small and fast: a 64 MiB cache is thousands of blocks for the tiny model.

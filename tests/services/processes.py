@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.supervisor import wait_until_serving
+from services.cli.supervisor import wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_BYTES = 16 << 20  # ~2k blocks of the tiny model: plenty, and cheap

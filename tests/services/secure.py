@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
-from services.engine_server import EngineServer, EngineServerConfig
-from services.tokenizer_server import TokenizerServer, TokenizerServerConfig
+from services.engine_service.server import EngineServer, EngineServerConfig
+from services.tokenizer_service.server import TokenizerServer, TokenizerServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

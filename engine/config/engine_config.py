@@ -1,0 +1,387 @@
+"""Engine configuration: `EngineArgs` (what a user sets) and the resolved configs.
+
+Some parts resolve in their own modules: `ParallelConfig` (parallel_config.py), the KV
+cache's dtype (kv_cache_dtype.py) and the weight quantization (quantization_config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from engine.config.parallel import ExecutorBackend, ParallelConfig
+from engine.config.pooler import PoolerConfig
+from engine.config.quantization import gguf_source, resolve_quantization
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass
+class ModelConfig:
+    model: str | None  # what the user asked for (None = the default model)
+    model_dir: Path  # the resolved Hugging Face directory
+    hf_config: Any  # transformers PretrainedConfig
+    dtype: str  # resolved torch dtype name: "float32", "bfloat16" or "float16"
+    max_model_len: int
+    seed: int
+    tokenizer_dir: Path | None = None  # None: the model directory
+    skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
+    eos_token_ids: set[int] = field(default_factory=set)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None  # resolved: None, "gguf" or "int8"
+    gguf_file: Path | None = None  # the .gguf file the model came from, if it did
+
+    @property
+    def served_model_name(self) -> str:
+        """The name reported in traces and model info: what was asked for, else the
+        directory's name."""
+        return self.model or self.model_dir.name
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None)
+        return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # explicit budget; else derived (see worker)
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    # vLLM's field: the KV cache's element type, a torch dtype name ("float32", "bfloat16",
+    # "float16"), or "auto" = the model dtype. EngineArgs resolves it once (never "auto"
+    # in an engine's config); see kv_cache_dtype.resolve_kv_cache_dtype.
+    cache_dtype: str = "auto"
+    # Decided once at start-up from the memory budget (ModelRunner); the engine's resolved
+    # config is a copy carrying it. 0 in a config that no engine has resolved yet.
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}."
+            )
+        if self.cache_dtype != "auto" and self.cache_dtype not in CACHE_DTYPE_NAMES:
+            raise ValueError(
+                f"cache_dtype must be 'auto' or a resolved dtype name, got {self.cache_dtype!r}."
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: SchedulingPolicy = "fcfs"
+    max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled: "
+                "a whole prompt must fit in one step."
+            )
+
+
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """N-gram ("prompt lookup") speculative decoding: drafts are copied from the request's
+    own earlier tokens and verified in one forward pass (greedy requests only)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # at most this many drafts per request and step
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up
+    prompt_lookup_min: int = 1  # shortest suffix n-gram looked up
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise NotImplementedError(
+                f"speculative_config['method']={self.method!r}: only 'ngram' is supported."
+            )
+        for name in _SPEC_KEYS[1:]:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"speculative_config[{name!r}] must be an int >= 1, got {value!r}."
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config['prompt_lookup_min'] ({self.prompt_lookup_min}) must be "
+                f"<= 'prompt_lookup_max' ({self.prompt_lookup_max})."
+            )
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any] | None) -> SpeculativeConfig | None:
+        """None (speculation off) for None; a ValueError names any unknown key."""
+        if config is None:
+            return None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {config!r}.")
+        for key in config:
+            if key not in _SPEC_KEYS:
+                raise ValueError(
+                    f"speculative_config has unknown key {key!r}; known: {list(_SPEC_KEYS)}."
+                )
+        if "method" not in config:
+            raise ValueError("speculative_config needs 'method' (e.g. 'ngram').")
+        return cls(**config)
+
+
+@dataclass
+class DeviceConfig:
+    device: str  # "cpu", "cuda", "cuda:1"...
+    attention_backend: str | None = None  # None: triton on CUDA, cpu (else torch) on CPU
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's `LoRAConfig` (set when `enable_lora=True`)."""
+
+    max_loras: int = 1  # adapters in one batch
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded (LRU beyond); None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+    otlp_traces_endpoint: str | None = None
+    speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA off
+    # Resolved (every field set): how pooling requests pool. engine/config/pooler.py
+    pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set to build an engine (vLLM's names)."""
+
+    model: str | None = None  # HF directory, .gguf file, or None for the default model
+    tokenizer: str | None = None  # defaults to the model directory
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's dtype (bf16/fp16) on GPU
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    # The KV cache's dtype (vLLM's name): "auto" = the model dtype, "bfloat16" / "float16"
+    # (aliases "bf16", "fp16", "half") halve the cache's memory and the bytes attention
+    # reads; keys and values are rounded once when written. fp8 is not supported.
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    device: str = "auto"
+    attention_backend: str | None = None
+    max_logprobs: int = 20
+    disable_log_stats: bool = True
+    otlp_traces_endpoint: str | None = None  # export llm_request spans here (OTLP)
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: no speculation
+    speculative_config: dict[str, Any] | None = None
+    # AsyncLLMEngine logs one line per request added / finished / aborted (vLLM's name).
+    enable_log_requests: bool = False
+    # vLLM's flag, accepted so that its sleep-mode code runs as written. vLLM needs it to put
+    # the weights and KV cache in its own allocator's pool before sleep() can free them;
+    # here sleep() frees plain tensors, so sleep mode works whether it is set or not.
+    enable_sleep_mode: bool = False
+    # LoRA adapters (vLLM's names): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # Weights kept quantized: "auto" (the default): "gguf" for a .gguf model (the default
+    # model is one) on CPU in fp32, else None; None (or "none"): the checkpoint dtype (fp32
+    # on CPU); "gguf" (the GGUF file's blocks); "int8" (per-channel weight-only). See
+    # engine/layers/quantization.py. Blocks use a quarter to an eighth of fp32's memory and
+    # decode faster at small batches; prefill and large batches dequantize chunks for MKL.
+    quantization: str | None = "auto"
+    # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
+    # unset fields come from a sentence-transformers model directory, else LAST, normalize.
+    pooler_config: PoolerConfig | dict[str, Any] | None = None
+    # Parallelism (vLLM's names; docs/parallelism.md): ranks are worker processes on
+    # torch.distributed, gloo on CPU and NCCL on CUDA.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: ExecutorBackend | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        from engine.loader.model_loader import load_generation_config, load_hf_config, resolve_model
+
+        speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        pooler_config = PoolerConfig.from_value(self.pooler_config)
+        device = _resolve_device(self.device)
+        model_dir = resolve_model(self.model)
+        hf_config = load_hf_config(model_dir)
+        if parallel_config.world_size > 1:
+            from engine.distributed.sharding import verify_parallel_config
+
+            verify_parallel_config(hf_config, parallel_config, self)
+        dtype = _resolve_dtype(self.dtype, hf_config, device)
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({max_pos})."
+            )
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
+        gguf_file = gguf_source(self.model)
+        quantization = resolve_quantization(
+            self.quantization, gguf_file, device, dtype, parallel_config.world_size
+        )
+        generation = load_generation_config(model_dir)
+        gen_config = generation.to_diff_dict() if generation is not None else {}
+        model_config = ModelConfig(
+            model=self.model,
+            model_dir=model_dir,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            max_logprobs=self.max_logprobs,
+            eos_token_ids=_eos_ids(gen_config, hf_config),
+            generation_config=gen_config,
+            quantization=quantization,
+            gguf_file=gguf_file,
+        )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype),
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+        )
+        lora_config = None
+        if self.enable_lora:
+            lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return EngineConfig(
+            model_config,
+            cache_config,
+            scheduler_config,
+            DeviceConfig(device, self.attention_backend),
+            otlp_traces_endpoint=self.otlp_traces_endpoint,
+            speculative_config=speculative_config,
+            parallel_config=parallel_config,
+            lora_config=lora_config,
+            pooler_config=pooler_config.resolve(model_dir),
+        )
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for but CUDA is not available.")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}.")
+    return device
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
+    allowed = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
+    if dtype not in allowed:
+        raise ValueError(f"dtype must be one of {sorted(allowed)}, got {dtype!r}.")
+    aliases = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
+    aliases["bf16"] = "bfloat16"
+    if dtype != "auto":
+        return aliases.get(dtype, dtype)
+    if device == "cpu":
+        # Without AVX-512 bf16 (most CPUs), fp32 is faster than bf16 on CPU.
+        return "float32"
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(ckpt).replace("torch.", "") if ckpt is not None else "bfloat16"
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+
+def _eos_ids(gen_config: dict[str, Any], hf_config: Any) -> set[int]:
+    eos = gen_config.get("eos_token_id", getattr(hf_config, "eos_token_id", None))
+    if eos is None:
+        return set()
+    return {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}

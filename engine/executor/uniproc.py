@@ -1,0 +1,74 @@
+"""Executors: where the model runs for an engine (vLLM's `distributed_executor_backend`).
+
+- "uni" (`UniProcExecutor`): the model runner in the engine's own process; a step runs
+  when it is submitted.
+- "mp" (`engine.executor.mp_executor.MultiprocExecutor`): one worker process per
+  tensor/pipeline-parallel rank; up to `pipeline_parallel_size` steps in flight.
+
+Both take a step with `submit(scheduler_output)` and give its `ModelRunnerOutput` back,
+oldest first, with `collect()`; `skip()` takes the bookkeeping of a step with nothing
+scheduled. `runner` is the in-process `ModelRunner` (None when the model lives in other
+processes: LoRA, sleep mode and profiling need it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from engine.config.engine_config import EngineConfig
+from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    runner: Any  # ModelRunner | None
+    num_blocks: int
+    max_concurrent_batches: int
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def skip(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class UniProcExecutor:
+    max_concurrent_batches = 1
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(config)
+        self.num_blocks = self.runner.num_blocks
+        self._outputs: deque[ModelRunnerOutput] = deque()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        output = self.runner.execute(scheduler_output)
+        assert output is not None, "a world of one always answers"
+        self._outputs.append(output)
+
+    def skip(self, scheduler_output: SchedulerOutput) -> None:
+        return None
+
+    def collect(self) -> ModelRunnerOutput:
+        return self._outputs.popleft()
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+def create_executor(config: EngineConfig, on_failure: Callable[[], None] | None = None) -> Executor:
+    """The executor `config.parallel_config` asks for."""
+    if config.parallel_config.distributed_executor_backend == "mp":
+        from engine.executor.mp_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, on_failure)
+    return UniProcExecutor(config)

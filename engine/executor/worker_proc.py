@@ -1,0 +1,109 @@
+"""A rank's process: joins the world, loads its share of the model, runs the steps.
+
+Started (spawned) by `MultiprocExecutor`, one per rank. The conversation over its pipe::
+
+    rank -> driver   ("ready", num_blocks)     the blocks its own memory budget allows
+    driver -> rank   ("init_kv", num_blocks)   the minimum over the ranks
+    rank -> driver   ("kv_ready", None)        caches allocated, warm-up done
+    driver -> rank   ("step", StepDelta) ...   pickled once, sent to every rank
+    rank -> driver   ("output", ModelRunnerOutput)   the driver rank only
+    driver -> rank   ("stats", None)           (nothing in flight) every rank answers
+    rank -> driver   ("stats", {...})          its steps and collective times
+    driver -> rank   ("shutdown", None)
+    rank -> driver   ("error", text)           any failure, then the process exits
+
+A heartbeat thread stamps a shared clock every `HEARTBEAT_INTERVAL_S`, so the driver sees
+a rank that stopped (SIGSTOP, a stuck machine) even while the others wait in a
+collective; it also ends the rank when the driver process is gone (the rank is then
+re-parented), so no rank outlives its engine. (Not PR_SET_PDEATHSIG: it fires when the
+*thread* that started the process exits, and engines are often built on a worker thread.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one rank is told when it starts (picklable)."""
+
+    rank: int
+    tp_size: int
+    pp_size: int
+    init_method: str  # tcp://127.0.0.1:PORT rendezvous
+    backend: str  # "gloo" or "nccl"
+    num_threads: int  # intra-op threads on CPU
+    driver_pid: int
+    config: Any  # the EngineConfig
+
+
+def worker_main(spec: WorkerSpec, conn: Any, heartbeat: Any) -> None:
+    """The rank's entry point (in the spawned process)."""
+    if os.getppid() != spec.driver_pid:  # the driver died while this process started
+        os._exit(1)
+    threading.Thread(
+        target=_beat, args=(heartbeat, spec.driver_pid), name="heartbeat", daemon=True
+    ).start()
+    try:
+        _serve(spec, conn)
+    except BaseException:
+        text = traceback.format_exc()
+        with contextlib.suppress(OSError, EOFError):
+            conn.send(("error", f"rank {spec.rank}: {text}"))
+        sys.exit(1)
+
+
+def _serve(spec: WorkerSpec, conn: Any) -> None:
+    import torch
+
+    from engine.distributed.communication import COLLECTIVE_STATS
+    from engine.distributed.parallel_state import destroy_distributed, init_distributed
+    from engine.executor.step_delta import RequestMirror
+    from engine.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(spec.num_threads)
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    init_distributed(spec.rank, spec.tp_size, spec.pp_size, spec.init_method, spec.backend)
+    runner = ModelRunner(spec.config, allocate_kv_cache=False)
+    conn.send(("ready", runner.num_blocks))
+    kind, num_blocks = conn.recv()
+    assert kind == "init_kv", kind
+    runner.initialize_kv_cache(num_blocks)
+    conn.send(("kv_ready", None))
+    mirror = RequestMirror()
+    num_steps = 0
+    while True:
+        kind, payload = conn.recv()
+        if kind == "shutdown":
+            break
+        if kind == "stats":
+            conn.send(("stats", {"num_steps": num_steps, **COLLECTIVE_STATS.as_dict()}))
+            continue
+        assert kind == "step", kind
+        output = runner.execute(mirror.apply(payload))
+        num_steps += 1
+        if runner.is_driver_rank:
+            conn.send(("output", output))
+    destroy_distributed()
+
+
+def _beat(heartbeat: Any, driver_pid: int) -> None:
+    while True:
+        heartbeat.value = time.monotonic()
+        if os.getppid() != driver_pid:  # the driver is gone (and PDEATHSIG did not fire)
+            os._exit(1)
+        time.sleep(HEARTBEAT_INTERVAL_S)

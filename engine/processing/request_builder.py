@@ -1,0 +1,133 @@
+"""From `LLMEngine.add_request`'s arguments to the scheduler's `Request`s.
+
+`RequestBuilder` checks the parameters, takes the engine's own copy of them, tokenizes and
+checks the prompt (`InputProcessor`), and makes one `Request` per sample (a pooling
+request is one `Request`) with its prefix-cache salt and its sampling seed. It registers
+nothing: the engine hands the requests to the output processor and the scheduler.
+
+Sample `i` of a request with n > 1 is `"<request_id>#<i>"`; its seed is the request's
+seed + i, or one drawn from the engine's seeded generator, so an engine started with the
+same seed gives unseeded requests the same seeds in the same order.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config.engine_config import EngineConfig
+from engine.core.request import Request
+from engine.pooling_params import PoolingParams
+from engine.processing.input_processor import InputProcessor, PromptType
+from engine.sampling_params import SamplingParams
+from engine.structured_output.manager import StructuredOutputManager
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """One `add_request` call, built: its samples share the prompt, params and headers."""
+
+    text: str | None  # the prompt's text, None when token ids were given
+    prompt_token_ids: list[int]
+    params: SamplingParams | PoolingParams  # the engine's checked copy
+    trace_headers: dict[str, str] | None
+    samples: list[Request]  # one per sample; one for a pooling request
+
+
+class RequestBuilder:
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_processor: InputProcessor,
+        structured_output_manager: StructuredOutputManager,
+    ) -> None:
+        self.config = config
+        self.input_processor = input_processor
+        self.structured_output_manager = structured_output_manager
+        self._seed_rng = random.Random(config.model_config.seed)
+        self._salt_counter = 0
+
+    def check_params(self, params: Any, priority: Any) -> None:
+        """The parameter and priority types, and a priority only under the priority policy."""
+        if not isinstance(params, SamplingParams | PoolingParams):
+            raise TypeError(
+                f"params must be SamplingParams or PoolingParams, got {type(params).__name__}."
+            )
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {priority!r}.")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs scheduling_policy='priority' "
+                f"(the engine uses {self.config.scheduler_config.policy!r})."
+            )
+
+    def build(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None,
+        lora_request: Any,
+        trace_headers: Mapping[str, str] | None,
+        priority: int,
+    ) -> NewRequest:
+        """The request's samples, after `check_params`; raises TypeError/ValueError on bad
+        input (the prompt, the params against the model, the cache salt, the grammar)."""
+        text, prompt_token_ids = self.input_processor.process(prompt, params)
+        if isinstance(params, PoolingParams):  # the engine's copy, checked and completed
+            params = params.clone()
+            params.verify(self.config.pooler_config, self.config.model_config)
+        salt = self._cache_salt(request_id, prompt)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        headers = dict(trace_headers) if trace_headers else None
+        common = dict(
+            arrival_time=arrival,
+            priority=priority,
+            cache_salt=salt,
+            trace_headers=headers,
+            lora_request=lora_request,
+        )
+        if isinstance(params, PoolingParams):
+            pooling = Request(request_id, prompt_token_ids, None, pooling_params=params, **common)
+            return NewRequest(text, prompt_token_ids, params, headers, [pooling])
+        params = params.clone()
+        params.update_from_generation_config(self.config.model_config.eos_token_ids)
+        self.input_processor.process_token_controls(params)
+        if params.structured_outputs is not None:
+            self.structured_output_manager.validate(params.structured_outputs)
+        samples = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_token_ids,
+                params,
+                seed=self._sample_seed(params, index),
+                parent_id=request_id,
+                index=index,
+                **common,
+            )
+            for index in range(params.n)
+        ]
+        return NewRequest(text, prompt_token_ids, params, headers, samples)
+
+    def _cache_salt(self, request_id: str, prompt: PromptType) -> str | None:
+        """vLLM's `cache_salt` in the prompt dict: prompts with different salts never share
+        prefix-cache blocks (the services salt by tenant)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"cache_salt must be a str, got {type(salt).__name__}.")
+        salt = salt or None  # "" is no salt
+        if not self.config.cache_config.enable_prefix_caching:
+            # Without prefix caching only the n samples of this prompt share blocks.
+            self._salt_counter += 1
+            salt = f"{salt or ''}/{request_id}/{self._salt_counter}"
+        return salt
+
+    def _sample_seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is not None:
+            return (params.seed + index) & _SEED_MASK
+        return self._seed_rng.getrandbits(63)

@@ -1,0 +1,152 @@
+"""The tokenizer service's side of one Generate at the engines: the replica call under its
+CLIENT span, failover before the first token, and the relay of engine messages to the client
+through the request's `TextStream`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pagedserve.v1 import engine_pb2
+from services.common import tracing
+from services.common.errors import engine_unreachable, status_for
+from services.common.grpc_server import ENGINE_SERVICE, trace_headers, trace_metadata
+from services.common.metrics import TokenizerMetrics
+from services.tokenizer_service.replicas.engine_client import EngineBackend
+from services.tokenizer_service.replicas.pool import EnginePool, TrackedCall, tracked
+from services.tokenizer_service.text_stream import TextStream
+
+logger = logging.getLogger("services.tokenizer")
+
+_ENGINE_GENERATE = f"{ENGINE_SERVICE}/Generate"  # the CLIENT span of the engine call
+
+
+@dataclass
+class LiveRequest:
+    """What the service keeps for a request in flight: its engine calls."""
+
+    calls: list[grpc.aio.Call] = field(default_factory=list)
+    aborted: bool = False
+    replica: EngineBackend | None = None  # where the request runs (Abort goes there)
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
+class EngineRelay:
+    """Runs a generation on a replica chosen by the pool and relays it to the client."""
+
+    def __init__(self, pool: EnginePool, metrics: TokenizerMetrics) -> None:
+        self.pool = pool
+        self.metrics = metrics
+
+    async def generate(
+        self,
+        engine_request: engine_pb2.EngineGenerateRequest,
+        incoming_trace_headers: dict[str, str],
+        live: LiveRequest,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """The engine call, under its CLIENT span: the parent the engine service gets, in
+        the metadata and in `trace_headers`. Its messages are relayed under `detokenize`."""
+        client_span = tracing.start_client_span(_ENGINE_GENERATE)
+        try:
+            headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
+            engine_request.trace_headers.update(headers)
+            tried: list[EngineBackend] = []
+            while True:
+                replica = self.pool.choose(engine_request.prompt_token_ids, exclude=tried)
+                tried.append(replica)
+                live.replica = replica
+                try:
+                    with tracing.internal_span("detokenize"):
+                        await self._call_replica(
+                            replica, engine_request, headers, live, stream, context
+                        )
+                    return
+                except FailedBeforeFirstToken as failed:
+                    # Invisible to the client: mark the replica down, retry once elsewhere.
+                    if len(tried) > 1 or not self.pool.up(exclude=tried):
+                        raise await replica.translate(failed.error) from None
+                    await replica.mark_down(failed.error)
+                    self.metrics.engine_failovers.inc()
+                    logger.info(
+                        "engine replica failed before the first token; retrying elsewhere",
+                        extra={
+                            "request_id": engine_request.request_id,
+                            "engine_address": replica.address,
+                        },
+                    )
+        except (Exception, asyncio.CancelledError) as exc:
+            tracing.set_error(client_span, *status_for(exc))
+            raise
+        finally:
+            client_span.end()
+
+    async def _call_replica(
+        self,
+        replica: EngineBackend,
+        engine_request: engine_pb2.EngineGenerateRequest,
+        headers: dict[str, str],
+        live: LiveRequest,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        with tracked(replica) as tracking:
+            call = replica.stub.Generate(
+                engine_request, timeout=context.time_remaining(), metadata=trace_metadata(headers)
+            )
+            live.calls.append(call)
+            try:
+                await self._relay(call, replica, tracking, live, stream, context)
+            finally:
+                call.cancel()  # a no-op once the call is done; else the engine aborts
+
+    async def _relay(
+        self,
+        call: Any,
+        replica: EngineBackend,
+        tracking: TrackedCall,
+        live: LiveRequest,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Engine messages → client messages until every output has ended."""
+        try:
+            async for msg in call:
+                tracking.started()
+                response = stream.process(msg)
+                if response is not None:
+                    await context.write(response)
+                if stream.finished:
+                    return  # stop strings ended every output: the caller cancels the call
+        except asyncio.CancelledError:
+            if not live.aborted or context.cancelled() or context.done():
+                raise  # our client went away (an Abort cancels only the engine call)
+        except grpc.aio.AioRpcError as exc:
+            if not live.aborted:
+                if engine_unreachable(exc) and tracking.pending:
+                    raise FailedBeforeFirstToken(exc) from None
+                raise await replica.translate(exc) from None
+        # The engine stream ended (or an Abort cancelled it) with outputs left open.
+        for response in stream.abort_unfinished():
+            await context.write(response)
+
+
+class FailedBeforeFirstToken(Exception):
+    """The replica became unreachable before it sent anything back: safe to retry."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def outgoing_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
+    """Trace context for an engine call made by this call: its span is the parent."""
+    return trace_metadata(tracing.outgoing_trace_headers(trace_headers({}, context)))

@@ -1,0 +1,174 @@
+"""One request's stream on the tokenizer service: token-id deltas in, text deltas out.
+
+Each of the n outputs has its own `engine.processing.detokenizer.IncrementalDetokenizer`, which
+never
+emits half a UTF-8 character, applies the stop strings and holds back a tail that could
+still become one. Tokens are fed one at a time when there are stop strings, so an output
+ends on exactly the token that completed its stop string (as offline `LLM.generate` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from engine import SamplingParams
+from engine.processing.detokenizer import IncrementalDetokenizer
+from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
+from services.engine_service.convert import FINISH_REASONS
+
+_FINISH_REASON_NAMES = {code: name or "" for name, code in FINISH_REASONS.items()}
+
+
+class TokenTexts:
+    """Each token decoded alone, for logprob entries (memoised: the vocabulary is finite)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def fill(self, positions: Iterable[common_pb2.PositionLogprobs]) -> None:
+        for position in positions:
+            if position.HasField("chosen"):
+                position.chosen.text = self(position.chosen.token_id)
+            for entry in position.top:
+                entry.text = self(entry.token_id)
+
+
+@dataclass
+class _Output:
+    detokenizer: IncrementalDetokenizer
+    num_tokens: int = 0
+    num_sent_chars: int = 0
+    finished: bool = False
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class TextStream:
+    def __init__(
+        self,
+        request_id: str,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        token_texts: TokenTexts,
+    ) -> None:
+        self.request_id = request_id
+        self.token_texts = token_texts
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.outputs = [
+            _Output(
+                IncrementalDetokenizer(
+                    tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=list(params.stop or []),
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            )
+            for _ in range(params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(out.finished for out in self.outputs)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Per output index: "stop", "length", "abort" ("" while it is open)."""
+        return [_FINISH_REASON_NAMES.get(out.finish_reason, "") for out in self.outputs]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(out.num_tokens for out in self.outputs)
+
+    @property
+    def num_sent_chars(self) -> int:
+        return sum(out.num_sent_chars for out in self.outputs)
+
+    def process(
+        self, msg: engine_pb2.EngineGenerateResponse
+    ) -> generation_pb2.GenerateResponse | None:
+        """The client's message for one engine message; None once that output has ended
+        (a stop string ended it here while the engine was still generating)."""
+        out = self.outputs[msg.index]
+        if out.finished:
+            return None
+        token_ids = list(msg.token_ids)
+        stop = None
+        if out.detokenizer.stop:
+            for i, token_id in enumerate(token_ids):
+                stop = out.detokenizer.update([token_id])
+                if stop is not None:
+                    token_ids = token_ids[: i + 1]
+                    break
+        else:
+            out.detokenizer.update(token_ids)
+        out.num_tokens += len(token_ids)
+        response = generation_pb2.GenerateResponse(
+            request_id=self.request_id,
+            index=msg.index,
+            token_ids=token_ids,
+            usage=common_pb2.Usage(
+                prompt_tokens=msg.usage.prompt_tokens,
+                completion_tokens=out.num_tokens,
+                cached_tokens=msg.usage.cached_tokens,
+            ),
+        )
+        if msg.logprobs:
+            response.logprobs.extend(msg.logprobs[: len(token_ids)])
+            self.token_texts.fill(response.logprobs)
+        if msg.prompt_logprobs:
+            response.prompt_logprobs.extend(msg.prompt_logprobs)
+            self.token_texts.fill(response.prompt_logprobs)
+        if msg.HasField("cumulative_logprob"):
+            dropped = msg.logprobs[len(token_ids) :]
+            response.cumulative_logprob = msg.cumulative_logprob - sum(
+                p.chosen.logprob for p in dropped
+            )
+        if stop is not None:
+            response.finish_reason = common_pb2.FINISH_REASON_STOP
+            response.stop_reason.text = stop
+        elif msg.finish_reason:
+            response.finish_reason = msg.finish_reason
+            if msg.HasField("stop_reason"):
+                response.stop_reason.CopyFrom(msg.stop_reason)
+        out.finish_reason = response.finish_reason
+        out.finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        response.text = self._new_text(out)
+        return response
+
+    def abort_unfinished(self) -> list[generation_pb2.GenerateResponse]:
+        """Last messages (finish_reason ABORT) for the outputs that have not ended."""
+        responses = []
+        for index, out in enumerate(self.outputs):
+            if out.finished:
+                continue
+            out.finished = True
+            out.finish_reason = common_pb2.FINISH_REASON_ABORT
+            responses.append(
+                generation_pb2.GenerateResponse(
+                    request_id=self.request_id,
+                    index=index,
+                    text=self._new_text(out),
+                    finish_reason=common_pb2.FINISH_REASON_ABORT,
+                    usage=common_pb2.Usage(
+                        prompt_tokens=self.num_prompt_tokens, completion_tokens=out.num_tokens
+                    ),
+                )
+            )
+        return responses
+
+    @staticmethod
+    def _new_text(out: _Output) -> str:
+        text = out.detokenizer.get_text(out.finished)[out.num_sent_chars :]
+        out.num_sent_chars += len(text)
+        return text
