@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.layers import linear_select
-from engine.loader.model_loader import default_model_path, load_hf_config, load_model, resolve_model
+from engine.loader.model_files import default_model_path, load_hf_config, resolve_model
+from engine.loader.model_loader import load_model
 from engine.native import quant
 from engine.worker.inputs import build_step_inputs
 

@@ -2,28 +2,45 @@
 
 from engine import LLM, SamplingParams
 outputs = LLM().generate(["The capital of France is"], SamplingParams(max_tokens=16))
+
+The names below are imported on first use (PEP 562), not with the package: `import
+engine.processing.detokenizer` or `from engine.errors import EngineDeadError` must not load
+torch, because the tokenizer service (the tier that scales out) imports those and never torch.
 """
 
-from engine.config.engine_config import EngineArgs, EngineConfig
-from engine.config.pooler import PoolerConfig
-from engine.front.async_llm_engine import AsyncLLMEngine, EngineDeadError, EngineStats
-from engine.front.llm_engine import LLMEngine
-from engine.llm import LLM
-from engine.lora.request import LoRARequest
-from engine.outputs import (
-    CompletionOutput,
-    Logprob,
-    PoolingOutput,
-    PoolingRequestOutput,
-    RequestMetrics,
-    RequestOutput,
-)
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "AsyncLLMEngine": "engine.front.async_llm_engine",
+    "EngineStats": "engine.front.engine_commands",
+    "LLMEngine": "engine.front.llm_engine",
+    "EngineDeadError": "engine.errors",
+    "EngineArgs": "engine.config.engine_config",
+    "EngineConfig": "engine.config.engine_config",
+    "LoRARequest": "engine.lora.request",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+    "PoolingOutput": "engine.outputs",
+    "PoolingRequestOutput": "engine.outputs",
+    "RequestMetrics": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "PoolerConfig": "engine.config.pooler",
+    "PoolingParams": "engine.pooling_params",
+    "RequestOutputKind": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params",
+    "BeamSearchParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
+}
 
 __all__ = [
     "LLM",
     "AsyncLLMEngine",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineArgs",
     "EngineConfig",
@@ -40,4 +57,43 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
+
+if TYPE_CHECKING:
+    from engine.config.engine_config import EngineArgs, EngineConfig
+    from engine.config.pooler import PoolerConfig
+    from engine.errors import EngineDeadError
+    from engine.front.async_llm_engine import AsyncLLMEngine
+    from engine.front.engine_commands import EngineStats
+    from engine.front.llm_engine import LLMEngine
+    from engine.llm import LLM
+    from engine.lora.request import LoRARequest
+    from engine.outputs import (
+        CompletionOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestMetrics,
+        RequestOutput,
+    )
+    from engine.pooling_params import PoolingParams
+    from engine.sampling_params import (
+        BeamSearchParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

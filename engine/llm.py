@@ -13,8 +13,9 @@ from engine.config.engine_config import EngineArgs
 from engine.front.llm_engine import LLMEngine, PromptType
 from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
+from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput
 from engine.sampling_params import (
+    BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
     generation_config_defaults,

@@ -245,3 +245,33 @@ def generation_config_defaults(generation_config: dict[str, Any]) -> dict[str, A
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters; `early_stopping` as in transformers (True, False or
+    "never"). Scores are the model's log-probabilities: `temperature` is accepted for
+    vLLM compatibility and, as in vLLM (raw logprobs), does not reshape them."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> ValueError:
+            return ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
+            raise bad("beam_width", "must be an integer in [1, 64]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "must be >= 0")
+        if self.length_penalty != self.length_penalty:
+            raise bad("length_penalty", "must be a number")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", 'must be True, False or "never"')

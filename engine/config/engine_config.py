@@ -271,7 +271,7 @@ class EngineArgs:
     distributed_executor_backend: ExecutorBackend | None = None
 
     def create_engine_config(self) -> EngineConfig:
-        from engine.loader.model_loader import load_generation_config, load_hf_config, resolve_model
+        from engine.loader.model_files import load_generation_config, load_hf_config, resolve_model
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         parallel_config = ParallelConfig(

@@ -25,11 +25,11 @@ from engine.config.engine_config import (
     SchedulerConfig,
 )
 from engine.config.parallel import ParallelConfig
+from engine.errors import EngineDeadError
 from engine.front.engine_commands import (
     END_OF_STREAM,
     AbortCommand,
     AddCommand,
-    EngineDeadError,
     EngineStats,
     OutputStream,
 )

@@ -17,11 +17,6 @@ if TYPE_CHECKING:
     from engine.front.llm_engine import LLMEngine, PromptType
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step raised, or `shutdown()` was called): no request
-    can be served any more. `__cause__` holds the error that killed it, if one did."""
-
-
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine, taken by the engine thread after each step."""

@@ -23,13 +23,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from engine.errors import EngineDeadError
 from engine.front.engine_commands import (
     END_OF_STREAM,
     AbortCommand,
     AddCommand,
     CallCommand,
     Command,
-    EngineDeadError,
     EngineStats,
     OutputStream,
     put_all,

@@ -61,7 +61,7 @@ _IDLE_WAIT_S = 0.01
 
 class LLMEngine(LLMEngineAdminMixin):
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
-        from engine.loader.model_loader import load_tokenizer
+        from engine.loader.model_files import load_tokenizer
         from engine.lora.manager import LoRAManager
         from engine.models.registry import get_model_class
 

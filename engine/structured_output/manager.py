@@ -84,7 +84,7 @@ class StructuredOutputManager:
     def _get_backend(self) -> Any:
         with self._backend_lock:
             if self._backend is None:
-                from engine.loader.model_loader import load_tokenizer
+                from engine.loader.model_files import load_tokenizer
                 from engine.structured_output.backend import XgrammarBackend
 
                 config = self.model_config

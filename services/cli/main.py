@@ -308,6 +308,11 @@ async def run_engine(ns: argparse.Namespace) -> int:
 
 
 async def run_tokenizer(ns: argparse.Namespace) -> int:
+    from services.tokenizer_service.model_files import needs_torch
+    from services.tokenizer_service.torch_free import hide_torch
+
+    if not needs_torch(ns.model):  # before anything imports transformers
+        hide_torch()
     from services.common.grpc_server import on_sighup, wait_for_signal
     from services.common.tracing import TOKENIZER_SERVICE_NAME, setup_tracing
     from services.tokenizer_service.model_files import load_text_model_files

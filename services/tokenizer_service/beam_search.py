@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
+from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput
+from engine.sampling_params import BeamSearchParams
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
 from services.engine_service import convert
 from services.tokenizer_service.replicas.relay import LiveRequest

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.loader.model_loader import (
+from engine.loader.model_files import (
     default_model_path,
     gguf_cache_path,
     load_generation_config,
@@ -30,6 +30,16 @@ class TextModelFiles:
     tokenizer: Any
     generation_config: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+
+
+def needs_torch(model: str | None) -> bool:
+    """Whether reading `model`'s text files needs torch: only a GGUF file the engine has not
+    converted yet, whose tokenizer transformers reads through its GGUF integration (which
+    imports torch). A directory or a converted cache entry is read without it."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return not (gguf_cache_path(path) / "config.json").is_file()
+    return False
 
 
 def load_text_model_files(model: str | None) -> TextModelFiles:

@@ -17,7 +17,8 @@ import torch
 from engine import native
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loader.model_loader import load_hf_config, load_model
+from engine.loader.model_files import load_hf_config
+from engine.loader.model_loader import load_model
 from engine.native.build import _SIGNATURES
 from kernels.reference import ref_paged_attention
 from tests.model_utils import allocate_block_tables, build_attn_metadata, make_tiny_llama

@@ -15,7 +15,8 @@ from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.loader.model_loader import load_hf_config, load_model
+from engine.loader.model_files import load_hf_config
+from engine.loader.model_loader import load_model
 from engine.sampling_params import SamplingParams
 from tests.model_utils import (
     allocate_block_tables,

@@ -25,7 +25,8 @@ from engine.layers.linear_select import (
     method_available,
     select_methods,
 )
-from engine.loader.model_loader import CACHE_DIR_ENV, load_hf_config, load_model
+from engine.loader.model_files import CACHE_DIR_ENV, load_hf_config
+from engine.loader.model_loader import load_model
 from tests.model_utils import make_tiny_llama
 
 AVAILABLE = [m for m in METHODS if method_available(m)]

@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.backend import get_attention_backend
 from engine.loader.gguf_file import read_gguf
-from engine.loader.model_loader import default_model_path, load_hf_config, load_model, resolve_model
+from engine.loader.model_files import default_model_path, load_hf_config, resolve_model
+from engine.loader.model_loader import load_model
 from engine.models.decoder import DecoderForCausalLM
 from engine.native import native_kernels_available
 from tests.engine.gguf_files import HIDDEN, NUM_HEADS, NUM_KV_HEADS

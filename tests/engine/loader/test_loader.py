@@ -11,16 +11,17 @@ import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loader import model_loader as loader
-from engine.loader.model_loader import (
+from engine.loader import gguf_conversion as loader
+from engine.loader.model_files import (
     CACHE_DIR_ENV,
+    default_model_path,
     gguf_cache_path,
     load_generation_config,
     load_hf_config,
-    load_model,
     load_tokenizer,
     resolve_model,
 )
+from engine.loader.model_loader import load_model
 from engine.models.llama import get_kv_cache_shape
 from tests.model_utils import (
     allocate_block_tables,
@@ -72,7 +73,7 @@ def test_default_model_is_converted_once_and_cached(default_model, monkeypatch):
     monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
     monkeypatch.setenv(CACHE_DIR_ENV, str(cache))
     assert resolve_model(None) == path
-    assert resolve_model(loader.default_model_path()) == path
+    assert resolve_model(default_model_path()) == path
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from engine.attention import torch_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.ops import RotaryEmbedding, apply_rotary_emb, rms_norm, silu_and_mul
-from engine.loader.model_loader import load_hf_config, load_model
+from engine.loader.model_files import load_hf_config
+from engine.loader.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM, get_kv_cache_shape, kv_cache_bytes_per_token
 from tests.model_utils import (
     allocate_block_tables,

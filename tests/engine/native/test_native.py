@@ -17,7 +17,8 @@ from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.linear import linear, pack_weight, packing_available
 from engine.layers.ops import apply_rotary_emb
-from engine.loader.model_loader import load_hf_config, load_model
+from engine.loader.model_files import load_hf_config
+from engine.loader.model_loader import load_model
 from kernels.reference import ref_paged_attention
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 from tests.model_utils import allocate_block_tables, build_attn_metadata, make_tiny_llama
