@@ -43,15 +43,15 @@ class InputProcessor:
         """Checks token ids against the vocabulary; tokenizes `bad_words` when the caller
         has not (the gRPC path sends their token ids)."""
         vocab = self.config.model_config.vocab_size
-        for name, ids in (
-            ("allowed_token_ids", params.allowed_token_ids or []),
-            ("logit_bias", list(params.logit_bias or {})),
-        ):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
+        check_in_vocab("stop_token_ids", params.stop_token_ids or [], vocab)
+        check_in_vocab("allowed_token_ids", params.allowed_token_ids or [], vocab)
+        for token_id in params.logit_bias or {}:
+            if not 0 <= token_id < vocab:
                 raise ValueError(
-                    f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}."
+                    f"logit_bias holds token id {token_id}, not in the vocabulary [0, {vocab})."
                 )
+        for i, ids in enumerate(params.bad_words_token_ids or []):
+            check_in_vocab(f"bad_words_token_ids[{i}]", ids, vocab)
         if params.stop and params.detokenize:
             self._get_stop_tokenizer()  # a ValueError naming `stop` when there is none
         if params.bad_words and params.bad_words_token_ids is None:
@@ -85,13 +85,8 @@ class InputProcessor:
         num = len(prompt_token_ids)
         model_config = self.config.model_config
         if num == 0:
-            raise ValueError("prompt must not be empty (0 prompt tokens).")
-        vocab = model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}."
-            )
+            raise ValueError("prompt_token_ids must not be empty (0 prompt tokens).")
+        check_in_vocab("prompt_token_ids", prompt_token_ids, model_config.vocab_size)
         if num > model_config.max_model_len:
             raise ValueError(
                 f"The prompt (length {num}) is longer than the maximum model length "
@@ -113,3 +108,12 @@ class InputProcessor:
                 raise ValueError(
                     f"{name}={value} exceeds max_logprobs={model_config.max_logprobs}."
                 )
+
+
+def check_in_vocab(name: str, token_ids: list[int], vocab_size: int) -> None:
+    """Raises ValueError naming the first id outside [0, vocab_size) by its index."""
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{name}[{i}] = {token_id} is not in the vocabulary [0, {vocab_size})."
+            )

@@ -32,7 +32,6 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine import SamplingParams
 from engine.observability.tracing import SpanAttributes
 from services.common.grpc_server import trace_headers
 from services.security.caller import current_tenant_name
@@ -197,8 +196,9 @@ def outgoing_trace_headers(incoming: Mapping[str, str], parent: Span | None = No
 # ---- GenAI attributes ---------------------------------------------------------------------
 
 
-def set_request_attributes(span: Span, request_id: str, model: str, params: SamplingParams) -> None:
-    """`gen_ai.request.*` of a generate request, its parameters after defaults."""
+def set_request_attributes(span: Span, request_id: str, model: str, params: Any) -> None:
+    """`gen_ai.request.*` of a generate request, its parameters after defaults: an
+    `engine.SamplingParams` (engine service) or a `RequestSampling` (tokenizer service)."""
     if not span.is_recording():
         return
     attributes: dict[str, Any] = {

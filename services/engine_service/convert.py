@@ -6,7 +6,7 @@ conversion is by name; an unset (`optional`) field is left to the engine's defau
 
 from __future__ import annotations
 
-import json
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 from engine import Logprob, PoolingParams, RequestOutput, SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from pagedserve.v1 import common_pb2, engine_pb2
+from services.common.finish_reasons import FINISH_REASONS
 
 # The scalar `optional` fields (those with presence), in proto order; the `constraint`
 # oneof and `disable_any_whitespace` go to `structured_outputs` instead.
@@ -34,16 +35,29 @@ _CONSTRAINT_FIELDS = {
     "json_object": "json_object",
     "choice": "choice",
 }
-FINISH_REASONS: dict[str | None, int] = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 _NO_RANK = 1 << 30  # sorts a rank-less entry last
+# The message of a rejected parameter starts with its field name (engine.SamplingParams,
+# the input processor, engine.PoolingParams); on the wire it is named by its proto path.
+_FIELD_PATHS = {
+    **{f.name: "sampling_params" for f in common_pb2.SamplingParams.DESCRIPTOR.fields},
+    "structured_outputs": "sampling_params",
+    "bad_words_token_ids": "sampling_params",
+    **{f.name: "pooling_params" for f in common_pb2.PoolingParams.DESCRIPTOR.fields},
+}
+_LEADING_NAME = re.compile(r"[a-z_]+")
 
 
 # ---- sampling parameters ----------------------------------------------------------------
+
+
+def field_path_message(message: str) -> str:
+    """The engine's message for a rejected parameter with the field named by its proto path
+    (`top_p must be ...` -> `sampling_params.top_p must be ...`). The engine validates every
+    token and sampling parameter, for the tokenizer service and for direct callers alike, so
+    each rule has this one message on every path; other messages are returned unchanged."""
+    name = _LEADING_NAME.match(message)
+    parent = _FIELD_PATHS.get(name.group(0)) if name else None
+    return f"{parent}.{message}" if parent else message
 
 
 def sampling_kwargs_from_proto(msg: common_pb2.SamplingParams) -> dict[str, object]:
@@ -79,43 +93,6 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, **extra: object) 
     """`engine.SamplingParams` from the proto; `extra` sets fields the proto lacks (such as
     `output_kind`). Raises ValueError naming the field for an invalid value."""
     return SamplingParams(**{**sampling_kwargs_from_proto(msg), **extra})  # type: ignore[arg-type]
-
-
-def sampling_params_to_proto(
-    params: SamplingParams, *, include_stop: bool = True
-) -> common_pb2.SamplingParams:
-    """Every field set (None stays unset); `include_stop=False` leaves stop strings out (the
-    tokenizer service applies them itself)."""
-    msg = common_pb2.SamplingParams()
-    for name in SAMPLING_SCALAR_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
-    msg.stop_token_ids.extend(params.stop_token_ids or [])
-    if include_stop:
-        msg.stop.extend(params.stop or [])  # type: ignore[arg-type]
-    msg.logit_bias.update(params.logit_bias or {})
-    msg.allowed_token_ids.extend(params.allowed_token_ids or [])
-    msg.bad_words.extend(params.bad_words or [])
-    for ids in params.bad_words_token_ids or []:
-        msg.bad_words_token_ids.add(ids=ids)
-    if params.structured_outputs is not None:
-        _constraint_to_proto(params.structured_outputs, msg)
-    return msg
-
-
-def _constraint_to_proto(so: StructuredOutputsParams, msg: common_pb2.SamplingParams) -> None:
-    kind = so.kind
-    value = getattr(so, kind)
-    if kind == "choice":
-        msg.choice.choices.extend(value)
-        return
-    if isinstance(value, dict):
-        value = json.dumps(value)
-    proto_name = next(k for k, v in _CONSTRAINT_FIELDS.items() if v == kind)
-    setattr(msg, proto_name, value)
-    if so.disable_any_whitespace:
-        msg.disable_any_whitespace = True
 
 
 # ---- outputs ----------------------------------------------------------------------------

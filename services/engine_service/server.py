@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,13 @@ from engine import (
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common import tracing
-from services.common.errors import ConfigError, ServiceError, invalid_argument, rpc_method
+from services.common.errors import (
+    ConfigError,
+    ServiceError,
+    invalid_argument,
+    rpc_method,
+    status_for,
+)
 from services.common.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENGINE_SERVICE,
@@ -120,6 +127,10 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
 
     @rpc_method
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
+        with _fields_named_by_proto_path():
+            await self._generate(request, context)
+
+    async def _generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
         span = trace.get_current_span()  # this call's (rpc_method): llm_request's parent
         engine = self._ready_engine()
         request_id = _check_request_id(request.request_id)
@@ -163,6 +174,12 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
 
     @rpc_method
     async def Encode(
+        self, request: engine_pb2.EngineEncodeRequest, context: Any
+    ) -> engine_pb2.EngineEncodeResponse:
+        with _fields_named_by_proto_path():
+            return await self._encode(request, context)
+
+    async def _encode(
         self, request: engine_pb2.EngineEncodeRequest, context: Any
     ) -> engine_pb2.EngineEncodeResponse:
         engine = self._ready_engine()
@@ -244,6 +261,17 @@ def _engine_trace_headers(request: Any, context: Any) -> dict[str, str] | None:
     """The request's trace headers for the engine, with this call's span as the parent."""
     incoming = trace_headers(request.trace_headers, context)
     return tracing.outgoing_trace_headers(incoming) or None
+
+
+@contextlib.contextmanager
+def _fields_named_by_proto_path() -> Iterator[None]:
+    """A rejected parameter's status names it by its proto path (`convert.field_path_message`);
+    the code is the one `status_for` gives the engine's error."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        code, message = status_for(exc)
+        raise ServiceError(code, convert.field_path_message(message)) from exc
 
 
 def _check_request_id(request_id: str) -> str:

@@ -20,7 +20,7 @@ import grpc
 from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput
 from engine.sampling_params import BeamSearchParams
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
-from services.engine_service import convert
+from services.common.finish_reasons import FINISH_REASONS
 from services.tokenizer_service.replicas.relay import LiveRequest
 
 
@@ -119,7 +119,7 @@ def beam_responses(
                 index=index,
                 text=tokenizer.decode(shown, skip_special_tokens=skip_special_tokens),
                 token_ids=generated,
-                finish_reason=convert.FINISH_REASONS[beam.finish_reason],
+                finish_reason=FINISH_REASONS[beam.finish_reason],
                 usage=common_pb2.Usage(
                     prompt_tokens=len(prompt_token_ids), completion_tokens=len(generated)
                 ),

@@ -19,7 +19,6 @@ the relay of engine messages) is services/tokenizer_service/replicas/relay.py.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -41,11 +40,9 @@ from services.common.errors import (
 from services.common.grpc_server import (
     TEXT_GENERATION_SERVICE,
     trace_headers,
-    trace_metadata,
 )
 from services.common.limits import RequestRegistry
 from services.common.metrics import TokenizerMetrics
-from services.engine_service import convert
 from services.security.caller import current_tenant_name, scoped_request_id
 from services.tokenizer_service.beam_search import (
     beam_params_from_request,
@@ -107,9 +104,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
                 info.max_model_len,
                 self.config.max_prompt_tokens,
             )
-            self._checker = RequestChecker(
-                self.config.limits, info.max_model_len, info.max_logprobs
-            )
+            self._checker = RequestChecker(self.config.limits, info.max_model_len)
             self._preprocessor_info = info
         assert self._preprocessor is not None
         return self._preprocessor
@@ -147,7 +142,8 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
         internal_id = scoped_request_id(request_id)  # the tenant's scope, at the engine too
         with self._tokenizing():
             prompt_ids = pre.prompt_token_ids(request)
-            params = pre.sampling_params(request.sampling_params)
+            params = pre.sampling(request.sampling_params)
+            engine_sampling = params.engine_proto(self.tokenizer)  # bad words to token ids
         tracing.set_request_attributes(span, request_id, self.model_name, params)
         if request.beam_width:
             await self._beam_search(request, request_id, prompt_ids, params, context)
@@ -155,7 +151,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
         engine_request = engine_pb2.EngineGenerateRequest(
             request_id=internal_id,
             prompt_token_ids=prompt_ids,
-            sampling_params=convert.sampling_params_to_proto(params, include_stop=False),
+            sampling_params=engine_sampling,
             priority=request.priority,
             cache_salt=current_tenant_name() or "",  # tenants never share cached blocks
             lora_name=request.lora_name,  # unknown: the engine's NOT_FOUND, passed through
@@ -261,55 +257,32 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
         self.checker().check_encode(request)
         if request.texts and request.token_ids:
             raise invalid_argument("texts, token_ids: set one of them, not both")
-        # Checked once here rather than by each engine call (the engine checks `dimensions`
-        # against the model).
-        try:
-            convert.pooling_params_from_proto(request.pooling_params)
-        except ValueError as exc:
-            raise invalid_argument(f"pooling_params.{exc}") from None
+        # The pooling parameters and the token ids are the engine's to check.
         with self._tokenizing():
             prompts = [
                 pre.check_prompt_length(pre.encode_text(text, True, f"texts[{i}]"), f"texts[{i}]")
                 for i, text in enumerate(request.texts)
             ] + [
-                pre.check_prompt_length(
-                    pre.check_token_ids(ids.ids, f"token_ids[{i}].ids"), f"token_ids[{i}]"
-                )
+                pre.check_prompt_length(list(ids.ids), f"token_ids[{i}]")
                 for i, ids in enumerate(request.token_ids)
             ]
         if not prompts:
             raise invalid_argument("texts or token_ids must hold at least one input")
         request_id = request.request_id or f"enc-{uuid.uuid4().hex}"
         internal_id = scoped_request_id(request_id)
-        # The engine calls' parent is this call's span.
-        headers = tracing.outgoing_trace_headers(trace_headers(request.trace_headers, context))
+        engine_requests = [
+            engine_pb2.EngineEncodeRequest(
+                request_id=f"{internal_id}/{i}",
+                prompt_token_ids=ids,
+                pooling_params=request.pooling_params,
+                cache_salt=current_tenant_name() or "",
+                lora_name=request.lora_name,
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        incoming = trace_headers(request.trace_headers, context)
         with self.requests.admit(internal_id, LiveRequest(), request_id) as live:
-            live.replica = replica = self.backend.least_loaded()
-            live.calls = [
-                replica.stub.Encode(
-                    engine_pb2.EngineEncodeRequest(
-                        request_id=f"{internal_id}/{i}",
-                        prompt_token_ids=ids,
-                        pooling_params=request.pooling_params,
-                        trace_headers=headers,
-                        cache_salt=current_tenant_name() or "",
-                        lora_name=request.lora_name,
-                    ),
-                    timeout=context.time_remaining(),
-                    metadata=trace_metadata(headers),
-                )
-                for i, ids in enumerate(prompts)
-            ]
-            try:
-                replies = await asyncio.gather(*live.calls)
-            except grpc.aio.AioRpcError as exc:
-                raise await replica.translate(exc) from None
-            except asyncio.CancelledError:
-                if live.aborted:
-                    raise ServiceError(grpc.StatusCode.ABORTED, "the request was aborted") from None
-                raise
-            finally:
-                live.cancel()
+            replies = await self.relay.encode(engine_requests, incoming, live, context)
         return generation_pb2.EncodeResponse(
             request_id=request_id,
             embeddings=[

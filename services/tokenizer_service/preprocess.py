@@ -1,6 +1,8 @@
-"""The tokenizer service's side of a request before the engine sees it: checks, defaults,
-chat templates, tokenization. Every rejection is INVALID_ARGUMENT with a message that names
-the field by its proto path (`sampling_params.top_p`, `chat.messages[1].role`, ...).
+"""The tokenizer service's side of a request before the engine sees it: chat templates,
+tokenization, the model's defaults, and the checks that need text or the tokenizer. Every
+rejection is INVALID_ARGUMENT with a message that names the field by its proto path
+(`text`, `chat.messages[1].role`, ...). Token ids and sampling values are the engine's to
+check (services/tokenizer_service/sampling.py says why).
 
 Defaults: a field the caller leaves unset takes the model's generation_config value, then
 vLLM's default (`engine.SamplingParams`).
@@ -11,18 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine import SamplingParams
-from engine.processing.bad_words import bad_words_token_ids
-from engine.structured_output.manager import StructuredOutputManager
 from pagedserve.v1 import common_pb2, generation_pb2
 from services.common.errors import invalid_argument
-from services.engine_service import convert
+from services.tokenizer_service.sampling import RequestSampling
 
 CHAT_ROLES = ("system", "user", "assistant")
 
 
 class Preprocessor:
-    """Turns public requests into prompt token ids and engine `SamplingParams`."""
+    """Turns public requests into prompt token ids and their sampling parameters."""
 
     def __init__(
         self,
@@ -50,7 +49,7 @@ class Preprocessor:
         elif kind == "chat":
             ids = self.encode_chat(request.chat)
         elif kind == "token_ids":
-            ids = self.check_token_ids(request.token_ids.ids, "token_ids.ids")
+            ids = list(request.token_ids.ids)  # the engine checks them against its vocabulary
         else:
             raise invalid_argument("input must be set: one of text, chat or token_ids")
         sampling = request.sampling_params
@@ -112,34 +111,19 @@ class Preprocessor:
         return ids
 
     def check_prompt_length(self, ids: list[int], field: str) -> list[int]:
-        if not ids:
-            raise invalid_argument(f"{field}: the prompt must not be empty (0 tokens)")
-        if len(ids) > self.max_prompt_tokens:
-            limit = (
-                "max_model_len"
-                if self.max_prompt_tokens == self.max_model_len
-                else ("max_prompt_tokens")
-            )
+        """This service's own limit, `max_prompt_tokens`, when it is below the model's
+        length; an empty prompt, one over `max_model_len` or one the KV cache can never hold
+        is the engine's to reject."""
+        if self.max_prompt_tokens < self.max_model_len and len(ids) > self.max_prompt_tokens:
             raise invalid_argument(
                 f"{field}: the prompt has {len(ids)} tokens, more than the limit of "
-                f"{self.max_prompt_tokens} ({limit})"
+                f"{self.max_prompt_tokens} (max_prompt_tokens)"
             )
         return ids
 
     # ---- sampling parameters ----------------------------------------------------------
 
-    def sampling_params(self, msg: common_pb2.SamplingParams) -> SamplingParams:
-        """The caller's fields over the model's defaults over vLLM's, checked."""
-        try:
-            kwargs = {**self.defaults, **convert.sampling_kwargs_from_proto(msg)}
-            params = SamplingParams(**kwargs)
-            if params.structured_outputs is not None:
-                StructuredOutputManager.validate(params.structured_outputs)
-        except ValueError as exc:
-            raise invalid_argument(f"sampling_params.{exc}") from None
-        self.check_token_ids(params.stop_token_ids or [], "sampling_params.stop_token_ids")
-        self.check_token_ids(params.allowed_token_ids or [], "sampling_params.allowed_token_ids")
-        self.check_token_ids(list(params.logit_bias or {}), "sampling_params.logit_bias")
-        if params.bad_words:
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        return params
+    def sampling(self, msg: common_pb2.SamplingParams) -> RequestSampling:
+        """The caller's fields over the model's defaults (services/tokenizer_service/
+        sampling.py); their values are the engine's to check."""
+        return RequestSampling(msg, self.defaults)

@@ -7,13 +7,15 @@ Each check raises INVALID_ARGUMENT naming the field and the limit:
 
     text, chat.messages[i].content, texts[i]   max_prompt_bytes (UTF-8 bytes; 1 MiB)
     chat.messages                              max_chat_messages (how many; 1024)
-    token_ids.ids, token_ids[i].ids            max_model_len (token ids)
+    token_ids (Detokenize)                     max_model_len (token ids)
     texts + token_ids (Encode)                 max_encode_inputs (256)
     sampling_params.n                          max_n (16)
     sampling_params.max_tokens                 max_model_len
     sampling_params.stop                       max_stop_strings (64),
                                                each max_stop_string_bytes (1 KiB)
-    sampling_params.logprobs / prompt_logprobs max_logprobs (the engine's)
+
+Token ids of a prompt and every sampling value are the engine's to check (one message per
+rule, on every path to the engine: services/tokenizer_service/sampling.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ class RequestChecker:
 
     limits: RequestLimits
     max_model_len: int
-    max_logprobs: int  # 0: unknown (an engine that does not report it): the engine checks
 
     def check_generate(self, request: generation_pb2.GenerateRequest) -> None:
         kind = request.WhichOneof("input")
@@ -54,8 +55,6 @@ class RequestChecker:
             self.check_text(request.text, "text")
         elif kind == "chat":
             self.check_chat(request.chat, "chat")
-        elif kind == "token_ids":
-            self.check_token_ids(request.token_ids.ids, "token_ids.ids")
         self.check_sampling(request.sampling_params)
 
     def check_tokenize(self, request: generation_pb2.TokenizeRequest) -> None:
@@ -73,8 +72,6 @@ class RequestChecker:
             )
         for i, text in enumerate(request.texts):
             self.check_text(text, f"texts[{i}]")
-        for i, ids in enumerate(request.token_ids):
-            self.check_token_ids(ids.ids, f"token_ids[{i}].ids")
 
     def check_text(self, text: str, field: str) -> None:
         # 4 bytes per character at most: only long texts need encoding to count bytes.
@@ -129,10 +126,4 @@ class RequestChecker:
                 raise invalid_argument(
                     f"sampling_params.stop[{i}]: longer than the limit "
                     f"max_stop_string_bytes={limits.max_stop_string_bytes}"
-                )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if self.max_logprobs and params.HasField(name) and value > self.max_logprobs:
-                raise invalid_argument(
-                    f"sampling_params.{name}={value} exceeds max_logprobs={self.max_logprobs}"
                 )

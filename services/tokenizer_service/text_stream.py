@@ -13,12 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine import SamplingParams
 from engine.processing.detokenizer import IncrementalDetokenizer
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
-from services.engine_service.convert import FINISH_REASONS
-
-_FINISH_REASON_NAMES = {code: name or "" for name, code in FINISH_REASONS.items()}
+from services.common.finish_reasons import FINISH_REASON_NAMES
+from services.tokenizer_service.sampling import RequestSampling
 
 
 class TokenTexts:
@@ -57,7 +55,7 @@ class TextStream:
         request_id: str,
         tokenizer: Any,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: RequestSampling,
         token_texts: TokenTexts,
     ) -> None:
         self.request_id = request_id
@@ -84,7 +82,7 @@ class TextStream:
     @property
     def finish_reasons(self) -> list[str]:
         """Per output index: "stop", "length", "abort" ("" while it is open)."""
-        return [_FINISH_REASON_NAMES.get(out.finish_reason, "") for out in self.outputs]
+        return [FINISH_REASON_NAMES.get(out.finish_reason, "") for out in self.outputs]
 
     @property
     def num_tokens(self) -> int:

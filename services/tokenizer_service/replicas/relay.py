@@ -1,19 +1,26 @@
-"""The tokenizer service's side of one Generate at the engines: the replica call under its
-CLIENT span, failover before the first token, and the relay of engine messages to the client
-through the request's `TextStream`."""
+"""The tokenizer service's side of one request at the engines: the replica calls under their
+CLIENT span, failover before the first result, and for Generate the relay of engine messages
+to the client through the request's `TextStream`.
+
+    generate / encode ─▶ _on_some_replica: CLIENT span, pick a replica, attempt; the replica
+                         failed before anything came back? mark it down, once more elsewhere
+                         ├─▶ Generate: one streaming call, relayed message by message
+                         └─▶ Encode: one call per input, all on the same replica
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from pagedserve.v1 import engine_pb2
 from services.common import tracing
-from services.common.errors import engine_unreachable, status_for
+from services.common.errors import ServiceError, engine_unreachable, status_for
 from services.common.grpc_server import ENGINE_SERVICE, trace_headers, trace_metadata
 from services.common.metrics import TokenizerMetrics
 from services.tokenizer_service.replicas.engine_client import EngineBackend
@@ -22,7 +29,9 @@ from services.tokenizer_service.text_stream import TextStream
 
 logger = logging.getLogger("services.tokenizer")
 
-_ENGINE_GENERATE = f"{ENGINE_SERVICE}/Generate"  # the CLIENT span of the engine call
+_ENGINE_GENERATE = f"{ENGINE_SERVICE}/Generate"  # the CLIENT spans of the engine calls
+_ENGINE_ENCODE = f"{ENGINE_SERVICE}/Encode"
+T = TypeVar("T")
 
 
 @dataclass
@@ -55,33 +64,105 @@ class EngineRelay:
     ) -> None:
         """The engine call, under its CLIENT span: the parent the engine service gets, in
         the metadata and in `trace_headers`. Its messages are relayed under `detokenize`."""
-        client_span = tracing.start_client_span(_ENGINE_GENERATE)
+
+        async def attempt(replica: EngineBackend, headers: dict[str, str]) -> None:
+            engine_request.trace_headers.update(headers)
+            with tracing.internal_span("detokenize"):
+                await self._call_replica(replica, engine_request, headers, live, stream, context)
+
+        def choose(tried: list[EngineBackend]) -> EngineBackend:
+            return self.pool.choose(engine_request.prompt_token_ids, exclude=tried)
+
+        await self._on_some_replica(
+            _ENGINE_GENERATE,
+            engine_request.request_id,
+            incoming_trace_headers,
+            live,
+            choose,
+            attempt,
+        )
+
+    async def encode(
+        self,
+        engine_requests: list[engine_pb2.EngineEncodeRequest],
+        incoming_trace_headers: dict[str, str],
+        live: LiveRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> list[engine_pb2.EngineEncodeResponse]:
+        """One engine Encode per input, all on the least loaded replica, under one CLIENT
+        span; the replies in input order."""
+
+        async def attempt(
+            replica: EngineBackend, headers: dict[str, str]
+        ) -> list[engine_pb2.EngineEncodeResponse]:
+            for engine_request in engine_requests:
+                engine_request.trace_headers.update(headers)
+            with tracked(replica) as tracking:
+                live.calls = [
+                    replica.stub.Encode(
+                        engine_request,
+                        timeout=context.time_remaining(),
+                        metadata=trace_metadata(headers),
+                    )
+                    for engine_request in engine_requests
+                ]
+                try:
+                    replies = await asyncio.gather(*live.calls)
+                except grpc.aio.AioRpcError as exc:
+                    if live.aborted:
+                        raise _aborted() from None
+                    if engine_unreachable(exc) and tracking.pending:
+                        raise FailedBeforeFirstToken(exc) from None
+                    raise await replica.translate(exc) from None
+                except asyncio.CancelledError:
+                    if live.aborted:
+                        raise _aborted() from None
+                    raise
+                finally:
+                    live.cancel()  # the others, when one failed
+                tracking.started()
+                return list(replies)
+
+        request_id = engine_requests[0].request_id if engine_requests else ""
+        return await self._on_some_replica(
+            _ENGINE_ENCODE,
+            request_id,
+            incoming_trace_headers,
+            live,
+            lambda tried: self.pool.least_loaded(exclude=tried),
+            attempt,
+        )
+
+    async def _on_some_replica(
+        self,
+        span_name: str,
+        request_id: str,
+        incoming_trace_headers: dict[str, str],
+        live: LiveRequest,
+        choose: Callable[[list[EngineBackend]], EngineBackend],
+        attempt: Callable[[EngineBackend, dict[str, str]], Awaitable[T]],
+    ) -> T:
+        """`attempt` on the replica `choose` picks, under the CLIENT span `span_name`; a
+        replica that fails before anything came back (`FailedBeforeFirstToken`) is marked
+        down and the attempt made once more on another, invisibly to the client."""
+        client_span = tracing.start_client_span(span_name)
         try:
             headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
-            engine_request.trace_headers.update(headers)
             tried: list[EngineBackend] = []
             while True:
-                replica = self.pool.choose(engine_request.prompt_token_ids, exclude=tried)
+                replica = choose(tried)
                 tried.append(replica)
                 live.replica = replica
                 try:
-                    with tracing.internal_span("detokenize"):
-                        await self._call_replica(
-                            replica, engine_request, headers, live, stream, context
-                        )
-                    return
+                    return await attempt(replica, headers)
                 except FailedBeforeFirstToken as failed:
-                    # Invisible to the client: mark the replica down, retry once elsewhere.
                     if len(tried) > 1 or not self.pool.up(exclude=tried):
                         raise await replica.translate(failed.error) from None
                     await replica.mark_down(failed.error)
                     self.metrics.engine_failovers.inc()
                     logger.info(
-                        "engine replica failed before the first token; retrying elsewhere",
-                        extra={
-                            "request_id": engine_request.request_id,
-                            "engine_address": replica.address,
-                        },
+                        "engine replica failed before the first result; retrying elsewhere",
+                        extra={"request_id": request_id, "engine_address": replica.address},
                     )
         except (Exception, asyncio.CancelledError) as exc:
             tracing.set_error(client_span, *status_for(exc))
@@ -150,3 +231,7 @@ class FailedBeforeFirstToken(Exception):
 def outgoing_metadata(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str], ...]:
     """Trace context for an engine call made by this call: its span is the parent."""
     return trace_metadata(tracing.outgoing_trace_headers(trace_headers({}, context)))
+
+
+def _aborted() -> ServiceError:
+    return ServiceError(grpc.StatusCode.ABORTED, "the request was aborted")

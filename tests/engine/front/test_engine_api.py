@@ -90,7 +90,7 @@ def test_config_getters(model_dir) -> None:
     processor = engine.get_input_preprocessor()
     text, token_ids = processor.process(PROMPT, greedy(1))
     assert text is None and token_ids == PROMPT["prompt_token_ids"]
-    with pytest.raises(ValueError, match="prompt must not be empty"):
+    with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
         processor.process({"prompt_token_ids": []}, greedy(1))
 
 

@@ -198,7 +198,7 @@ def test_llm_engine_pooling_requests_and_aborts(model_dir, prompts) -> None:
     )
     with pytest.raises(TypeError, match="SamplingParams or PoolingParams"):
         engine.add_request("x", {"prompt_token_ids": [3]}, {"normalize": True})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] = \d+ is not in the vocabulary"):
         engine.add_request("x", {"prompt_token_ids": [VOCAB]}, PoolingParams())
     params = PoolingParams()
     engine.add_request("a", {"prompt_token_ids": prompts[-1]}, params)

@@ -33,7 +33,7 @@ BAD_REQUESTS = {
     "top_p > 1": (request(token_ids=PROMPT, top_p=1.5), INVALID, "sampling_params.top_p"),
     "n 0": (request(token_ids=PROMPT, n=0), INVALID, "sampling_params.n"),
     "max_tokens 0": (request(token_ids=PROMPT, max_tokens=0), INVALID, "max_tokens"),
-    "unknown token id": (request(token_ids=[1, 49152]), INVALID, "token_ids.ids[1]"),
+    "unknown token id": (request(token_ids=[1, 49152]), INVALID, "prompt_token_ids[1] = 49152"),
     "unknown stop token id": (
         request(token_ids=PROMPT, stop_token_ids=[10**6]),
         INVALID,

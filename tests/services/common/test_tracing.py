@@ -58,7 +58,7 @@ def _spans_of(exporter, trace_id: int, expected: int) -> dict[tuple[str, SpanKin
     their RPC spans just after the last message)."""
     spans = wait_for(lambda: (s := _trace(exporter, trace_id)) and len(s) >= expected and s)
     by_key = {(s.name, s.kind): s for s in spans}
-    assert len(by_key) == len(spans) == expected, sorted(by_key)
+    assert len(by_key) == len(spans) == expected, sorted(by_key, key=str)
     return by_key
 
 
@@ -174,11 +174,16 @@ def test_invalid_request_sets_the_error_status(stack, exporter):
     with pytest.raises(grpc.RpcError) as info:
         _generate(stack, request(token_ids=PROMPT, top_p=0.0), [("traceparent", traceparent)])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    spans = _spans_of(exporter, int(trace_id, 16), expected=2)  # the RPC and tokenize
+    # The engine checks sampling values (one rule, one message on every path): the RPC,
+    # tokenize, the engine call (CLIENT), detokenize and the engine service's RPC.
+    spans = _spans_of(exporter, int(trace_id, 16), expected=5)
     root = spans[(PUBLIC_GENERATE, SpanKind.SERVER)]
     assert root.status.status_code == StatusCode.ERROR
     assert root.status.description.startswith("INVALID_ARGUMENT: sampling_params.top_p")
     assert root.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    engine = spans[(ENGINE_GENERATE, SpanKind.SERVER)]
+    assert engine.status.description == root.status.description  # passed through unchanged
+    assert spans[(ENGINE_GENERATE, SpanKind.CLIENT)].status.status_code == StatusCode.ERROR
 
     # The engine service's own errors, called directly.
     traceparent, trace_id, _ = _new_traceparent()

@@ -160,6 +160,11 @@ def test_sigkill_mid_load_fails_over_and_the_replica_rejoins(cluster):
     # A second tokenizer service that polls too rarely to notice the kill by itself: its
     # first request to the dead replica fails before any token and is retried elsewhere.
     unaware = cluster.start_server(cluster.server.config.engine_address, poll_interval_s=30.0)
+    # Encode goes through the same failover: to the least loaded replica, the first listed
+    # (the victim) while loads are even, and elsewhere when it turns out to be dead.
+    unaware_encode = cluster.start_server(
+        cluster.server.config.engine_address, poll_interval_s=30.0
+    )
     streams = []
     for prompt in [
         *cluster.prompts_owned_by(victim, 2, seed=1),
@@ -179,6 +184,17 @@ def test_sigkill_mid_load_fails_over_and_the_replica_rejoins(cluster):
         assert registry.get_sample_value("pagedserve:engine_failovers_total") == 1
         up = {"engine_address": victim.address}
         assert registry.get_sample_value("pagedserve:engine_replica_up", up) == 0
+    with grpc.insecure_channel(f"127.0.0.1:{unaware_encode.port}") as channel:
+        public = generation_pb2_grpc.TextGenerationServiceStub(channel)
+        assert unaware_encode.backend.replicas[victim.address].available
+        reply = public.Encode(
+            generation_pb2.EncodeRequest(token_ids=[common_pb2.TokenIds(ids=[5, 6, 7])] * 2),
+            timeout=60,
+        )
+        assert [len(e.values) for e in reply.embeddings] == [64, 64]  # retried, invisibly
+        assert not unaware_encode.backend.replicas[victim.address].available
+        registry = unaware_encode.servicer.rpc_metrics.registry
+        assert registry.get_sample_value("pagedserve:engine_failovers_total") == 1
     # Requests not yet started: no client error, even those whose affinity is the victim.
     for prompt in cluster.prompts_owned_by(victim, 3, seed=4):
         out = generate(cluster.public, prompt, max_tokens=3)[0]
