@@ -83,19 +83,23 @@ def generate(
     `messages` (rendered with the model's chat template). Sampling keyword arguments are
     `SamplingParams` fields (vLLM's names); unset ones take the server's defaults.
     Iterate the stream (`async for` with `AsyncClient`); leaving the loop early cancels it."""
-    request = requests.generate_request(
-        prompt,
-        token_ids,
-        messages,
+    request = generation_pb2.GenerateRequest(
         request_id=request_id,
-        priority=priority,
-        trace_headers=trace_headers,
-        add_special_tokens=add_special_tokens,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
         lora_name=lora_name,
-        **sampling,
+        sampling_params=requests.sampling_params(**sampling),
+        priority=priority,
+        trace_headers=dict(trace_headers or {}),
+        add_special_tokens=add_special_tokens,
     )
+    kind = requests.one_input(prompt=prompt, token_ids=token_ids, messages=messages)
+    if kind == "prompt":
+        request.text = prompt
+    elif kind == "token_ids":
+        request.token_ids.SetInParent()  # selects the input even for an empty list
+        request.token_ids.ids.extend(token_ids)
+    else:
+        chat = requests.chat_input(messages, add_generation_prompt, continue_final_message)
+        request.chat.CopyFrom(chat)
     return GenerateCall(request, timeout)
 
 
@@ -125,14 +129,14 @@ def encode(
 ) -> UnaryCall[list[list[float]]]:
     """One pooled embedding per text (or per token-id list), in input order; with
     `dimensions`, Matryoshka embeddings cut to that size before normalisation."""
-    request = requests.encode_request(
-        texts,
-        token_ids,
-        normalize=normalize,
-        dimensions=dimensions,
+    requests.one_input(texts=texts, token_ids=token_ids)
+    request = generation_pb2.EncodeRequest(
         request_id=request_id,
-        trace_headers=trace_headers,
         lora_name=lora_name,
+        texts=[texts] if isinstance(texts, str) else list(texts or []),
+        token_ids=[common_pb2.TokenIds(ids=ids) for ids in token_ids or []],
+        pooling_params=common_pb2.PoolingParams(normalize=normalize, dimensions=dimensions),
+        trace_headers=dict(trace_headers or {}),
     )
     return UnaryCall("Encode", request, embeddings_from_proto, timeout)
 
@@ -145,7 +149,10 @@ def tokenize(
     timeout: float | None = None,
 ) -> UnaryCall[TokenizeResult]:
     """The token ids and token strings of a text (or of chat `messages`, rendered)."""
-    request = requests.tokenize_request(text, messages, add_special_tokens=add_special_tokens)
+    if requests.one_input(text=text, messages=messages) == "text":
+        request = generation_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+    else:
+        request = generation_pb2.TokenizeRequest(chat=requests.chat_input(messages))
     return UnaryCall("Tokenize", request, tokenize_from_proto, timeout)
 
 
