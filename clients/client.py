@@ -1,4 +1,4 @@
-"""`Client`: the synchronous client of pagedserve's public API.
+"""`Client`: the synchronous client of pagedserve's public API, over grpc.
 
     with Client("localhost:50051") as client:
         for delta in client.generate("The capital of France is", max_tokens=16):
@@ -8,127 +8,61 @@
 `generate` streams `GenerationDelta`s; leaving the loop early (or `stream.cancel()`, or the
 end of a `with client.generate(...) as stream:` block) cancels the call, and the server
 aborts the request and frees its KV cache. Failures raise `clients.errors` exceptions.
+
+The methods, their requests and replies are `clients.calls`; the state and policies
+`clients.core`. This file is the transport: blocking calls and reads, `time.sleep`.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 
-from clients import requests
-from clients.auth import API_KEY_ENV
-from clients.channel import (
-    DEFAULT_ADDRESS,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    NO_RETRY,
-    ChannelConfig,
-    Deadline,
-    Pem,
-    RetryPolicy,
-)
-from clients.errors import from_rpc_error
-from clients.outputs import (
-    GenerationDelta,
-    GenerationResult,
-    HealthStatus,
-    LoraAdapter,
-    ModelInfo,
-    ResultBuilder,
-    TokenizeResult,
-    delta_from_proto,
-    health_from_proto,
-    lora_adapters_from_proto,
-    model_info_from_proto,
-    tokenize_from_proto,
-)
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from clients import calls
+from clients.core import ClientCore, StreamCore, method_of
+from clients.outputs import GenerationDelta, GenerationResult, ResultBuilder
+from pagedserve.v1 import generation_pb2
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from clients.requests import Message
 
-    from clients.requests import Message, SamplingKwargs
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
-class GenerationStream:
+class GenerationStream(StreamCore):
     """The deltas of one Generate call, as they arrive. UNAVAILABLE before the first
     message is retried (`RetryPolicy`); after it, every failure is raised."""
 
-    def __init__(
-        self,
-        stub: generation_pb2_grpc.TextGenerationServiceStub,
-        request: generation_pb2.GenerateRequest,
-        deadline: Deadline,
-        retry: RetryPolicy,
-    ) -> None:
-        self.request_id = request.request_id  # the server's id once the first delta is in
-        self._stub = stub
-        self._request = request
-        self._deadline = deadline
-        self._retry = retry
-        self._call: Any = None
-        self._started = False
-        self._done = False
-        self._cancelled = False
+    END = StopIteration
 
     def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> GenerationDelta:
-        if self._done:
-            raise StopIteration
+        self._check_open()
         try:
-            if self._started:
-                msg = next(self._call)
-            else:
-                self._started = True
-                msg = self._first_message()
-        except StopIteration:
-            msg = None
+            msg = next(self._call, None) if self._started else self._first_message()
         except grpc.RpcError as exc:
-            self._done = True
-            if self._cancelled:
-                raise StopIteration from None  # cancelled by its owner: just ends
-            raise from_rpc_error(exc) from None
-        if msg is None or self._cancelled:
-            self._done = True
-            raise StopIteration
-        delta = delta_from_proto(msg)
-        self.request_id = delta.request_id
-        return delta
+            raise self._failed(exc) from None
+        return self._delta(msg)
 
     def _first_message(self) -> generation_pb2.GenerateResponse | None:
-        for attempt in itertools.count():
-            self._call = self._stub.Generate(self._request, timeout=self._deadline.remaining())
-            if self._cancelled:
-                self._call.cancel()
+        self._started = True
+        while True:
+            self._start_attempt()
             try:
-                return next(self._call)
-            except StopIteration:
-                return None
+                return next(self._call, None)
             except grpc.RpcError as exc:
-                wait = (
-                    None
-                    if self._cancelled
-                    else self._retry.backoff(exc.code(), attempt, self._deadline)
-                )
+                wait = self._retry_wait(exc)
                 if wait is None:
                     raise
                 time.sleep(wait)
-        raise AssertionError("unreachable")
 
-    def cancel(self) -> None:
-        """Cancels the call (the server aborts the request); iteration ends. Idempotent, and
-        safe from another thread."""
-        self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
-
-    close = cancel
+    close = StreamCore.cancel
 
     def __enter__(self) -> GenerationStream:
         return self
@@ -136,12 +70,18 @@ class GenerationStream:
     def __exit__(self, *exc_info: object) -> None:
         self.cancel()
 
-    def __del__(self) -> None:
-        if self._call is not None and not self._done:
-            self._call.cancel()
+
+def _blocking(plan: Callable[P, calls.UnaryCall[T]]) -> Callable[Concatenate[Client, P], T]:
+    """`Client`'s method for a unary call of `clients.calls`."""
+
+    @method_of(plan)
+    def method(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._unary(plan(*args, **kwargs))
+
+    return method
 
 
-class Client:
+class Client(ClientCore[GenerationStream]):
     """A synchronous client of `pagedserve.v1.TextGenerationService`.
 
     `timeout` is every call's default deadline in seconds (None: none); each method takes
@@ -151,34 +91,10 @@ class Client:
     `api_key` (default `$PAGEDSERVE_API_KEY`) goes with every call as
     `authorization: Bearer <key>`."""
 
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        tls: bool = False,
-        root_certificates: Pem | None = None,
-        private_key: Pem | None = None,
-        certificate_chain: Pem | None = None,
-        api_key: str | None = None,
-        timeout: float | None = None,
-        retry: RetryPolicy | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self.config = ChannelConfig(
-            address=address,
-            tls=tls,
-            root_certificates=root_certificates,
-            private_key=private_key,
-            certificate_chain=certificate_chain,
-            api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None,
-            max_message_bytes=max_message_bytes,
-            options=tuple(options),
-        )
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self._channel = self.config.sync_channel()
-        self._stub = generation_pb2_grpc.TextGenerationServiceStub(self._channel)
+    _stream_class = GenerationStream
+
+    def _open_channel(self) -> grpc.Channel:
+        return self.config.sync_channel()
 
     def close(self) -> None:
         self._channel.close()
@@ -189,62 +105,17 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _deadline(self, timeout: float | None) -> Deadline:
-        return Deadline(self.timeout if timeout is None else timeout)
-
-    def _unary(
-        self,
-        method: Callable[..., Any],
-        request: Any,
-        timeout: float | None,
-        retry: RetryPolicy | None = None,
-    ) -> Any:
-        deadline, retry = self._deadline(timeout), retry or self.retry
-        for attempt in itertools.count():
+    def _unary(self, call: calls.UnaryCall[T]) -> T:
+        rpc, attempts = getattr(self._stub, call.rpc), self._attempts(call)
+        while True:
             try:
-                return method(request, timeout=deadline.remaining())
+                reply = rpc(call.request, timeout=attempts.deadline.remaining())
             except grpc.RpcError as exc:
-                wait = retry.backoff(exc.code(), attempt, deadline)
-                if wait is None:
-                    raise from_rpc_error(exc) from None
-                time.sleep(wait)
-        raise AssertionError("unreachable")
+                time.sleep(attempts.wait_or_raise(exc))
+            else:
+                return call.parse(reply)
 
-    # ---- generation -------------------------------------------------------------------
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        token_ids: Sequence[int] | None = None,
-        messages: Sequence[Message] | None = None,
-        request_id: str = "",
-        priority: int = 0,
-        trace_headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        add_special_tokens: bool | None = None,
-        add_generation_prompt: bool | None = None,
-        continue_final_message: bool | None = None,
-        lora_name: str = "",
-        **sampling: Unpack[SamplingKwargs],
-    ) -> GenerationStream:
-        """Streams the answer to one prompt: a text `prompt`, `token_ids`, or chat
-        `messages` (rendered with the model's chat template). Sampling keyword arguments are
-        `SamplingParams` fields (vLLM's names); unset ones take the server's defaults."""
-        request = requests.generate_request(
-            prompt,
-            token_ids,
-            messages,
-            request_id=request_id,
-            priority=priority,
-            trace_headers=trace_headers,
-            add_special_tokens=add_special_tokens,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            lora_name=lora_name,
-            **sampling,
-        )
-        return GenerationStream(self._stub, request, self._deadline(timeout), self.retry)
+    # `generate` (ClientCore) returns a GenerationStream.
 
     def generate_text(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
         """`generate`, gathered: the whole answer, one `CompletionOutput` per index."""
@@ -255,91 +126,12 @@ class Client:
         """The whole answer to a conversation (`generate_text(messages=...)`)."""
         return self.generate_text(messages=messages, **kwargs)
 
-    def abort(self, request_ids: str | Iterable[str], *, timeout: float | None = None) -> list[str]:
-        """Aborts requests by id; returns the ids that were live (their streams end with
-        finish_reason "abort")."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        reply = self._unary(self._stub.Abort, common_pb2.AbortRequest(request_ids=ids), timeout)
-        return list(reply.aborted_request_ids)
-
-    # ---- embeddings, text, health -----------------------------------------------------
-
-    def encode(
-        self,
-        texts: str | Sequence[str] | None = None,
-        *,
-        token_ids: Sequence[Sequence[int]] | None = None,
-        normalize: bool | None = None,
-        dimensions: int | None = None,
-        request_id: str = "",
-        trace_headers: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        lora_name: str = "",
-    ) -> list[list[float]]:
-        """One pooled embedding per text (or per token-id list), in input order; with
-        `dimensions`, Matryoshka embeddings cut to that size before normalisation."""
-        request = requests.encode_request(
-            texts,
-            token_ids,
-            normalize=normalize,
-            dimensions=dimensions,
-            request_id=request_id,
-            trace_headers=trace_headers,
-            lora_name=lora_name,
-        )
-        reply = self._unary(self._stub.Encode, request, timeout)
-        return [list(e.values) for e in reply.embeddings]
-
-    def tokenize(
-        self,
-        text: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        add_special_tokens: bool | None = None,
-        timeout: float | None = None,
-    ) -> TokenizeResult:
-        request = requests.tokenize_request(text, messages, add_special_tokens=add_special_tokens)
-        return tokenize_from_proto(self._unary(self._stub.Tokenize, request, timeout))
-
-    def detokenize(
-        self,
-        token_ids: Sequence[int],
-        *,
-        skip_special_tokens: bool | None = None,
-        timeout: float | None = None,
-    ) -> str:
-        request = generation_pb2.DetokenizeRequest(
-            token_ids=token_ids, skip_special_tokens=skip_special_tokens
-        )
-        return self._unary(self._stub.Detokenize, request, timeout).text
-
-    def health(self, *, timeout: float | None = None) -> HealthStatus:
-        """The server's own health (not retried: an unreachable server raises
-        UnavailableError at once)."""
-        request = common_pb2.HealthRequest()
-        return health_from_proto(self._unary(self._stub.Health, request, timeout, NO_RETRY))
-
-    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        request = common_pb2.GetModelInfoRequest()
-        return model_info_from_proto(self._unary(self._stub.GetModelInfo, request, timeout))
-
-    # ---- LoRA adapters (admin RPCs: an admin key when the server has API keys) ---------
-
-    def load_lora_adapter(
-        self, lora_name: str, lora_path: str, *, timeout: float | None = None
-    ) -> int:
-        """Loads a PEFT adapter directory (a path on the engines' hosts) on every engine
-        replica under `lora_name`; returns its id. Not retried: a retry could find it
-        loaded."""
-        request = common_pb2.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
-        reply = self._unary(self._stub.LoadLoraAdapter, request, timeout, NO_RETRY)
-        return reply.lora_int_id
-
-    def unload_lora_adapter(self, lora_name: str, *, timeout: float | None = None) -> None:
-        request = common_pb2.UnloadLoraAdapterRequest(lora_name=lora_name)
-        self._unary(self._stub.UnloadLoraAdapter, request, timeout, NO_RETRY)
-
-    def list_lora_adapters(self, *, timeout: float | None = None) -> list[LoraAdapter]:
-        request = common_pb2.ListLoraAdaptersRequest()
-        reply = self._unary(self._stub.ListLoraAdapters, request, timeout)
-        return lora_adapters_from_proto(reply)
+    abort = _blocking(calls.abort)
+    encode = _blocking(calls.encode)
+    tokenize = _blocking(calls.tokenize)
+    detokenize = _blocking(calls.detokenize)
+    health = _blocking(calls.health)
+    model_info = _blocking(calls.model_info)
+    load_lora_adapter = _blocking(calls.load_lora_adapter)
+    unload_lora_adapter = _blocking(calls.unload_lora_adapter)
+    list_lora_adapters = _blocking(calls.list_lora_adapters)

@@ -251,5 +251,13 @@ def lora_adapters_from_proto(msg: common_pb2.ListLoraAdaptersResponse) -> list[L
     return [LoraAdapter(a.lora_name, a.lora_int_id, a.lora_path) for a in msg.adapters]
 
 
+def embeddings_from_proto(msg: generation_pb2.EncodeResponse) -> list[list[float]]:
+    return [list(e.values) for e in msg.embeddings]
+
+
+def aborted_ids_from_proto(msg: common_pb2.AbortResponse) -> list[str]:
+    return list(msg.aborted_request_ids)
+
+
 def tokenize_from_proto(msg: generation_pb2.TokenizeResponse) -> TokenizeResult:
     return TokenizeResult(list(msg.token_ids), list(msg.tokens), msg.max_model_len)

@@ -1,4 +1,5 @@
-"""Keyword arguments → the API's request messages (shared by `Client` and `AsyncClient`).
+"""Keyword arguments → parts of the API's request messages: the sampling parameters, a chat,
+the one input of a request (`clients.calls` builds the whole requests with them).
 
 Sampling keyword arguments are `SamplingParams` fields with vLLM's names (`SamplingKwargs`);
 one left out (or None) stays unset, so the server applies the model's generation_config
@@ -115,74 +116,9 @@ def chat_input(
     return chat
 
 
-def _one_input(**inputs: Any) -> str:
+def one_input(**inputs: Any) -> str:
+    """The name of the one input given (not None) among `inputs`."""
     given = [name for name, value in inputs.items() if value is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of {', '.join(inputs)} (got {len(given)})")
     return given[0]
-
-
-def generate_request(
-    prompt: str | None = None,
-    token_ids: Sequence[int] | None = None,
-    messages: Sequence[Message] | None = None,
-    *,
-    request_id: str = "",
-    priority: int = 0,
-    trace_headers: Mapping[str, str] | None = None,
-    add_special_tokens: bool | None = None,
-    add_generation_prompt: bool | None = None,
-    continue_final_message: bool | None = None,
-    lora_name: str = "",
-    **sampling: Any,
-) -> generation_pb2.GenerateRequest:
-    request = generation_pb2.GenerateRequest(
-        request_id=request_id,
-        lora_name=lora_name,
-        sampling_params=sampling_params(**sampling),
-        priority=priority,
-        trace_headers=dict(trace_headers or {}),
-        add_special_tokens=add_special_tokens,
-    )
-    kind = _one_input(prompt=prompt, token_ids=token_ids, messages=messages)
-    if kind == "prompt":
-        request.text = prompt
-    elif kind == "token_ids":
-        request.token_ids.SetInParent()  # selects the input even for an empty list
-        request.token_ids.ids.extend(token_ids)
-    else:
-        request.chat.CopyFrom(chat_input(messages, add_generation_prompt, continue_final_message))
-    return request
-
-
-def encode_request(
-    texts: str | Sequence[str] | None = None,
-    token_ids: Sequence[Sequence[int]] | None = None,
-    *,
-    normalize: bool | None = None,
-    dimensions: int | None = None,
-    request_id: str = "",
-    trace_headers: Mapping[str, str] | None = None,
-    lora_name: str = "",
-) -> generation_pb2.EncodeRequest:
-    _one_input(texts=texts, token_ids=token_ids)
-    return generation_pb2.EncodeRequest(
-        request_id=request_id,
-        lora_name=lora_name,
-        texts=[texts] if isinstance(texts, str) else list(texts or []),
-        token_ids=[common_pb2.TokenIds(ids=ids) for ids in token_ids or []],
-        pooling_params=common_pb2.PoolingParams(normalize=normalize, dimensions=dimensions),
-        trace_headers=dict(trace_headers or {}),
-    )
-
-
-def tokenize_request(
-    text: str | None = None,
-    messages: Sequence[Message] | None = None,
-    *,
-    add_special_tokens: bool | None = None,
-    add_generation_prompt: bool | None = None,
-) -> generation_pb2.TokenizeRequest:
-    if _one_input(text=text, messages=messages) == "text":
-        return generation_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-    return generation_pb2.TokenizeRequest(chat=chat_input(messages, add_generation_prompt))

@@ -5,11 +5,14 @@ small fake of the public API for what a real server cannot be made to do on cue.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
+from tests.clients.fake_server import FakeService, start_fake_server
 from tests.model_utils import make_tiny_llama
 from tests.services.conftest import ServiceStack
 
@@ -36,3 +39,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[..., str]]:
+    """Starts fake public APIs (`fake(service, credentials=...)` → its address); stops them
+    after the test."""
+    servers: list[grpc.Server] = []
+
+    def start(service: FakeService, **kwargs: Any) -> str:
+        server, port = start_fake_server(service, **kwargs)
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(0)

@@ -19,20 +19,6 @@ from tests.clients.fake_server import FakeService, start_fake_server
 FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
 
 
-@pytest.fixture
-def fake():
-    servers: list[grpc.Server] = []
-
-    def start(service: FakeService, **kwargs) -> str:
-        server, port = start_fake_server(service, **kwargs)
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(0)
-
-
 def test_unavailable_before_the_first_token_is_retried(fake):
     service = FakeService(num_unavailable=2)
     with Client(fake(service), retry=FAST) as client:
