@@ -1,7 +1,13 @@
-"""Triton kernels with their launchers and pure-torch references.
+"""Triton kernels with their launchers and pure-torch references: the GPU's kernels.
 
 Launchers validate dtypes, devices and layouts on the host and raise `ValueError` for
 anything they do not support; see docs/kernels.md for layouts and blocking.
+
+Why two kernel homes: this top-level package holds what runs on a GPU (Triton; DESIGN.md
+fixes it as a top-level folder that imports only torch and triton, testable in Triton's
+interpreter), while the CPU's kernels are C built at run time for the machine's instruction
+set and called through ctypes (engine/native/), because they are part of how the engine runs
+on CPUs (whole-step decode, quantized GEMMs, the greedy screen) rather than a kernel library.
 """
 
 from kernels.activation import silu_and_mul

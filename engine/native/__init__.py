@@ -8,6 +8,9 @@ on the paged cache means a gather (`index_select`) into a padded copy first; on 
 CPU the copy alone was a fifth of a batch-64 decode step. These kernels read the blocks in
 place. The elementwise kernels each do in one call what took two to five torch ops, which
 on a decode step's small tensors is mostly per-op overhead.
+
+The GPU's kernels are Triton, in the top-level `kernels/` package (docs/architecture.md says
+why there are two homes).
 """
 
 from __future__ import annotations
