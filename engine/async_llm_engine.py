@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,16 +260,26 @@ class AsyncLLMEngine:
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs (as `sampling_params.output_kind` asks) until the
         one with `finished=True`. Closing the generator or cancelling its task aborts the
-        request. Errors of `LLMEngine.add_request` are raised here unchanged."""
+        request. Errors of `LLMEngine.add_request` are raised here unchanged.
+
+        `resumed_output_token_ids` continues a request moved from another engine, as in
+        `LLMEngine.add_request` (engine/resume.py)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
             )
         stream = self._stream_outputs(
-            prompt, sampling_params, request_id, lora_request, trace_headers, priority
+            prompt,
+            sampling_params,
+            request_id,
+            lora_request,
+            trace_headers,
+            priority,
+            resumed_output_token_ids,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -321,10 +331,20 @@ class AsyncLLMEngine:
         lora_request: Any,
         trace_headers: Mapping[str, str] | None,
         priority: int,
+        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
     ) -> AsyncGenerator[Any, None]:
         stream = OutputStream(request_id, asyncio.get_running_loop())
         self._loop_thread.submit(
-            AddCommand(stream, prompt, params, time.time(), lora_request, trace_headers, priority)
+            AddCommand(
+                stream,
+                prompt,
+                params,
+                time.time(),
+                lora_request,
+                trace_headers,
+                priority,
+                resumed_output_token_ids,
+            )
         )
         done = False
         try:

@@ -258,6 +258,7 @@ class EngineThread:
                 lora_request=command.lora_request,
                 trace_headers=command.trace_headers,
                 priority=command.priority,
+                resumed_output_token_ids=command.resumed_output_token_ids,
             )
         except Exception as exc:  # a bad request fails alone; the caller gets the error
             stream.put(exc)
