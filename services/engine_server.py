@@ -128,7 +128,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
         tracing.set_request_attributes(span, request_id, self.model_name, params)
         if lora_request is not None:
             span.set_attribute("gen_ai.request.lora_name", lora_request.lora_name)
-        builder = convert.EngineResponseBuilder(request_id, params)
+        resumed = convert.resumed_output_token_ids_from_proto(request)
+        builder = convert.EngineResponseBuilder(request_id, params, resumed)
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
             stream = engine.generate(
@@ -138,6 +139,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
                 lora_request=lora_request,
+                resumed_output_token_ids=resumed,
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -155,6 +157,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 "prompt_tokens": len(request.prompt_token_ids),
                 "completion_tokens": num_completion_tokens,
                 "finish_reasons": ",".join(finish_reasons),
+                "resumed_tokens": sum(len(t) for t in (resumed or {}).values()),
                 "seconds": round(time.perf_counter() - start, 3),
             },
         )
