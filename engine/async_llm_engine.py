@@ -194,6 +194,12 @@ class AsyncLLMEngine:
         steps); False when some blocks are in use, as vLLM."""
         return await self._loop_thread.call(lambda engine: engine.reset_prefix_cache())
 
+    def step_running_s(self) -> float:
+        """Seconds the engine step now running has taken so far; 0.0 between steps (safe
+        from any thread: a watchdog calls it while the engine thread may be stuck)."""
+        started = self._loop_thread.step_started_at
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe from any thread)."""
         return self._loop_thread.stats

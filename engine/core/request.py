@@ -103,7 +103,6 @@ class Request:
         # engine (engine/resume.py): those tokens are output for every limit, penalty and
         # the sampler's position, and are recomputed into the cache like a preempted one's.
         self.output_token_ids: list[int] = list(output_token_ids)
-        self.num_resumed_output_tokens = len(self.output_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
