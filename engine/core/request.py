@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,9 @@ class Request:
     `num_computed_tokens` counts tokens whose keys/values are in the cache (or are being
     written by the step in flight). `all_token_ids` is the prompt followed by the output.
 
+    `output_token_ids` given at construction are output generated before this engine saw
+    the request (a resumed request); they are computed into the cache as a prefill.
+
     A pooling request has `pooling_params` and no `sampling_params`: it is prefill only and
     finishes when its last prompt token has been computed.
     """
@@ -73,6 +77,7 @@ class Request:
         trace_headers: dict[str, str] | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,  # engine.lora.LoRARequest (kept torch-free here)
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError("A request needs exactly one of sampling_params and pooling_params.")
@@ -94,8 +99,11 @@ class Request:
         self.times = RequestTimes(arrival_time if arrival_time is not None else time.time())
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Output generated so far; non-empty at arrival for a request resumed from another
+        # engine (engine/processing/resume.py): those tokens are output for every limit, penalty and
+        # the sampler's position, and are recomputed into the cache like a preempted one's.
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0

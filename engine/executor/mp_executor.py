@@ -10,7 +10,9 @@ Failure: a rank that exits (killed, crashed) or stops beating its heartbeat for
 `PAGEDSERVE_RANK_TIMEOUT_S` seconds (default 10) makes the executor fail: every rank is
 killed, the waiting call raises `RankFailedError`, and the `on_failure` callback runs (the
 engine thread wakes and dies, so the gRPC service turns NOT_SERVING). `shutdown` asks the
-ranks to exit and kills any that do not, so no process outlives the engine.
+ranks to exit and kills any that do not, so no process outlives the engine; a finalizer does
+the same when the executor is collected without it (`del llm; gc.collect()`): only the engine
+holds the executor (the monitor thread keeps a weak reference).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pickle
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
@@ -102,7 +105,13 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self._monitor = threading.Thread(target=self._watch, name="rank-monitor", daemon=True)
+        # Neither the monitor thread nor anything else outside holds the executor strongly,
+        # so an engine dropped by its user (`del llm; gc.collect()`) is collected, and the
+        # finalizer stops its ranks then (not only when the interpreter exits).
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._procs, self._conns)
+        self._monitor = threading.Thread(
+            target=_watch, args=(weakref.ref(self),), name="rank-monitor", daemon=True
+        )
         self._monitor.start()
         logger.info(
             "%d ranks ready (tensor_parallel_size=%d, pipeline_parallel_size=%d, %d threads "
@@ -194,13 +203,6 @@ class MultiprocExecutor:
                 self._fail(f"rank {rank} (pid {proc.pid}) has not answered for {silent:.1f} s")
                 return
 
-    def _watch(self) -> None:
-        """Notices a failed rank while the engine is idle too."""
-        while self._failure is None:
-            wait([p.sentinel for p in self._procs], timeout=_POLL_S)
-            if self._failure is None:
-                self._check_ranks(read_pipes=False)
-
     def _fail(self, reason: str) -> None:
         with self._lock:
             if self._failure is not None:
@@ -241,22 +243,52 @@ class MultiprocExecutor:
         with self._lock:
             if self._failure is None:
                 self._failure = "the engine was shut down"
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.send(("shutdown", None))
-        deadline = time.monotonic() + 5.0
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self._kill_all()
-        for conn in self._conns:
-            conn.close()
+        if hasattr(self, "_finalizer"):
+            self._finalizer()  # runs _stop_ranks once
+        else:  # start-up failed before the finalizer existed
+            _stop_ranks(self._procs, self._conns)
 
     def _kill_all(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(5.0)
+        _kill_all(self._procs)
+
+
+def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:
+    """Notices a failed rank while the engine is idle too. Holds the executor only for
+    one check at a time, and ends when it is failed, shut down or collected."""
+    while True:
+        executor = executor_ref()
+        if executor is None or executor._failure is not None:
+            return
+        sentinels = [p.sentinel for p in executor._procs]
+        del executor
+        wait(sentinels, timeout=_POLL_S)
+        executor = executor_ref()
+        if executor is None or executor._failure is not None:
+            return
+        executor._check_ranks(read_pipes=False)
+        del executor
+
+
+def _stop_ranks(procs: list[Any], conns: list[Any]) -> None:
+    """Asks every rank to exit; kills those still alive after a grace period (the
+    executor's shutdown, and its finalizer when it is collected without one)."""
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(("shutdown", None))
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    _kill_all(procs)
+    for conn in conns:
+        conn.close()
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(5.0)
 
 
 def _free_port() -> int:

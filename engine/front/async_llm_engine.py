@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,12 @@ class AsyncLLMEngine:
         steps); False when some blocks are in use, as vLLM."""
         return await self._loop_thread.call(lambda engine: engine.reset_prefix_cache())
 
+    def step_running_s(self) -> float:
+        """Seconds the engine step now running has taken so far; 0.0 between steps (safe
+        from any thread: a watchdog calls it while the engine thread may be stuck)."""
+        started = self._loop_thread.step_started_at
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe from any thread)."""
         return self._loop_thread.stats
@@ -260,16 +266,26 @@ class AsyncLLMEngine:
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs (as `sampling_params.output_kind` asks) until the
         one with `finished=True`. Closing the generator or cancelling its task aborts the
-        request. Errors of `LLMEngine.add_request` are raised here unchanged."""
+        request. Errors of `LLMEngine.add_request` are raised here unchanged.
+
+        `resumed_output_token_ids` continues a request moved from another engine, as in
+        `LLMEngine.add_request` (engine/processing/resume.py)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
             )
         stream = self._stream_outputs(
-            prompt, sampling_params, request_id, lora_request, trace_headers, priority
+            prompt,
+            sampling_params,
+            request_id,
+            lora_request,
+            trace_headers,
+            priority,
+            resumed_output_token_ids,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -321,10 +337,20 @@ class AsyncLLMEngine:
         lora_request: Any,
         trace_headers: Mapping[str, str] | None,
         priority: int,
+        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
     ) -> AsyncGenerator[Any, None]:
         stream = OutputStream(request_id, asyncio.get_running_loop())
         self._loop_thread.submit(
-            AddCommand(stream, prompt, params, time.time(), lora_request, trace_headers, priority)
+            AddCommand(
+                stream,
+                prompt,
+                params,
+                time.time(),
+                lora_request,
+                trace_headers,
+                priority,
+                resumed_output_token_ids,
+            )
         )
         done = False
         try:

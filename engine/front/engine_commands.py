@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,9 @@ class AddCommand:
     lora_request: Any
     trace_headers: Mapping[str, str] | None
     priority: int
+    resumed_output_token_ids: Mapping[int, Sequence[int]] | None = (
+        None  # engine/processing/resume.py
+    )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,9 @@ class EngineThread:
         # Prefix-cache events for routers; recording is off until someone subscribes.
         self.kv_events = KVEventPublisher(engine.kv_cache_manager.block_pool)
         self.stats = self._snapshot()  # replaced, never mutated: safe to read anywhere
+        # time.monotonic() when the step now running began; None between steps. Written by
+        # the driving thread, read by watchdogs on others (a float swap is atomic).
+        self.step_started_at: float | None = None
         # A failed rank (multi-process engines) wakes the loop, whose next step raises.
         engine.add_failure_listener(self._wake)
 
@@ -198,7 +202,12 @@ class EngineThread:
         """Applies `commands` (emptying it), runs one step, delivers its outputs."""
         while commands:
             self._apply(commands.popleft())
-        self._deliver(self.engine.step())
+        self.step_started_at = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self.step_started_at = None
+        self._deliver(outputs)
         self._end_aborted_streams()
         self.kv_events.publish()
         self.stats = self._snapshot()
@@ -258,6 +267,7 @@ class EngineThread:
                 lora_request=command.lora_request,
                 trace_headers=command.trace_headers,
                 priority=command.priority,
+                resumed_output_token_ids=command.resumed_output_token_ids,
             )
         except Exception as exc:  # a bad request fails alone; the caller gets the error
             stream.put(exc)

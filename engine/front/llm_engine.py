@@ -49,6 +49,7 @@ from engine.pooling_params import PoolingParams
 from engine.processing.input_processor import InputProcessor, PromptType
 from engine.processing.output_processor import OutputProcessor
 from engine.processing.request_builder import RequestBuilder
+from engine.processing.resume import ResumedOutputTokenIds
 from engine.processing.stop_tokenizer import StopStringTokenizer
 from engine.sampling_params import SamplingParams
 from engine.structured_output.config import DecodingConfig
@@ -220,12 +221,18 @@ class LLMEngine(LLMEngineAdminMixin):
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        resumed_output_token_ids: ResumedOutputTokenIds | None = None,
     ) -> None:
         """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``.
 
         With `PoolingParams` it is a pooling request: its one output is a
         `PoolingRequestOutput` holding the prompt's final hidden states pooled as the
-        engine's `PoolerConfig` says (LAST, MEAN or CLS)."""
+        engine's `PoolerConfig` says (LAST, MEAN or CLS).
+
+        `resumed_output_token_ids` ({output index: tokens generated so far}) resumes a
+        request that was generating elsewhere: only the listed outputs continue, each from
+        its tokens so far, which count as output for every limit, penalty, stop check and
+        the seeded sampler's position (engine/processing/resume.py)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
@@ -234,7 +241,14 @@ class LLMEngine(LLMEngineAdminMixin):
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         new = self.request_builder.build(
-            request_id, prompt, params, arrival_time, lora_request, trace_headers, priority
+            request_id,
+            prompt,
+            params,
+            arrival_time,
+            lora_request,
+            trace_headers,
+            priority,
+            resumed_output_token_ids,
         )
         params, headers, samples = new.params, new.trace_headers, new.samples
         if isinstance(params, PoolingParams):

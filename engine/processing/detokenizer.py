@@ -54,6 +54,16 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Adds tokens; returns the stop string that matched, if any (text is cut there)."""
         start = len(self.output_text)
+        self._append(new_token_ids)
+        return self._check_stop_strings(start)
+
+    def append_resumed(self, token_ids: list[int]) -> None:
+        """Adds output tokens generated before the request was resumed here: their text is
+        output, but stop strings are only looked for in what `update` adds later (a match
+        that starts in this text and ends in a later token still counts)."""
+        self._append(token_ids)
+
+    def _append(self, new_token_ids: list[int]) -> None:
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
@@ -62,7 +72,6 @@ class IncrementalDetokenizer:
                 self.output_text += new_text[len(prefix_text) :]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.token_ids)
-        return self._check_stop_strings(start)
 
     def _check_stop_strings(self, new_text_start: int) -> str | None:
         if not self.stop or len(self.output_text) == new_text_start:

@@ -117,9 +117,24 @@ class OutputProcessor:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         wants_logprobs = params.logprobs is not None
-        return _SampleState(
+        state = _SampleState(
             request, detokenizer, [] if wants_logprobs else None, 0.0 if wants_logprobs else None
         )
+        if request.num_output_tokens:
+            self._resume_sample(state)
+        return state
+
+    @staticmethod
+    def _resume_sample(sample: _SampleState) -> None:
+        """A resumed sample (engine/processing/resume.py) starts as if its tokens so far had been
+        processed and delivered here: their text is output but no stop string is looked for
+        in it, and a DELTA stream goes on from where the caller's left off (including the
+        text held back as the possible start of a stop string)."""
+        request = sample.request
+        sample.num_processed_tokens = sample.num_sent_tokens = request.num_output_tokens
+        if sample.detokenizer is not None:
+            sample.detokenizer.append_resumed(request.output_token_ids)
+            sample.num_sent_chars = len(sample.detokenizer.get_text(finished=False))
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents or request_id in self.pooling
@@ -240,7 +255,7 @@ class OutputProcessor:
             samples = [s for s in parent.samples if s.changed]
         else:
             samples = parent.samples
-        completions = [self._completion(s, i, kind) for i, s in enumerate(parent.samples)]
+        completions = [self._completion(s, s.request.index, kind) for s in parent.samples]
         completions = [completions[parent.samples.index(s)] for s in samples]
         for s in parent.samples:
             s.changed = False

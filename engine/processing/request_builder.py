@@ -22,6 +22,8 @@ from engine.config.engine_config import EngineConfig
 from engine.core.request import Request
 from engine.pooling_params import PoolingParams
 from engine.processing.input_processor import InputProcessor, PromptType
+from engine.processing.resume import FIELD as RESUME_FIELD
+from engine.processing.resume import ResumedOutputTokenIds, check_resumed_output_token_ids
 from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -75,10 +77,17 @@ class RequestBuilder:
         lora_request: Any,
         trace_headers: Mapping[str, str] | None,
         priority: int,
+        resumed_output_token_ids: ResumedOutputTokenIds | None = None,
     ) -> NewRequest:
         """The request's samples, after `check_params`; raises TypeError/ValueError on bad
-        input (the prompt, the params against the model, the cache salt, the grammar)."""
+        input (the prompt, the params against the model, the cache salt, the grammar, the
+        resumed output tokens).
+
+        With `resumed_output_token_ids` (engine/processing/resume.py) only the listed outputs become
+        samples, each with its index, its seed and its tokens so far as output."""
         text, prompt_token_ids = self.input_processor.process(prompt, params)
+        if resumed_output_token_ids is not None and isinstance(params, PoolingParams):
+            raise ValueError(f"{RESUME_FIELD} applies to generation, not to pooling requests.")
         if isinstance(params, PoolingParams):  # the engine's copy, checked and completed
             params = params.clone()
             params.verify(self.config.pooler_config, self.config.model_config)
@@ -100,19 +109,45 @@ class RequestBuilder:
         self.input_processor.process_token_controls(params)
         if params.structured_outputs is not None:
             self.structured_output_manager.validate(params.structured_outputs)
+        outputs = self._outputs(params, len(prompt_token_ids), resumed_output_token_ids)
+        seeds = [self._sample_seed(params, index) for index in range(params.n)]
         samples = [
             Request(
                 request_id if params.n == 1 else f"{request_id}#{index}",
                 prompt_token_ids,
                 params,
-                seed=self._sample_seed(params, index),
+                seed=seeds[index],
                 parent_id=request_id,
                 index=index,
+                output_token_ids=output_token_ids,
                 **common,
             )
-            for index in range(params.n)
+            for index, output_token_ids in outputs.items()
         ]
         return NewRequest(text, prompt_token_ids, params, headers, samples)
+
+    def _outputs(
+        self,
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        resumed: ResumedOutputTokenIds | None,
+    ) -> dict[int, list[int]]:
+        """Output index -> its tokens so far: all n outputs, empty, for a new request; the
+        listed ones for a resumed request, whose prompt logprobs are not recomputed (they
+        went out with the first token, before the request could move)."""
+        if resumed is None:
+            return {index: [] for index in range(params.n)}
+        config = self.config
+        checked = check_resumed_output_token_ids(
+            resumed,
+            params,
+            num_prompt_tokens,
+            vocab_size=config.model_config.vocab_size,
+            max_model_len=config.model_config.max_model_len,
+            max_tokens_in_cache=self.input_processor.num_blocks * config.cache_config.block_size,
+        )
+        params.prompt_logprobs = None
+        return checked
 
     def _cache_salt(self, request_id: str, prompt: PromptType) -> str | None:
         """vLLM's `cache_salt` in the prompt dict: prompts with different salts never share

@@ -60,8 +60,13 @@ class StructuredOutputManager:
         params = request.sampling_params
         assert params is not None and params.structured_outputs is not None
         compiled = self._compiled(params.structured_outputs)
-        request.structured_output = StructuredOutputRequest(compiled, self._new_matcher)
         request_id = request.request_id
+        request.structured_output = StructuredOutputRequest(
+            compiled,
+            self._new_matcher,
+            resumed_token_ids=list(request.output_token_ids),
+            on_refused=lambda error: self._fail(request_id, error),
+        )
         compiled.add_done_callback(lambda f: self._on_done(request_id, f))
 
     def _compiled(self, params: StructuredOutputsParams) -> Future[Any]:
@@ -100,9 +105,14 @@ class StructuredOutputManager:
     def _on_done(self, request_id: str, future: Future[Any]) -> None:
         self._compiled_event.set()
         if future.exception() is not None:
-            logger.warning("Grammar of request %s failed: %s", request_id, future.exception())
-            with self._failed_lock:
-                self._failed.append(request_id)
+            self._fail(request_id, future.exception())
+
+    def _fail(self, request_id: str, error: BaseException | None) -> None:
+        """The request's grammar failed to compile or refused its resumed output: the engine
+        aborts it at its next step (`take_failed`)."""
+        logger.warning("Grammar of request %s failed: %s", request_id, error)
+        with self._failed_lock:
+            self._failed.append(request_id)
 
     def wait_for_compilation(self, timeout: float) -> None:
         """Blocks until a compilation ends (or `timeout` seconds pass)."""

@@ -16,23 +16,46 @@ class StructuredOutputRequest:
     """The compiled grammar (a future from the compile pool) and, once it has arrived, the
     request's own matcher (each of the n samples has one; they share the compiled grammar)."""
 
-    def __init__(self, compiled: Future[Any], new_matcher: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        compiled: Future[Any],
+        new_matcher: Callable[[Any], Any],
+        resumed_token_ids: list[int] | None = None,
+        on_refused: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._compiled = compiled
         self._new_matcher = new_matcher
+        # A resumed request's output so far (engine/processing/resume.py): the new matcher is
+        # advanced
+        # over it before the request may be scheduled; `on_refused` hears if it cannot be.
+        self._resumed_token_ids = resumed_token_ids or []
+        self._on_refused = on_refused
+        self._refused: BaseException | None = None
         self.matcher: Any = None  # engine.structured_output.backend.GrammarMatcher
 
     def is_ready(self) -> bool:
-        """True once the grammar compiled (the matcher exists) or failed (`error`)."""
+        """True once the grammar compiled (the matcher exists) or failed to compile
+        (`error`); never for resumed tokens the grammar refuses (the engine aborts it)."""
         if self.matcher is not None:
             return True
-        if not self._compiled.done():
+        if self._refused is not None or not self._compiled.done():
             return False
         if self._compiled.exception() is None:
-            self.matcher = self._new_matcher(self._compiled.result())
+            matcher = self._new_matcher(self._compiled.result())
+            if not all(matcher.accept_token(t) for t in self._resumed_token_ids):
+                self._refused = ValueError(
+                    "resumed_output_token_ids: the grammar refuses the output so far."
+                )
+                if self._on_refused is not None:
+                    self._on_refused(self._refused)
+                return False
+            self.matcher = matcher
         return True
 
     @property
     def error(self) -> BaseException | None:
+        if self._refused is not None:
+            return self._refused
         if not self._compiled.done():
             return None
         return self._compiled.exception()

@@ -99,6 +99,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="requests in flight at the engine service; more get RESOURCE_EXHAUSTED (1024)",
     )
+    group.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds an engine step may run before the engine service reports NOT_SERVING "
+        "(a hung engine; SERVING again when steps return); 0: no watchdog (10)",
+    )
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +123,8 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
         "--shutdown-grace",
         type=float,
         default=10.0,
-        help="seconds in-flight streams get after SIGTERM before they are aborted (10)",
+        help="seconds in-flight streams get after SIGTERM before they are aborted (tokenizer "
+        "service) or handed back for migration (engine service) (10)",
     )
     parser.add_argument(
         "--engine-addr",
@@ -278,6 +286,7 @@ async def run_engine(ns: argparse.Namespace) -> int:
             max_inflight_requests=ns.max_engine_requests,
             max_message_bytes=ns.max_message_bytes,
             shutdown_grace_s=ns.shutdown_grace,
+            engine_stall_timeout_s=ns.engine_stall_timeout,
             metrics_address=_metrics_address(
                 ns.engine_addr.rpartition(":")[0], ns.engine_metrics_port
             ),
@@ -286,7 +295,11 @@ async def run_engine(ns: argparse.Namespace) -> int:
             allow_insecure=ns.allow_insecure_engine,
         )
     )
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:  # the port is in use, or the address cannot be bound
+        logger.error("cannot start the engine service: %s", exc)
+        return 1
     on_sighup(server.reload)
     stop = asyncio.ensure_future(wait_for_signal())
     load = _load_in_daemon_thread(lambda: AsyncLLMEngine.from_engine_args(engine_args))

@@ -38,12 +38,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ServiceError(Exception):
-    """An error whose status code is decided where it is raised."""
+    """An error whose status code (and trailing metadata, if any) is decided where it is
+    raised."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        trailing_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 class ConfigError(ValueError):
@@ -97,9 +104,14 @@ def engine_call_error(exc: grpc.aio.AioRpcError, address: str) -> ServiceError:
 
 
 async def _abort(
-    context: grpc.aio.ServicerContext, request: Any, code: grpc.StatusCode, message: str
+    context: grpc.aio.ServicerContext,
+    request: Any,
+    code: grpc.StatusCode,
+    message: str,
+    trailing_metadata: tuple[tuple[str, str], ...] = (),
 ) -> None:
-    """Ends the RPC with `code` and `message` (raises grpc.aio.AbortError)."""
+    """Ends the RPC with `code`, `message` and `trailing_metadata` (raises
+    grpc.aio.AbortError)."""
     request_id = getattr(request, "request_id", "")
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("rpc failed", extra={"request_id": request_id, "code": code.name})
@@ -107,7 +119,7 @@ async def _abort(
         logger.info(
             "rpc rejected: %s", message, extra={"request_id": request_id, "code": code.name}
         )
-    await context.abort(code, message)
+    await context.abort(code, message, trailing_metadata)
 
 
 def _client_gone(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
@@ -153,7 +165,8 @@ def rpc_method(method: F) -> F:
                 code, message = _final_status(exc, context)
                 if _client_gone(exc, context):
                     raise
-                await _abort(context, request, code, message)
+                metadata = exc.trailing_metadata if isinstance(exc, ServiceError) else ()
+                await _abort(context, request, code, message, metadata)
             finally:
                 tracing.end_rpc_span(span, code, message)
                 rpc_metrics = getattr(self, "rpc_metrics", None)

@@ -125,15 +125,33 @@ def position_logprobs_to_proto(
     return msg
 
 
+def resumed_output_token_ids_from_proto(
+    request: engine_pb2.EngineGenerateRequest,
+) -> dict[int, list[int]] | None:
+    """The engine's `resumed_output_token_ids` ({output index: tokens so far}), None for a
+    new request. The engine checks them (engine/processing/resume.py), naming the same field."""
+    if not request.resumed_output_token_ids:
+        return None
+    return {index: list(ids.ids) for index, ids in request.resumed_output_token_ids.items()}
+
+
 class EngineResponseBuilder:
     """Turns one request's DELTA `RequestOutput`s into `EngineGenerateResponse`s: one
-    message per changed output index, with the running completion-token count."""
+    message per changed output index, with the running completion-token count (which
+    starts at a resumed output's tokens so far: usage counts the whole output)."""
 
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
+    ) -> None:
         self.request_id = request_id
         self.num_logprobs = params.logprobs or 0
         self.num_prompt_logprobs = params.prompt_logprobs or 0
         self.num_completion_tokens: defaultdict[int, int] = defaultdict(int)
+        for index, token_ids in (resumed_output_token_ids or {}).items():
+            self.num_completion_tokens[index] = len(token_ids)
         self.finish_reasons: dict[int, str] = {}  # index -> "stop" / "length" / "abort"
         self.pending_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
 

@@ -14,6 +14,19 @@ engine, the in-flight request table, health and reflection.
 When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
 engine's generator then aborts the request, which frees its KV blocks at once.
 
+Lifecycle (docs/grpc.md "Migration"):
+
+    SIGTERM ─▶ NOT_SERVING on both health services at once; new calls refused
+            ─▶ in-flight streams run for `shutdown_grace_s`
+            ─▶ the rest are handed back: UNAVAILABLE + trailing `pagedserve-migrate: drained`
+               (services/common/migration.py), so the tokenizer service resumes them elsewhere
+            ─▶ the process exits 0
+    a step running longer than `engine_stall_timeout_s` ─▶ NOT_SERVING (engine_watchdog.py),
+            SERVING again when steps return
+
+A request resumed from another replica carries `resumed_output_token_ids`; the engine
+checks and continues it (engine/processing/resume.py).
+
 Observability (docs/observability.md): each RPC has a SERVER span (`rpc_method`), which is
 the parent passed to the engine as the request's trace headers, so the engine's
 `llm_request` span is its child; `/metrics` (`metrics_address`) serves the RPC counts and
@@ -60,16 +73,22 @@ from services.common.grpc_server import (
 )
 from services.common.limits import RequestRegistry
 from services.common.metrics import EngineServiceMetrics, MetricsEndpoint
+from services.common.migration import REASON_DRAINED, migrate_metadata
 from services.common.wire import WireGuard
 from services.engine_service import convert
 from services.engine_service.admin import EngineAdminRpcs
 from services.engine_service.lora import EngineLoraRpcs
 from services.engine_service.vllm_servicer import VLLM_ENGINE_SERVICE, VllmEngineServicer
+from services.engine_service.watchdog import EngineWatchdog
 from services.security.tls import ServerTLS, ServerTLSConfig, is_loopback
 
 logger = logging.getLogger("services.engine")
 
 _ENGINE_WATCH_INTERVAL_S = 0.5
+# After the grace period, how long handed-back streams get to end with their status before
+# the server cancels what is left.
+_HAND_BACK_MARGIN_S = 2.0
+_DRAIN_POLL_S = 0.05
 
 
 @dataclass
@@ -77,7 +96,9 @@ class EngineServerConfig:
     address: str = "127.0.0.1:50052"
     max_inflight_requests: int = 1024  # more → RESOURCE_EXHAUSTED
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    shutdown_grace_s: float = 10.0  # in-flight streams left after this are aborted
+    shutdown_grace_s: float = 10.0  # in-flight streams left after this are handed back
+    # A step running longer than this turns health NOT_SERVING (0: no watchdog).
+    engine_stall_timeout_s: float = 10.0
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
     log_stats_interval_s: float = 10.0  # the engine's stats line every so often; 0: never
     tls: ServerTLSConfig | None = None  # None: plaintext (loopback only, or allow_insecure)
@@ -119,6 +140,22 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
         self.model_name = ""  # in spans: the engine's served model name
         self.requests: RequestRegistry[None] = RequestRegistry(max_inflight_requests)
         self.rpc_metrics = rpc_metrics
+        self.draining = False  # SIGTERM came: new requests are refused (handed back)
+        self.stalled_s = 0.0  # how long the stuck step had run when the watchdog fired
+        self._handing_back: set[str] = set()  # ids whose streams end "migrate", not abort
+
+    def hand_back(self, request_ids: list[str]) -> None:
+        """Marks requests whose streams must end with the migrate status (the caller then
+        aborts them in the engine, which frees their blocks)."""
+        self._handing_back.update(request_ids)
+
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine service is draining: send the request to another replica",
+                migrate_metadata(REASON_DRAINED),
+            )
 
     def _ready_engine(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -133,6 +170,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
     async def _generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
         span = trace.get_current_span()  # this call's (rpc_method): llm_request's parent
         engine = self._ready_engine()
+        self._check_accepting()
         request_id = _check_request_id(request.request_id)
         params = convert.sampling_params_from_proto(
             request.sampling_params, output_kind=RequestOutputKind.DELTA, detokenize=False
@@ -141,7 +179,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
         tracing.set_request_attributes(span, request_id, self.model_name, params)
         if lora_request is not None:
             span.set_attribute("gen_ai.request.lora_name", lora_request.lora_name)
-        builder = convert.EngineResponseBuilder(request_id, params)
+        resumed = convert.resumed_output_token_ids_from_proto(request)
+        builder = convert.EngineResponseBuilder(request_id, params, resumed)
         start = time.perf_counter()
         with self.requests.admit(request_id, None):
             stream = engine.generate(
@@ -151,11 +190,21 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
                 lora_request=lora_request,
+                resumed_output_token_ids=resumed,
             )
-            async with contextlib.aclosing(stream):
-                async for output in stream:
-                    for response in builder.build(output):
-                        await context.write(response)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for output in stream:
+                        for response in builder.build(output):
+                            if request_id in self._handing_back:
+                                response = _without_abort(response)
+                            if response is not None:
+                                await context.write(response)
+            finally:
+                handed_back = request_id in self._handing_back
+                self._handing_back.discard(request_id)
+        if handed_back and "abort" in builder.finish_reasons.values():
+            raise _handed_back_error(request_id)
         finish_reasons = [r for _, r in sorted(builder.finish_reasons.items())]
         num_completion_tokens = sum(builder.num_completion_tokens.values())
         tracing.set_usage_attributes(
@@ -168,6 +217,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 "prompt_tokens": len(request.prompt_token_ids),
                 "completion_tokens": num_completion_tokens,
                 "finish_reasons": ",".join(finish_reasons),
+                "resumed_tokens": sum(len(t) for t in (resumed or {}).values()),
                 "seconds": round(time.perf_counter() - start, 3),
             },
         )
@@ -183,6 +233,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
         self, request: engine_pb2.EngineEncodeRequest, context: Any
     ) -> engine_pb2.EngineEncodeResponse:
         engine = self._ready_engine()
+        self._check_accepting()
         request_id = _check_request_id(request.request_id)
         params = convert.pooling_params_from_proto(request.pooling_params)
         lora_request = self.lora_request_for(request.lora_name)
@@ -196,9 +247,15 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 priority=request.priority,
                 lora_request=lora_request,
             )
-            async with contextlib.aclosing(stream):
-                async for output in stream:
-                    final = output
+            try:
+                async with contextlib.aclosing(stream):
+                    async for output in stream:
+                        final = output
+            finally:
+                handed_back = request_id in self._handing_back
+                self._handing_back.discard(request_id)
+        if final is None and handed_back:
+            raise _handed_back_error(request_id)
         if final is None:
             raise ServiceError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
         return engine_pb2.EngineEncodeResponse(
@@ -245,6 +302,10 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
             tensor_parallel_size=str(parallel.tensor_parallel_size),
             pipeline_parallel_size=str(parallel.pipeline_parallel_size),
         )
+        if self.draining:
+            details["draining"] = "true"
+        if self.stalled_s:
+            details["engine_stalled_s"] = f"{self.stalled_s:.1f}"
         healthy = healthy and self.health.serving
         status = "SERVING" if healthy else "NOT_SERVING"
         return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)
@@ -255,6 +316,29 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
     ) -> common_pb2.ModelInfo:
         self._ready_engine()
         return self.model_info
+
+
+def _without_abort(
+    response: engine_pb2.EngineGenerateResponse,
+) -> engine_pb2.EngineGenerateResponse | None:
+    """A handed-back stream's abort message: its tokens (if any) without the finish
+    reason, which would tell the tokenizer service the output ended; None if nothing is
+    left to send."""
+    if response.finish_reason != common_pb2.FINISH_REASON_ABORT:
+        return response
+    if not response.token_ids:
+        return None
+    response.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+    response.ClearField("stop_reason")
+    return response
+
+
+def _handed_back_error(request_id: str) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the engine service drained: resume request {request_id!r} on another replica",
+        migrate_metadata(REASON_DRAINED),
+    )
 
 
 def _engine_trace_headers(request: Any, context: Any) -> dict[str, str] | None:
@@ -305,6 +389,10 @@ class EngineServer:
         self.config = config
         self.tls = ServerTLS(config.tls) if config.tls is not None else None
         _check_transport(config)
+        if config.engine_stall_timeout_s < 0:
+            raise ConfigError(
+                f"--engine-stall-timeout must be >= 0 (0: off), got {config.engine_stall_timeout_s}"
+            )
         self.server = create_server(config.max_message_bytes, [WireGuard()])
         services = [ENGINE_SERVICE, VLLM_ENGINE_SERVICE]
         self.health = HealthReporter(self.server, services)
@@ -313,6 +401,7 @@ class EngineServer:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         # vLLM's engine protocol on the same port, sharing the in-flight request table.
         self.vllm_servicer = VllmEngineServicer(self.servicer.requests, self.metrics)
+        self.vllm_servicer.health = self.health
         vllm_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm_servicer, self.server)
         enable_reflection(self.server, services)
         self.port = 0
@@ -321,6 +410,7 @@ class EngineServer:
             self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, config.metrics_address)
         self.engine_dead = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.watchdog: EngineWatchdog | None = None
 
     @property
     def engine(self) -> AsyncLLMEngine | None:
@@ -358,6 +448,15 @@ class EngineServer:
         self.metrics.attach_engine(engine.metrics_registry)
         await self.health.set_serving(not engine.errored, "engine ready")
         self._tasks.append(asyncio.create_task(self._watch_engine(engine)))
+        if self.config.engine_stall_timeout_s > 0:
+            loop = asyncio.get_running_loop()
+
+            def on_change(stalled: bool, seconds: float) -> None:  # the watchdog's thread
+                asyncio.run_coroutine_threadsafe(self._on_stall(engine, stalled, seconds), loop)
+
+            self.watchdog = EngineWatchdog(
+                engine, self.config.engine_stall_timeout_s, on_change
+            ).start()
         if self.config.log_stats_interval_s > 0:
             interval = self.config.log_stats_interval_s
             self._tasks.append(asyncio.create_task(self._log_stats_every(engine, interval)))
@@ -369,6 +468,15 @@ class EngineServer:
         await self.health.set_serving(False, f"engine dead: {engine.dead_error}")
         self.engine_dead.set()
 
+    async def _on_stall(self, engine: AsyncLLMEngine, stalled: bool, seconds: float) -> None:
+        """NOT_SERVING while a step is stuck; SERVING again once steps return (unless the
+        engine died meanwhile; a draining server stays NOT_SERVING regardless)."""
+        self.servicer.stalled_s = seconds if stalled else 0.0
+        if stalled:
+            await self.health.set_serving(False, f"engine step stalled for {seconds:.1f} s")
+        elif not engine.errored:
+            await self.health.set_serving(True, "engine steps returned")
+
     async def _log_stats_every(self, engine: AsyncLLMEngine, interval: float) -> None:
         """The engine's stats line (throughput, running / waiting, KV-cache use) every
         `interval` seconds (repeated idle lines at DEBUG level)."""
@@ -378,26 +486,37 @@ class EngineServer:
                 await engine.do_log_stats()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stops taking requests; in-flight streams get `grace` seconds to finish, then
-        the engine aborts them (their streams end with finish_reason ABORT)."""
+        """Drains: NOT_SERVING at once and new requests refused (UNAVAILABLE, with the
+        migrate metadata on our API), while health keeps answering; in-flight streams get
+        `grace` seconds to finish, then are handed back (UNAVAILABLE with the migrate
+        metadata on our API; aborted on vLLM's, whose gateway retries), their blocks freed."""
         grace = self.config.shutdown_grace_s if grace is None else grace
+        self.servicer.draining = True
         await self.health.shutdown()
-        aborter = asyncio.create_task(self._abort_all_after(grace * 0.8))
         try:
-            await self.server.stop(grace)
+            await self._wait_for_streams(grace)
+            await self._hand_back()
+            await self.server.stop(_HAND_BACK_MARGIN_S)
         finally:
-            aborter.cancel()
             for task in self._tasks:
                 task.cancel()
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if self.metrics_endpoint is not None:
                 await self.metrics_endpoint.stop()
         logger.info("engine service stopped", extra={"port": self.port})
 
-    async def _abort_all_after(self, delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def _wait_for_streams(self, grace: float) -> None:
+        """Until no request is in flight, or `grace` seconds have passed."""
+        deadline = time.monotonic() + grace
+        while len(self.servicer.requests) and time.monotonic() < deadline:
+            await asyncio.sleep(min(_DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    async def _hand_back(self) -> None:
         live = [rid for rid, _ in self.servicer.requests.items()]
         if live and self.engine is not None:
-            logger.info("shutdown: aborting in-flight requests", extra={"count": len(live)})
+            logger.info("drain: handing back in-flight requests", extra={"count": len(live)})
+            self.servicer.hand_back(live)
             await self.engine.abort(live)
 
     async def wait_for_termination(self) -> None:

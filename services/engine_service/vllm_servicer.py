@@ -68,6 +68,8 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
         self.rpc_metrics = rpc_metrics
         self.started_at = time.time()
         self.last_receive_timestamp = 0.0
+        # The engine service's health (draining, a stalled step); set by EngineServer.
+        self.health: Any = None
 
     def attach(self, engine: AsyncLLMEngine, config: EngineConfig) -> None:
         self.engine, self.config = engine, config
@@ -75,6 +77,8 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
     def _ready(self) -> tuple[AsyncLLMEngine, EngineConfig]:
         if self.engine is None or self.config is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine is still loading")
+        if self.health is not None and self.health.shutting_down:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine service is draining")
         return self.engine, self.config
 
     # ---- requests ---------------------------------------------------------------------
@@ -157,6 +161,9 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
             await self.engine.check_health()
         except EngineDeadError as exc:
             return vllm_pb2.HealthCheckResponse(healthy=False, message=str(exc))
+        if self.health is not None and not self.health.serving:
+            # Draining or a stalled step: the gateway should send no more here.
+            return vllm_pb2.HealthCheckResponse(healthy=False, message="NOT_SERVING")
         return vllm_pb2.HealthCheckResponse(healthy=True, message="ok")
 
     @rpc_method

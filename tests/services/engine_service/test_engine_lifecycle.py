@@ -1,0 +1,155 @@
+"""The engine service's lifecycle as a fleet needs it: a drain (SIGTERM) reports NOT_SERVING
+at once and hands unfinished streams back with the migrate status instead of aborting them,
+then exits 0; a stuck step turns health NOT_SERVING (and SERVING again when it returns); a
+service that cannot start exits non-zero. Real processes and real gRPC servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine import AsyncLLMEngine, EngineArgs, SamplingParams
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.migration import MIGRATE_METADATA_KEY, REASON_DRAINED, migrate_reason
+from services.engine_service.server import EngineServer, EngineServerConfig
+from tests.services.conftest import ENGINE_KWARGS, LoopThread
+from tests.services.helpers import wait_for
+from tests.services.processes import ROOT, EngineProcess, child_env, free_port
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+LONG = common_pb2.SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+
+
+def _health(channel: grpc.Channel) -> int:
+    request = health_pb2.HealthCheckRequest()
+    return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+
+
+def test_sigterm_drains_and_hands_streams_back_for_migration(tiny_model_dir) -> None:
+    engine = EngineProcess(tiny_model_dir, None, "--shutdown-grace", "3").start()
+    try:
+        engine.wait_serving()
+        with grpc.insecure_channel(engine.address) as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            stream = stub.Generate(
+                engine_pb2.EngineGenerateRequest(
+                    request_id="long", prompt_token_ids=[5, 6, 7], sampling_params=LONG
+                ),
+                timeout=120,
+            )
+            received = list(next(stream).token_ids)
+            engine.proc.send_signal(signal.SIGTERM)
+            # NOT_SERVING while the stream still runs (its grace has not run out).
+            assert wait_for(lambda: _health(channel) == NOT_SERVING, timeout=30)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(
+                    stub.Generate(
+                        engine_pb2.EngineGenerateRequest(
+                            request_id="new", prompt_token_ids=[5], sampling_params=LONG
+                        )
+                    )
+                )
+            assert migrate_reason(refused.value) == REASON_DRAINED  # go elsewhere
+            assert _health(channel) == NOT_SERVING  # health keeps answering while draining
+            finish_reasons = []
+            with pytest.raises(grpc.RpcError) as ended:
+                for response in stream:
+                    received += response.token_ids
+                    finish_reasons.append(response.finish_reason)
+        error = ended.value
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert dict(error.trailing_metadata())[MIGRATE_METADATA_KEY] == REASON_DRAINED
+        assert migrate_reason(error) == REASON_DRAINED
+        assert set(finish_reasons) <= {common_pb2.FINISH_REASON_UNSPECIFIED}
+        assert 0 < len(received) < 4000
+        assert engine.proc.wait(60) == 0
+    finally:
+        engine.kill()
+
+
+def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
+    argv = [sys.executable, "-m", "services", "engine", "--log-level", "WARNING"]
+    bad_model = subprocess.run(
+        [
+            *argv,
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--engine-addr",
+            f"127.0.0.1:{free_port()}",
+        ],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad_model.returncode != 0
+    assert "no-such-model" in bad_model.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        in_use = subprocess.run(
+            [*argv, "--engine-addr", f"127.0.0.1:{port}"],
+            env=child_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert in_use.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in in_use.stderr
+
+
+def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) -> None:
+    """A logits processor that blocks holds one step; the watchdog thread (0.5 s) reports it
+    while the event loop still answers, and SERVING comes back once the step returns."""
+    release = threading.Event()
+
+    def block(output_ids, logits):
+        release.wait(120)
+        return logits
+
+    loop = LoopThread()
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
+    )
+
+    async def start() -> EngineServer:
+        server = EngineServer(EngineServerConfig(address="127.0.0.1:0", engine_stall_timeout_s=0.5))
+        await server.start()
+        await server.attach_engine(engine)
+        return server
+
+    async def generate() -> int:
+        params = SamplingParams(max_tokens=2, logits_processors=[block])
+        outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6]}, params, "stuck")]
+        return len(outputs[-1].outputs[0].token_ids)
+
+    server = loop.run(start())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert _health(channel) == serving
+            done = asyncio.run_coroutine_threadsafe(generate(), loop.loop)
+            assert wait_for(lambda: _health(channel) != serving, timeout=60)
+            details = engine_pb2_grpc.EngineServiceStub(channel).Health(
+                common_pb2.HealthRequest(), timeout=10
+            )
+            assert not details.healthy and float(details.details["engine_stalled_s"]) > 0.5
+            release.set()
+            assert done.result(120) == 2
+            assert wait_for(lambda: _health(channel) == serving, timeout=60)
+    finally:
+        release.set()
+        loop.run(server.stop(0))
+        engine.shutdown()
+        loop.close()
