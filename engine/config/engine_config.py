@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
@@ -212,6 +213,8 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA off
     # Resolved (every field set): how pooling requests pool. engine/config/pooler.py
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
+    # Decode batch sizes captured in CUDA graphs (engine/config/cuda_graph.py); empty: eager.
+    cuda_graph_config: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
 @dataclass
@@ -269,6 +272,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: ExecutorBackend | None = None
+    # CUDA graphs for decode steps (vLLM's names; engine/worker/cuda_graphs.py): the batch
+    # sizes to capture (None: vLLM's list 1, 2, 4, 8, 16, 24, ..., 512, capped by
+    # max_num_seqs); enforce_eager=True turns graphs off. Always off on CPU.
+    cuda_graph_sizes: list[int] | None = None
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from engine.loader.model_files import load_generation_config, load_hf_config, resolve_model
@@ -336,6 +344,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
         )
+        cuda_graph_config = resolve_cuda_graph_config(
+            self.cuda_graph_sizes, self.enforce_eager, device, self.max_num_seqs
+        )
         lora_config = None
         if self.enable_lora:
             lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
@@ -349,6 +360,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             lora_config=lora_config,
             pooler_config=pooler_config.resolve(model_dir),
+            cuda_graph_config=cuda_graph_config,
         )
 
 
