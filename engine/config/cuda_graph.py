@@ -72,9 +72,7 @@ def resolve_cuda_graph_config(
     if cuda_graph_sizes is None:
         sizes: Sequence[int] = DEFAULT_CUDA_GRAPH_SIZES
     else:
-        if isinstance(cuda_graph_sizes, str | bytes) or not isinstance(
-            cuda_graph_sizes, Sequence
-        ):
+        if isinstance(cuda_graph_sizes, str | bytes) or not isinstance(cuda_graph_sizes, Sequence):
             raise ValueError(
                 f"cuda_graph_sizes must be a list of ints or None, got {cuda_graph_sizes!r}."
             )

@@ -191,7 +191,8 @@ class ModelRunner:
         """
         mc = self.config.model_config
         # This rank's KV heads and this stage's layers.
-        shape = (2, num_blocks + self._num_pad_blocks, self.block_size, self.model.num_kv_heads, mc.head_dim)
+        num_blocks += self._num_pad_blocks
+        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, mc.head_dim)
         num_layers = self.model.num_local_layers
         if self.device.type == "cpu":  # pages become resident as blocks are first used
             return [lazily_zeroed(shape, self.kv_cache_dtype) for _ in range(num_layers)]

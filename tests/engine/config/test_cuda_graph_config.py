@@ -4,6 +4,8 @@ it is decided without a GPU, so it is checked here."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.config.cuda_graph import (
@@ -18,7 +20,7 @@ def test_default_list_is_vllms() -> None:
     sizes = DEFAULT_CUDA_GRAPH_SIZES
     assert sizes[:6] == (1, 2, 4, 8, 16, 24)
     assert sizes[-3:] == (480, 496, 512)
-    steps = {b - a for a, b in zip(sizes[3:], sizes[4:])}
+    steps = {b - a for a, b in itertools.pairwise(sizes[3:])}
     assert steps == {8, 16}  # 8 up to 256, 16 above
     assert 248 in sizes and 256 in sizes and 264 not in sizes and 272 in sizes
     assert list(sizes) == sorted(set(sizes))

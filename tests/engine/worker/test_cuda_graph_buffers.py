@@ -107,6 +107,7 @@ def test_a_step_larger_than_the_buffers_is_refused() -> None:
     buffers = _buffers()
     with pytest.raises(ValueError, match="exceeds the graph buffers"):
         buffers.load(_decode_step(random.Random(1), MAX_BATCH + 1))
-    wide = build_step_inputs([([1], 0, list(range(MAX_BLOCKS + 1)))], BLOCK_SIZE, torch.device("cpu"))
+    wide_table = list(range(MAX_BLOCKS + 1))
+    wide = build_step_inputs([([1], 0, wide_table)], BLOCK_SIZE, torch.device("cpu"))
     with pytest.raises(ValueError, match="exceeds the graph buffers"):
         buffers.load(wide)

@@ -35,9 +35,7 @@ def test_padded_step_matches_the_eager_step(tmp_path: Path) -> None:
     caches = [torch.zeros(shape) for _ in range(model.num_local_layers)]
     prompts = [[3, 14, 15, 92, 6], [5, 35, 8, 97, 9, 32, 38, 4, 62], [6, 43]]
     tables = [[0, 1], [2, 3, 4], [5]]
-    prefill = build_step_inputs(
-        [(p, 0, t) for p, t in zip(prompts, tables)], BLOCK_SIZE, CPU
-    )
+    prefill = build_step_inputs([(p, 0, t) for p, t in zip(prompts, tables)], BLOCK_SIZE, CPU)
     model(prefill.input_ids, prefill.positions, caches, prefill.attn_metadata)
     step = build_step_inputs(
         [([11 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))], BLOCK_SIZE, CPU

@@ -15,9 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from tests.model_utils import make_tiny_llama
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU"
-)
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
 def test_graphs_give_the_eager_tokens(tmp_path) -> None:
