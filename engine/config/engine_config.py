@@ -34,6 +34,7 @@ class ModelConfig:
     generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None  # resolved: None, "gguf" or "int8"
     gguf_file: Path | None = None  # the .gguf file the model came from, if it did
+    load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights (benchmarks)
 
     @property
     def served_model_name(self) -> str:
@@ -277,6 +278,10 @@ class EngineArgs:
     # max_num_seqs); enforce_eager=True turns graphs off. Always off on CPU.
     cuda_graph_sizes: list[int] | None = None
     enforce_eager: bool = False
+    # vLLM's name: "auto" loads the checkpoint; "dummy" draws random weights on the device
+    # and needs only the directory's config.json (engine/loader/dummy_weights.py): a real
+    # model's shapes for benchmarks, without its files.
+    load_format: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         from engine.loader.model_files import load_generation_config, load_hf_config, resolve_model
@@ -309,6 +314,13 @@ class EngineArgs:
         quantization = resolve_quantization(
             self.quantization, gguf_file, device, dtype, parallel_config.world_size
         )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
+        if self.load_format == "dummy" and quantization is not None:
+            raise ValueError(
+                f"load_format='dummy' draws unquantized weights; quantization={quantization!r} "
+                "needs the checkpoint (pass quantization=None)."
+            )
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}
         model_config = ModelConfig(
@@ -325,6 +337,7 @@ class EngineArgs:
             generation_config=gen_config,
             quantization=quantization,
             gguf_file=gguf_file,
+            load_format=self.load_format,
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:

@@ -84,6 +84,8 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             quantization=model_config.quantization,
             gguf_file=model_config.gguf_file,
+            load_format=model_config.load_format,
+            seed=model_config.seed,
         )
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = None

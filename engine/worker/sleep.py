@@ -137,6 +137,7 @@ def _reload(runner: ModelRunner) -> torch.nn.Module:
     return load_model(
         mc.model_dir, mc.hf_config, dtype=runner.dtype, device=runner.device,
         attn_backend=runner.attn_backend, quantization=mc.quantization, gguf_file=mc.gguf_file,
+        load_format=mc.load_format, seed=mc.seed,
     )  # fmt: skip
 
 
