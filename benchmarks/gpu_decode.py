@@ -202,7 +202,11 @@ def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device) ->
             elapsed, _ = timed_generate(llm, prompts, args.output_len)
         out_tok_s = len(prompts) * args.output_len / elapsed
         total_tok_s = len(prompts) * (args.input_len + args.output_len) / elapsed
-        results[name] = {"elapsed_s": elapsed, "output_tok_s": out_tok_s, "total_tok_s": total_tok_s}
+        results[name] = {
+            "elapsed_s": elapsed,
+            "output_tok_s": out_tok_s,
+            "total_tok_s": total_tok_s,
+        }
         print(
             f"offline {len(prompts)} x ({args.input_len} in, {args.output_len} out) [{name:>6}]: "
             f"{out_tok_s:9.1f} output tok/s, {total_tok_s:9.1f} total tok/s ({elapsed:.1f} s)",
