@@ -47,9 +47,11 @@ DEMO_PROMPT = "What is the capital of France?"
 _NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init", "pooler_config"}
 # Help for the flags whose values need more than their default to be understood.
 _FLAG_HELP = {
-    "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs, e.g. 1 2 4 8 (default "
-    "None: 1, 2, 4, 8, 16, ..., 512 capped by --max-num-seqs; CPU: none)",
+    "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs, e.g. 1 2 4 8; unset: 1, "
+    "2, 4, 8, 16, ..., 512 capped by --max-num-seqs; never on CPU",
     "enforce_eager": "run every step eagerly: no CUDA graphs",
+    "load_format": "auto (the checkpoint) or dummy (random weights from config.json alone, "
+    "for benchmarks)",
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
     "included, keeps its GGUF blocks; else none), none (fp32 on CPU), gguf, int8",
 }
