@@ -56,12 +56,19 @@ def is_pure_decode(metadata: AttentionMetadata) -> bool:
 
 
 def choose_graph_size(
-    config: CudaGraphConfig, metadata: AttentionMetadata, eager_only: bool = False
+    config: CudaGraphConfig,
+    metadata: AttentionMetadata,
+    eager_only: bool = False,
+    max_blocks_per_req: int | None = None,
 ) -> int | None:
     """The captured size a step replays at, or None to run it eagerly: a prefill or mixed
     step, a step that must run eagerly (`eager_only`: LoRA adapters in the batch, whose
-    updates hook the layers from Python), or a batch above the largest captured size."""
+    updates hook the layers from Python), a batch above the largest captured size, or block
+    tables wider than the buffers' `max_blocks_per_req` (a request may hold blocks
+    allocated ahead for draft tokens past max_model_len)."""
     if eager_only or not config.enabled or not is_pure_decode(metadata):
+        return None
+    if max_blocks_per_req is not None and metadata.block_tables.shape[1] > max_blocks_per_req:
         return None
     return config.padded_size(metadata.num_reqs)
 
@@ -198,7 +205,7 @@ class DecodeGraphs:
         """The captured graph a step replays (None: eager). Nothing before capture."""
         if not self._graphs:
             return None
-        size = choose_graph_size(self.config, metadata, eager_only)
+        size = choose_graph_size(self.config, metadata, eager_only, self.max_blocks_per_req)
         return size if size in self._graphs else None
 
     @torch.inference_mode()

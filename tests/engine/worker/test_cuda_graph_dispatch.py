@@ -46,6 +46,10 @@ def test_prefill_mixed_speculative_and_lora_steps_run_eagerly() -> None:
     assert choose_graph_size(CONFIG, _metadata(decode, verify)) is None
     assert choose_graph_size(CONFIG, _metadata(decode), eager_only=True) is None  # LoRA
     assert choose_graph_size(CudaGraphConfig(), _metadata(decode)) is None  # graphs off
+    # block tables wider than the graph buffers (blocks held ahead for drafts): eager
+    wide = ([7], 10, [0, 1, 2])
+    assert choose_graph_size(CONFIG, _metadata(wide), max_blocks_per_req=3) == 1
+    assert choose_graph_size(CONFIG, _metadata(wide), max_blocks_per_req=2) is None
     # A one-token prompt has a decode's shape (one query token over its context): the
     # graph computes it as eagerly.
     assert choose_graph_size(CONFIG, _metadata(([5], 0, [3]), decode)) == 2
