@@ -117,7 +117,6 @@ def _paged_attention_kernel(
     scale_log2,  # softmax scale * log2(e)
     soft_cap_log2,  # attention logit soft-cap * log2(e) (read when HAS_SOFT_CAP)
     num_reqs,
-    kv_tiles_per_split,
     stride_q_token,
     stride_q_head,
     stride_cache_block,
@@ -177,6 +176,9 @@ def _paged_attention_kernel(
         tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // BLOCK_N
     tile_hi = tl.cdiv(kv_end, BLOCK_N)
     if NUM_SPLITS > 1:
+        # This request's own walk, split evenly: the ranges never depend on the launch's
+        # max_seq_len, which a captured CUDA graph fixes at max_model_len.
+        kv_tiles_per_split = tl.cdiv(tile_hi, NUM_SPLITS)
         tile_lo = split * kv_tiles_per_split
         if split < NUM_SPLITS - 1:  # the last split takes whatever remains
             tile_hi = tl.minimum(tile_hi, tile_lo + kv_tiles_per_split)
@@ -325,8 +327,10 @@ def paged_attention(
     `[query_start_loc[0], query_start_loc[-1])` are left untouched.
 
     `max_query_len` picks the tile shape (1 = decode tiles); `max_seq_len` must be >= every
-    `seq_lens` entry and only balances the split-KV ranges. `num_splits=None` chooses
-    split-KV by occupancy (decode-only launches on CUDA); pass an int to force it.
+    `seq_lens` entry and only sets the number of splits (the kernel splits each request's
+    walk evenly, so an upper bound such as max_model_len does as well as the exact value).
+    `num_splits=None` chooses split-KV by occupancy (decode-only launches on CUDA); pass an
+    int to force it.
     `sliding_window`: each query row sees only the keys at its last `sliding_window`
     positions (its own included), as transformers' sliding-window mask; split-KV is not used
     with a window (the window already bounds the walk). `logits_soft_cap`: each score
@@ -355,7 +359,6 @@ def paged_attention(
         )
     if not 1 <= num_splits <= 64:
         raise ValueError(f"num_splits must be in [1, 64], got {num_splits}.")
-    kv_tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), tiles.block_n), num_splits)
 
     if num_splits > 1:  # [num_tokens, num_heads, num_splits(, head_dim_padded)] fp32
         partial_out = query.new_empty(
@@ -381,7 +384,6 @@ def paged_attention(
         scale_log2=scale * LOG2_E,
         soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
         num_reqs=num_reqs,
-        kv_tiles_per_split=kv_tiles_per_split,
         stride_q_token=query.stride(0),
         stride_q_head=query.stride(1),
         stride_cache_block=key_cache.stride(0),

@@ -123,6 +123,12 @@ class AttentionBackend(ABC):
     """Paged attention over the layout above. Implementations: `torch`, `cpu`, `triton`."""
 
     name: str
+    # Whether a decode step through this backend can be captured in a CUDA graph and
+    # replayed for later steps: every launch reads the step's values from device tensors,
+    # and the host values it reads (max_seq_len, seq_lens_cpu) are only upper bounds, which
+    # a captured graph sets to max_model_len (engine/worker/cuda_graphs.py). A backend that
+    # loops over requests on the host cannot be replayed.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def write_kv(

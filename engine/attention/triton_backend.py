@@ -23,6 +23,9 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels; needs a CUDA GPU (or `TRITON_INTERPRET=1`)."""
 
     name = "triton"
+    # Its launches take device tensors; the decode launch's max_seq_len only bounds the
+    # split-KV ranges (kernels/paged_attention.py), so max_model_len serves every step.
+    supports_cuda_graphs = True
 
     def __init__(self, device: torch.device) -> None:
         try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
@@ -33,6 +34,7 @@ class ModelConfig:
     generation_config: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None  # resolved: None, "gguf" or "int8"
     gguf_file: Path | None = None  # the .gguf file the model came from, if it did
+    load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights (benchmarks)
 
     @property
     def served_model_name(self) -> str:
@@ -212,6 +214,8 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None  # None: LoRA off
     # Resolved (every field set): how pooling requests pool. engine/config/pooler.py
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
+    # Decode batch sizes captured in CUDA graphs (engine/config/cuda_graph.py); empty: eager.
+    cuda_graph_config: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
 @dataclass
@@ -269,6 +273,15 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: ExecutorBackend | None = None
+    # CUDA graphs for decode steps (vLLM's names; engine/worker/cuda_graphs.py): the batch
+    # sizes to capture (None: vLLM's list 1, 2, 4, 8, 16, 24, ..., 512, capped by
+    # max_num_seqs); enforce_eager=True turns graphs off. Always off on CPU.
+    cuda_graph_sizes: list[int] | None = None
+    enforce_eager: bool = False
+    # vLLM's name: "auto" loads the checkpoint; "dummy" draws random weights on the device
+    # and needs only the directory's config.json (engine/loader/dummy_weights.py): a real
+    # model's shapes for benchmarks, without its files.
+    load_format: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         from engine.loader.model_files import load_generation_config, load_hf_config, resolve_model
@@ -301,6 +314,13 @@ class EngineArgs:
         quantization = resolve_quantization(
             self.quantization, gguf_file, device, dtype, parallel_config.world_size
         )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
+        if self.load_format == "dummy" and quantization is not None:
+            raise ValueError(
+                f"load_format='dummy' draws unquantized weights; quantization={quantization!r} "
+                "needs the checkpoint (pass quantization=None)."
+            )
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}
         model_config = ModelConfig(
@@ -317,6 +337,7 @@ class EngineArgs:
             generation_config=gen_config,
             quantization=quantization,
             gguf_file=gguf_file,
+            load_format=self.load_format,
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
@@ -336,6 +357,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
         )
+        cuda_graph_config = resolve_cuda_graph_config(
+            self.cuda_graph_sizes, self.enforce_eager, device, self.max_num_seqs
+        )
         lora_config = None
         if self.enable_lora:
             lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
@@ -349,6 +373,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             lora_config=lora_config,
             pooler_config=pooler_config.resolve(model_dir),
+            cuda_graph_config=cuda_graph_config,
         )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.layers.ops import OpImpl, select_op_impl
+from engine.layers.parallel_layers import post_load
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.registry import get_model_class
 
@@ -58,6 +59,8 @@ def load_model(
     op_impl: OpImpl | None = None,
     quantization: str | None = None,
     gguf_file: Path | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DecoderForCausalLM:
     """Builds the registered class for the config's architecture without initialising it,
     then fills it from the directory's weights.
@@ -66,7 +69,8 @@ def load_model(
     `op_impl` overrides the op implementation chosen from the backend, device and dtype.
     `quantization` keeps the projections quantized (engine/layers/quantization.py):
     "gguf" fills them from `gguf_file`'s blocks before any fp32 storage exists; "int8"
-    quantizes each projection as soon as it is loaded.
+    quantizes each projection as soon as it is loaded. `load_format="dummy"` reads no
+    weights: every parameter is drawn from `seed` (engine/loader/dummy_weights.py).
     """
     model_class = get_model_class(hf_config)
     if op_impl is None:
@@ -78,17 +82,19 @@ def load_model(
     if quantization == "gguf":
         kept, checks = _install_gguf(model, hf_config, device, gguf_file)
     model = model.to_empty(device=device)
-    if weights is None:
-        from engine.distributed.parallel_state import get_parallel_rank
+    if load_format == "dummy":  # EngineArgs allows it only without quantization
+        from engine.loader.dummy_weights import fill_dummy_weights
 
-        several = get_parallel_rank().world_size > 1  # a rank reads only its slices
-        weights = iter_safetensors(model_dir, skip=kept, lazy=several)
-    on_loaded = None
-    if quantization is not None and quantization != "gguf":
-        from engine.layers.quantization import quantize_on_load
+        fill_dummy_weights(model, seed)
+        post_load(model)
+        logger.info("Drew random weights (load_format='dummy', seed %d).", seed)
+    else:
+        if weights is None:
+            from engine.distributed.parallel_state import get_parallel_rank
 
-        on_loaded = quantize_on_load(model, quantization)
-    model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
+            several = get_parallel_rank().world_size > 1  # a rank reads only its slices
+            weights = iter_safetensors(model_dir, skip=kept, lazy=several)
+        _load_checkpoint(model, weights, kept, quantization)
     if quantization == "gguf":
         from engine.loader.gguf_weights import check_gguf_blocks
 
@@ -104,6 +110,20 @@ def load_model(
         if num_planned:
             logger.info("Chose the fp32 GEMM method of %d weight matrices.", num_planned)
     return model.eval()
+
+
+def _load_checkpoint(
+    model: DecoderForCausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    kept: set[str],
+    quantization: str | None,
+) -> None:
+    on_loaded = None
+    if quantization is not None and quantization != "gguf":
+        from engine.layers.quantization import quantize_on_load
+
+        on_loaded = quantize_on_load(model, quantization)
+    model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
 
 
 def _install_gguf(

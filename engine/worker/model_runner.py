@@ -6,6 +6,7 @@ logits only where something is sampled (or prompt logprobs are asked for), pools
 hidden states of pooling requests (engine/worker/pooler.py: LAST, MEAN or CLS, accumulated
 over prefill chunks), and returns a `ModelRunnerOutput`.
 Speculative entries (greedy, with draft tokens) are verified: see `_verify_drafts`.
+On CUDA, pure decode steps replay captured CUDA graphs (engine/worker/cuda_graphs.py).
 
 As a rank of a tensor/pipeline-parallel engine (engine/distributed/) it holds its share of
 the model and of the KV cache; a stage before the last hands its output on and returns
@@ -18,6 +19,7 @@ import ctypes
 import logging
 import math
 import sys
+from typing import Any
 
 import torch
 
@@ -35,6 +37,7 @@ from engine.lora.manager import LoRAManager
 from engine.sample import Sampler
 from engine.sample.sampler import select_argmax
 from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
+from engine.worker.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
 from engine.worker.pooler import Pooler
@@ -81,6 +84,8 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             quantization=model_config.quantization,
             gguf_file=model_config.gguf_file,
+            load_format=model_config.load_format,
+            seed=model_config.seed,
         )
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = None
@@ -94,6 +99,7 @@ class ModelRunner:
         self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
         self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora
+        self.cuda_graphs = self._make_decode_graphs()  # None: every step runs eagerly
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches: list[torch.Tensor] = []
         if allocate_kv_cache:
@@ -105,6 +111,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self._warm_up()
+        self.capture_cuda_graphs()
 
     @property
     def is_driver_rank(self) -> bool:
@@ -127,15 +134,66 @@ class ModelRunner:
     def unbind_decode_step(self) -> None:
         self._decode_step = None
 
+    # ---- CUDA graphs (engine/worker/cuda_graphs.py) -------------------------------------
+
+    def _make_decode_graphs(self) -> DecodeGraphs | None:
+        graph_config = self.config.cuda_graph_config
+        if not graph_config.enabled:  # CPU, enforce_eager, or no size left after capping
+            return None
+        reason = graphs_unsupported_reason(
+            self.attn_backend,
+            self.model,
+            self.ranks.world_size,
+            lora=self.config.lora_config is not None,
+        )
+        if reason is not None:
+            logger.info("CUDA graphs off: %s; decode steps run eagerly.", reason)
+            return None
+        max_len = self.config.scheduler_config.max_model_len
+        return DecodeGraphs(
+            graph_config, math.ceil(max_len / self.block_size), max_len, self.block_size,
+            self.device,
+        )  # fmt: skip
+
+    @property
+    def _num_pad_blocks(self) -> int:
+        """Blocks past the scheduler's: the padding rows of a graph's batch write there."""
+        return 1 if self.cuda_graphs is not None else 0
+
+    def capture_cuda_graphs(self) -> None:
+        """Captures the decode graphs over the current weights and caches (at start-up and
+        after a wake-up); on a failure, logs it and runs eagerly from then on."""
+        if self.cuda_graphs is None:
+            return
+        caches = self.kv_caches
+        model = self.model
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, metadata: Any) -> torch.Tensor:
+            return model(ids, pos, caches, metadata)
+
+        try:
+            self.cuda_graphs.capture(forward, pad_block=self.num_blocks)
+        except RuntimeError:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly.")
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
+
+    def release_cuda_graphs(self) -> None:
+        """Drops the graphs: they hold the addresses of the weights and caches (sleep)."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, in the
-        cache dtype (`kv_cache_dtype`; DESIGN.md's "in the model dtype" is the default).
+        """One [2, num_blocks (+ the padding block of CUDA graphs), block_size,
+        num_kv_heads, head_dim] tensor per layer, in the cache dtype (`kv_cache_dtype`;
+        DESIGN.md's "in the model dtype" is the default).
 
         Zeroed, not empty: padded positions of a gathered context are masked to weight 0,
         and 0 * NaN from uninitialised memory would still poison the sum.
         """
         mc = self.config.model_config
         # This rank's KV heads and this stage's layers.
+        num_blocks += self._num_pad_blocks
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, mc.head_dim)
         num_layers = self.model.num_local_layers
         if self.device.type == "cpu":  # pages become resident as blocks are first used
@@ -158,10 +216,15 @@ class ModelRunner:
     def _forward(
         self, inputs: StepInputs, kv_caches: list[torch.Tensor], fused: bool = True
     ) -> torch.Tensor | None:
-        """The model's forward, or the backend's fused path where it applies to the step
-        (not with LoRA adapters in the batch: their updates hook the model's layers).
+        """The model's forward: a captured CUDA graph's replay, or the backend's fused path,
+        where one applies to the step (neither with LoRA adapters in the batch: their
+        updates hook the model's layers).
         Under pipeline parallelism, this stage's share; None before the last stage."""
         metadata = inputs.attn_metadata
+        if self.cuda_graphs is not None and kv_caches is self.kv_caches:
+            size = self.cuda_graphs.graph_size(metadata, eager_only=not fused)
+            if size is not None:
+                return self.cuda_graphs.replay(inputs, size)
         if fused and self._decode_step is not None and self._decode_step.applies(metadata):
             return self._decode_step(inputs.input_ids, inputs.positions, kv_caches, metadata)
         if self.ranks.pp_size > 1:

@@ -56,8 +56,10 @@ class SleepMode:
         if self.is_sleeping:
             raise RuntimeError(f"The engine is already asleep (level {self.level}).")
         runner = self.runner
-        # The fused decode path holds raw addresses of the weights and caches.
+        # The fused decode path and the CUDA graphs hold raw addresses of the weights and
+        # caches.
         runner.unbind_decode_step()
+        runner.release_cuda_graphs()
         runner.kv_caches = []
         tags = {"kv_cache"}
         if level == 2:
@@ -91,6 +93,7 @@ class SleepMode:
             self.sleeping_tags.discard("kv_cache")
         if not self.sleeping_tags:
             runner.bind_decode_step()
+            runner.capture_cuda_graphs()
             logger.info("Awake (from level %d).", self.level)
             self.level = 0
 
@@ -134,6 +137,7 @@ def _reload(runner: ModelRunner) -> torch.nn.Module:
     return load_model(
         mc.model_dir, mc.hf_config, dtype=runner.dtype, device=runner.device,
         attn_backend=runner.attn_backend, quantization=mc.quantization, gguf_file=mc.gguf_file,
+        load_format=mc.load_format, seed=mc.seed,
     )  # fmt: skip
 
 

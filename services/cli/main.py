@@ -47,6 +47,11 @@ DEMO_PROMPT = "What is the capital of France?"
 _NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init", "pooler_config"}
 # Help for the flags whose values need more than their default to be understood.
 _FLAG_HELP = {
+    "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs, e.g. 1 2 4 8; unset: 1, "
+    "2, 4, 8, 16, ..., 512 capped by --max-num-seqs; never on CPU",
+    "enforce_eager": "run every step eagerly: no CUDA graphs",
+    "load_format": "auto (the checkpoint) or dummy (random weights from config.json alone, "
+    "for benchmarks)",
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
     "included, keeps its GGUF blocks; else none), none (fp32 on CPU), gguf, int8",
 }
@@ -79,6 +84,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
             )
+        elif annotation.startswith("list[int]"):
+            group.add_argument(flag, type=int, nargs="+", default=field.default, help=help_text)
         elif annotation == "SchedulingPolicy":
             choices = typing.get_args(SchedulingPolicy)
             group.add_argument(flag, choices=choices, default=field.default, help=help_text)
@@ -247,6 +254,8 @@ def flags_from(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
             continue
         if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -26,7 +26,7 @@ import torch
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Integer arguments that are not multiples of 16 in real launches (no divisibility hint).
-UNALIGNED_INTS = {"num_reqs", "kv_tiles_per_split", "stride_bt_req", "eps", "scale_log2"}
+UNALIGNED_INTS = {"num_reqs", "stride_bt_req", "eps", "scale_log2"}
 
 
 def _compile(

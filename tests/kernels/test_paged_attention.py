@@ -104,6 +104,33 @@ def test_split_kv_matches_single_pass(num_splits: int) -> None:
     _check(batch, num_splits=num_splits)
 
 
+def test_split_ranges_do_not_depend_on_max_seq_len() -> None:
+    """A captured CUDA graph launches decode attention with max_seq_len = max_model_len
+    (engine/worker/cuda_graphs.py): each request's walk must still be split over its own
+    length, so the result is the same bits as with the exact bound (and the reference)."""
+    query_lens, seq_lens = [1, 1, 1], pick([40, 129, 7], [3000, 17, 999])
+    batch = make_paged_batch(
+        query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32,
+    )  # fmt: skip
+    scale = 64**-0.5
+
+    def run(max_seq_len: int) -> torch.Tensor:
+        return paged_attention(
+            batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, max_query_len=1, max_seq_len=max_seq_len, scale=scale,
+            num_splits=4,
+        )  # fmt: skip
+
+    exact = run(batch.max_seq_len)
+    assert torch.equal(run(64 * batch.max_seq_len), exact)
+    expected = ref_paged_attention(
+        batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, scale,
+    )  # fmt: skip
+    torch.testing.assert_close(exact, expected, **TOLERANCES[torch.float32])
+
+
 def test_split_kv_chosen_only_when_decode_leaves_sms_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(split_kv, "_num_sms", lambda index: 132)  # an H100
     cuda = torch.device("cuda", 0)

@@ -49,6 +49,17 @@ def test_child_flags_round_trip():
     assert subparser(parser, "tokenizer").parse_args(tokenizer_flags).port == 1234
 
 
+def test_cuda_graph_flags_round_trip():
+    """`--cuda-graph-sizes` takes a list and reaches the engine child as one."""
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--cuda-graph-sizes", "1", "2", "8", "--enforce-eager"])
+    engine_ns = subparser(parser, "engine").parse_args(flags_from(ns, subparser(parser, "engine")))
+    args = engine_args_from(engine_ns)
+    assert args.cuda_graph_sizes == [1, 2, 8] and args.enforce_eager is True
+    default = engine_args_from(parser.parse_args(["engine"]))
+    assert default.cuda_graph_sizes is None and default.enforce_eager is False
+
+
 def test_serve_stops_gracefully_on_sigterm(tiny_model_dir):
     port, engine_port = _free_port(), _free_port()
     env = _env(

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Downloads, here, the wheels that the GPU machine's image lacks, into .gpu_wheels/ (ignored
+# by git), so that a device run can carry them: the machine has no network. scripts/gpu_check.sh
+# installs them there with pip --no-index. docs/gpu.md describes the whole procedure.
+#
+#   scripts/gpu_wheels.sh            # versions pinned to this machine's project venv
+#   PYTHON=path/to/python scripts/gpu_wheels.sh
+#
+# The list is what `import engine` and the GPU tests need beyond the image's packages
+# (/work/.library/device/KINDS.md lists those): gguf, the OpenTelemetry tracing packages,
+# xgrammar (and its missing needs: pydantic, apache-tvm-ffi), the gRPC pieces the engine's generated
+# code pins (grpcio, protobuf: the image's may be older), and vLLM's engine-protocol
+# messages. Versions are the ones this checkout is tested with here; the wheels are for
+# the image's CPython 3.12 on x86-64 Linux. Total kept under 64 MiB, the carry limit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/work/main/.venv/bin/python}
+DEST=.gpu_wheels
+PACKAGES=(
+    gguf
+    opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto
+    opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc
+    opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-http-transport
+    opentelemetry-exporter-otlp-common googleapis-common-protos
+    grpcio grpcio-health-checking grpcio-reflection protobuf smg-grpc-proto
+    xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+)
+mkdir -p "$DEST"
+rm -f "$DEST"/*.whl
+specs=()
+for name in "${PACKAGES[@]}"; do
+    version=$("$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) || {
+        echo "skip $name: not installed in $PYTHON's environment" >&2
+        continue
+    }
+    specs+=("$name==$version")
+done
+platforms=()
+for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 \
+    manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
+    platforms+=(--platform "${p}_x86_64")
+done
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d "$DEST" "${specs[@]}"
+total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+ls -1 "$DEST"
+echo "$(ls "$DEST"/*.whl | wc -l) wheels, $((total / 1024 / 1024)) MiB in $DEST"
+if [ "$total" -gt $((60 * 1024 * 1024)) ]; then
+    echo "over 60 MiB: the device run carries at most 64 MiB with the working tree" >&2
+    exit 1
+fi
