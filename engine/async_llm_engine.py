@@ -260,16 +260,28 @@ class AsyncLLMEngine:
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs (as `sampling_params.output_kind` asks) until the
         one with `finished=True`. Closing the generator or cancelling its task aborts the
-        request. Errors of `LLMEngine.add_request` are raised here unchanged."""
+        request. Errors of `LLMEngine.add_request` are raised here unchanged.
+
+        `priority`, `fairness_key` and `fairness_weight` as in `LLMEngine.add_request`:
+        the engine shares the batch fairly between fairness keys (tenants)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
             )
         stream = self._stream_outputs(
-            prompt, sampling_params, request_id, lora_request, trace_headers, priority
+            prompt,
+            sampling_params,
+            request_id,
+            lora_request,
+            trace_headers,
+            priority,
+            fairness_key,
+            fairness_weight,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -283,6 +295,8 @@ class AsyncLLMEngine:
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Yields the one `PoolingRequestOutput` of a pooling request; an aborted request
         ends without yielding."""
@@ -291,7 +305,14 @@ class AsyncLLMEngine:
                 f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}."
             )
         stream = self._stream_outputs(
-            prompt, pooling_params, request_id, lora_request, trace_headers, priority
+            prompt,
+            pooling_params,
+            request_id,
+            lora_request,
+            trace_headers,
+            priority,
+            fairness_key,
+            fairness_weight,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -321,10 +342,22 @@ class AsyncLLMEngine:
         lora_request: Any,
         trace_headers: Mapping[str, str] | None,
         priority: int,
+        fairness_key: str | None,
+        fairness_weight: float,
     ) -> AsyncGenerator[Any, None]:
         stream = OutputStream(request_id, asyncio.get_running_loop())
         self._loop_thread.submit(
-            AddCommand(stream, prompt, params, time.time(), lora_request, trace_headers, priority)
+            AddCommand(
+                stream,
+                prompt,
+                params,
+                time.time(),
+                lora_request,
+                trace_headers,
+                priority,
+                fairness_key,
+                fairness_weight,
+            )
         )
         done = False
         try:

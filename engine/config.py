@@ -16,6 +16,7 @@ from engine.pooler_config import PoolerConfig
 from engine.quantization_config import gguf_source, resolve_quantization
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+FairnessPolicy = Literal["vtc", "off"]
 
 
 @dataclass
@@ -104,6 +105,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
+    # Sharing between fairness keys (tenants): "vtc" (the virtual token counter,
+    # engine/core/fairness.py) or "off" (one queue, the policy alone). Requests without a
+    # key share one, so "vtc" changes nothing for an engine without tenants.
+    fairness: FairnessPolicy = "vtc"
+    fairness_prompt_token_weight: float = 1.0  # VTC's cost of a computed prompt token
+    fairness_output_token_weight: float = 2.0  # ... and of a generated token
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -116,6 +123,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}."
             )
+        if self.fairness not in ("vtc", "off"):
+            raise ValueError(f"fairness must be 'vtc' or 'off', got {self.fairness!r}.")
+        for name in ("fairness_prompt_token_weight", "fairness_output_token_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -237,6 +250,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # Fair sharing between the requests' fairness keys (tenants): "vtc" or "off"; the
+    # weights are VTC's cost of a computed prompt token and of a generated one (see
+    # SchedulerConfig and docs/engine.md).
+    fairness: FairnessPolicy = "vtc"
+    fairness_prompt_token_weight: float = 1.0
+    fairness_output_token_weight: float = 2.0
     device: str = "auto"
     attention_backend: str | None = None
     max_logprobs: int = 20
@@ -335,6 +354,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            fairness=self.fairness,
+            fairness_prompt_token_weight=self.fairness_prompt_token_weight,
+            fairness_output_token_weight=self.fairness_output_token_weight,
         )
         lora_config = None
         if self.enable_lora:

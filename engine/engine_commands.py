@@ -78,6 +78,8 @@ class AddCommand:
     lora_request: Any
     trace_headers: Mapping[str, str] | None
     priority: int
+    fairness_key: str | None = None
+    fairness_weight: float = 1.0
 
 
 @dataclass

@@ -258,6 +258,8 @@ class EngineThread:
                 lora_request=command.lora_request,
                 trace_headers=command.trace_headers,
                 priority=command.priority,
+                fairness_key=command.fairness_key,
+                fairness_weight=command.fairness_weight,
             )
         except Exception as exc:  # a bad request fails alone; the caller gets the error
             stream.put(exc)

@@ -218,8 +218,17 @@ class LLMEngine(LLMEngineAdminMixin):
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> None:
         """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``.
+
+        `priority` (higher first) orders requests under `scheduling_policy="priority"`.
+        `fairness_key` names who the request is served for (a tenant, a user): under
+        `fairness="vtc"` (the default) the engine shares the batch between keys in
+        proportion to their `fairness_weight` (a positive number; a key's latest request
+        sets it), and `priority` orders requests within a key. None: the default key,
+        shared by every request that names none (so without keys nothing changes).
 
         With `PoolingParams` it is a pooling request: its one output is a
         `PoolingRequestOutput` holding the prompt's final hidden states pooled as the
@@ -229,10 +238,19 @@ class LLMEngine(LLMEngineAdminMixin):
         if lora_request is not None:
             self._require_lora().add_lora(lora_request)  # loads and checks it if new
         self.request_builder.check_params(params, priority)
+        fairness_key = self.request_builder.check_fairness(fairness_key, fairness_weight)
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         new = self.request_builder.build(
-            request_id, prompt, params, arrival_time, lora_request, trace_headers, priority
+            request_id,
+            prompt,
+            params,
+            arrival_time,
+            lora_request,
+            trace_headers,
+            priority,
+            fairness_key,
+            fairness_weight,
         )
         params, headers, samples = new.params, new.trace_headers, new.samples
         if isinstance(params, PoolingParams):
