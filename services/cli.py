@@ -49,6 +49,10 @@ _NOT_FLAGS = {"model", "tokenizer", "skip_tokenizer_init", "pooler_config"}
 _FLAG_HELP = {
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
     "included, keeps its GGUF blocks; else none), none (fp32 on CPU), gguf, int8",
+    "fairness": "sharing between tenants: vtc (each tenant's share of the batch in "
+    "proportion to its API-key-file weight) or off (first come, first served)",
+    "fairness_prompt_token_weight": "vtc's cost of a computed prompt token",
+    "fairness_output_token_weight": "vtc's cost of a generated token",
 }
 
 
@@ -67,7 +71,7 @@ def engine_arg_fields() -> list[dataclasses.Field]:
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from engine.config import SchedulingPolicy
+    from engine.config import FairnessPolicy, SchedulingPolicy
     from engine.pooler_config import POOLING_TYPES
 
     group = parser.add_argument_group("engine (EngineArgs, vLLM's names)")
@@ -79,8 +83,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
             )
-        elif annotation == "SchedulingPolicy":
-            choices = typing.get_args(SchedulingPolicy)
+        elif annotation in ("SchedulingPolicy", "FairnessPolicy"):
+            literal = SchedulingPolicy if annotation == "SchedulingPolicy" else FairnessPolicy
+            choices = typing.get_args(literal)
             group.add_argument(flag, choices=choices, default=field.default, help=help_text)
         else:
             kind = int if "int" in annotation else float if "float" in annotation else str

@@ -138,6 +138,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
                 lora_request=lora_request,
+                fairness_key=request.fairness_key or None,
+                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:
@@ -176,6 +178,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
                 lora_request=lora_request,
+                fairness_key=request.fairness_key or None,
+                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
             )
             async with contextlib.aclosing(stream):
                 async for output in stream:

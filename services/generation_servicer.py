@@ -34,7 +34,7 @@ from engine.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services import convert, tracing
 from services.beam_search import beam_params_from_request, beam_responses, run_beam_search
-from services.caller import current_tenant_name, scoped_request_id
+from services.caller import current_tenant_name, fairness_fields, scoped_request_id
 from services.engine_client import EngineBackend
 from services.engine_pool import EnginePool
 from services.engine_relay import EngineRelay, LiveRequest, outgoing_metadata
@@ -153,6 +153,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
             priority=request.priority,
             cache_salt=current_tenant_name() or "",  # tenants never share cached blocks
             lora_name=request.lora_name,  # unknown: the engine's NOT_FOUND, passed through
+            **fairness_fields(),  # the engine shares its batch fairly between tenants
         )
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
         incoming = trace_headers(request.trace_headers, context)
@@ -198,6 +199,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
                 outgoing_metadata(context),
                 cache_salt=current_tenant_name() or "",
                 lora_name=request.lora_name,
+                fairness=fairness_fields(),
                 live=live,
             )
         for response in beam_responses(
@@ -288,6 +290,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
                         trace_headers=headers,
                         cache_salt=current_tenant_name() or "",
                         lora_name=request.lora_name,
+                        **fairness_fields(),
                     ),
                     timeout=context.time_remaining(),
                     metadata=trace_metadata(headers),
