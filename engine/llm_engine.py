@@ -106,12 +106,9 @@ class LLMEngine(LLMEngineAdminMixin):
             )
         sched_config = config.scheduler_config
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=sched_config.max_num_seqs,
-                max_num_batched_tokens=sched_config.max_num_batched_tokens,
+            replace(
+                sched_config,
                 max_model_len=min(sched_config.max_model_len, self.max_tokens_in_cache),
-                enable_chunked_prefill=sched_config.enable_chunked_prefill,
-                policy=sched_config.policy,
                 max_loras=config.lora_config.max_loras if config.lora_config else None,
             ),
             self.kv_cache_manager,

@@ -90,3 +90,10 @@ def test_bad_fairness_arguments_are_refused(model_dir) -> None:
     with pytest.raises(TypeError, match="fairness_key must be a str"):
         engine.add_request("r", prompt, GREEDY, fairness_key=5)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_fairness_settings_reach_the_scheduler(model_dir) -> None:
+    engine = make_engine(model_dir, fairness="off", fairness_output_token_weight=3.0)
+    config = engine.scheduler.config
+    assert (config.fairness, config.fairness_output_token_weight) == ("off", 3.0)
+    assert engine.scheduler.fairness.output_weight == 3.0
