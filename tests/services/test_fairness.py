@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagedserve.v1 import generation_pb2_grpc
+from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2_grpc
 from tests.services.conftest import ServiceStack
 from tests.services.helpers import gather, request, wait_for
 
@@ -120,3 +120,18 @@ def test_a_light_tenant_is_not_queued_behind_a_heavy_one(replicas, spans):
         {"model_name": name, "tenant": "light", "kind": "output"},
     )
     assert served == 4
+
+
+def test_the_engine_refuses_a_bad_fairness_weight(replicas):
+    stack, _ = replicas
+    message = engine_pb2.EngineGenerateRequest(
+        request_id="bad-weight",
+        prompt_token_ids=[5, 6, 7],
+        sampling_params=common_pb2.SamplingParams(max_tokens=2),
+        fairness_key="t",
+        fairness_weight=-1.0,
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.engine_stub.Generate(message, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fairness_weight" in info.value.details()
