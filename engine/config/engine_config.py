@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
+from engine.config.engine_config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
 from engine.config.quantization import gguf_source, resolve_quantization
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+FairnessPolicy = Literal["vtc", "off"]
 
 
 @dataclass
@@ -106,6 +107,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
     max_loras: int | None = None  # distinct LoRA adapters among running requests; None: LoRA off
+    # Sharing between fairness keys (tenants): "vtc" (the virtual token counter,
+    # engine/core/fairness.py) or "off" (one queue, the policy alone). Requests without a
+    # key share one, so "vtc" changes nothing for an engine without tenants.
+    fairness: FairnessPolicy = "vtc"
+    fairness_prompt_token_weight: float = 1.0  # VTC's cost of a computed prompt token
+    fairness_output_token_weight: float = 2.0  # ... and of a generated token
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -118,6 +125,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}."
             )
+        if self.fairness not in ("vtc", "off"):
+            raise ValueError(f"fairness must be 'vtc' or 'off', got {self.fairness!r}.")
+        for name in ("fairness_prompt_token_weight", "fairness_output_token_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -241,6 +254,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # Fair sharing between the requests' fairness keys (tenants): "vtc" or "off"; the
+    # weights are VTC's cost of a computed prompt token and of a generated one (see
+    # SchedulerConfig and docs/engine.md).
+    fairness: FairnessPolicy = "vtc"
+    fairness_prompt_token_weight: float = 1.0
+    fairness_output_token_weight: float = 2.0
     device: str = "auto"
     attention_backend: str | None = None
     max_logprobs: int = 20
@@ -356,6 +375,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            fairness=self.fairness,
+            fairness_prompt_token_weight=self.fairness_prompt_token_weight,
+            fairness_output_token_weight=self.fairness_output_token_weight,
         )
         cuda_graph_config = resolve_cuda_graph_config(
             self.cuda_graph_sizes, self.enforce_eager, device, self.max_num_seqs

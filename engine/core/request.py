@@ -78,6 +78,8 @@ class Request:
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,  # engine.lora.LoRARequest (kept torch-free here)
         output_token_ids: Sequence[int] = (),
+        fairness_key: str = "",
+        fairness_weight: float = 1.0,
     ) -> None:
         if (sampling_params is None) == (pooling_params is None):
             raise ValueError("A request needs exactly one of sampling_params and pooling_params.")
@@ -88,6 +90,10 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.priority = priority
+        # Who the request is served for (the tenant), and that key's share: the scheduler
+        # shares the batch fairly between keys (engine.core.fairness); "" is the default key.
+        self.fairness_key = fairness_key
+        self.fairness_weight = fairness_weight
         self.trace_headers = trace_headers  # W3C trace context of the caller, if any
         self.lora_request = lora_request
         # Seed of the counter-based sampler: fixed per request, so a request samples the

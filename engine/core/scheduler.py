@@ -6,12 +6,15 @@ tokens it still lacks (a prefill chunk, or the one decode token), within
 same rule covers chunked prefill, prefix-cache hits and recompute after preemption.
 
 Order within a step: running requests first (priority order under the priority policy,
-arrival order under FCFS), then waiting ones; with LoRA, a waiting request whose adapter
+arrival order under FCFS; under fairness "vtc", first by their fairness key's virtual token
+counter, see fairness.py), then waiting ones (under "vtc", the next one comes from the
+backlogged key served least); with LoRA, a waiting request whose adapter
 would be one more than `max_loras` among the running requests waits (head of the queue).
 When a running request cannot get a block, the running request that comes *last* in that
-order is preempted (its blocks freed, its state reset to recompute later). Because
-already-scheduled requests come earlier in the order, a victim is never one that was
-scheduled in this step, except the request itself.
+order (so, under "vtc", of the key most ahead of its share) is preempted (its blocks
+freed, its state reset to recompute later). Because already-scheduled requests come
+earlier in the order, a victim is never one that was scheduled in this step, except the
+request itself.
 
 With speculative decoding (n-gram drafts), an eligible running request in decode gets
 `1 + k` tokens: its last known token and k drafts kept in `request.spec_token_ids`. The
@@ -26,10 +29,10 @@ import time
 from collections.abc import Iterable
 
 from engine.config.engine_config import SchedulerConfig, SpeculativeConfig
+from engine.core.fairness import VirtualTokenCounter, create_waiting_queue
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import create_request_queue
 from engine.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.core.stop import check_stop
 
@@ -44,7 +47,10 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(config.policy)
+        self.fairness = VirtualTokenCounter(
+            config.fairness_prompt_token_weight, config.fairness_output_token_weight
+        )
+        self.waiting = create_waiting_queue(config.policy, config.fairness, self.fairness)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions_total = 0
@@ -80,6 +86,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         request.times.finished_time = time.time()
+        self.fairness.on_finished(request)
         self.kv_cache_manager.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -102,6 +109,8 @@ class Scheduler:
         preempted: set[str] = set()
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: (-r.priority, r.arrival_time))
+        if self.config.fairness == "vtc":
+            self.fairness.order_running(self.running)
 
         index = 0
         while index < len(self.running) and budget > 0 and len(scheduled) < self._max_scheduled:
@@ -216,6 +225,8 @@ class Scheduler:
         return self.proposer.propose(request.all_token_ids, limit)
 
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The step's entry for `request`, its prompt tokens charged to its key."""
+        self.fairness.on_scheduled(request, num_new)
         return ScheduledRequest(
             request=request,
             num_computed_tokens=request.num_computed_tokens,
@@ -267,7 +278,9 @@ class Scheduler:
             if request.times.first_token_time is None:
                 request.times.first_token_time = now
             request.times.last_token_time = now
+            num_output = request.num_output_tokens
             status = self._append_tokens(request, token_ids)
+            self.fairness.on_output(request, request.num_output_tokens - num_output)
             if status is not None:
                 self.running.remove(request)
                 request.status = status

@@ -267,13 +267,17 @@ class AsyncLLMEngine:
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs (as `sampling_params.output_kind` asks) until the
         one with `finished=True`. Closing the generator or cancelling its task aborts the
         request. Errors of `LLMEngine.add_request` are raised here unchanged.
 
         `resumed_output_token_ids` continues a request moved from another engine, as in
-        `LLMEngine.add_request` (engine/processing/resume.py)."""
+        `LLMEngine.add_request` (engine/processing/resume.py). `priority`, `fairness_key` and
+        `fairness_weight` as in `LLMEngine.add_request`: the engine shares the batch fairly
+        between fairness keys (tenants)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
@@ -286,6 +290,8 @@ class AsyncLLMEngine:
             trace_headers,
             priority,
             resumed_output_token_ids,
+            fairness_key,
+            fairness_weight,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -299,6 +305,8 @@ class AsyncLLMEngine:
         lora_request: Any = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Yields the one `PoolingRequestOutput` of a pooling request; an aborted request
         ends without yielding."""
@@ -307,7 +315,14 @@ class AsyncLLMEngine:
                 f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}."
             )
         stream = self._stream_outputs(
-            prompt, pooling_params, request_id, lora_request, trace_headers, priority
+            prompt,
+            pooling_params,
+            request_id,
+            lora_request,
+            trace_headers,
+            priority,
+            fairness_key,
+            fairness_weight,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -338,6 +353,8 @@ class AsyncLLMEngine:
         trace_headers: Mapping[str, str] | None,
         priority: int,
         resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> AsyncGenerator[Any, None]:
         stream = OutputStream(request_id, asyncio.get_running_loop())
         self._loop_thread.submit(
@@ -350,6 +367,8 @@ class AsyncLLMEngine:
                 trace_headers,
                 priority,
                 resumed_output_token_ids,
+                fairness_key,
+                fairness_weight,
             )
         )
         done = False

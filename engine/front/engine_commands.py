@@ -76,6 +76,8 @@ class AddCommand:
     resumed_output_token_ids: Mapping[int, Sequence[int]] | None = (
         None  # engine/processing/resume.py
     )
+    fairness_key: str | None = None
+    fairness_weight: float = 1.0
 
 
 @dataclass

@@ -268,6 +268,8 @@ class EngineThread:
                 trace_headers=command.trace_headers,
                 priority=command.priority,
                 resumed_output_token_ids=command.resumed_output_token_ids,
+                fairness_key=command.fairness_key,
+                fairness_weight=command.fairness_weight,
             )
         except Exception as exc:  # a bad request fails alone; the caller gets the error
             stream.put(exc)

@@ -107,12 +107,9 @@ class LLMEngine(LLMEngineAdminMixin):
             )
         sched_config = config.scheduler_config
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=sched_config.max_num_seqs,
-                max_num_batched_tokens=sched_config.max_num_batched_tokens,
+            replace(
+                sched_config,
                 max_model_len=min(sched_config.max_model_len, self.max_tokens_in_cache),
-                enable_chunked_prefill=sched_config.enable_chunked_prefill,
-                policy=sched_config.policy,
                 max_loras=config.lora_config.max_loras if config.lora_config else None,
             ),
             self.kv_cache_manager,
@@ -222,8 +219,17 @@ class LLMEngine(LLMEngineAdminMixin):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         resumed_output_token_ids: ResumedOutputTokenIds | None = None,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
     ) -> None:
         """Queues a request. `prompt` is text or ``{"prompt_token_ids": [...]}``.
+
+        `priority` (higher first) orders requests under `scheduling_policy="priority"`.
+        `fairness_key` names who the request is served for (a tenant, a user): under
+        `fairness="vtc"` (the default) the engine shares the batch between keys in
+        proportion to their `fairness_weight` (a positive number; a key's latest request
+        sets it), and `priority` orders requests within a key. None: the default key,
+        shared by every request that names none (so without keys nothing changes).
 
         With `PoolingParams` it is a pooling request: its one output is a
         `PoolingRequestOutput` holding the prompt's final hidden states pooled as the
@@ -238,6 +244,7 @@ class LLMEngine(LLMEngineAdminMixin):
         if lora_request is not None:
             self._require_lora().add_lora(lora_request)  # loads and checks it if new
         self.request_builder.check_params(params, priority)
+        fairness_key = self.request_builder.check_fairness(fairness_key, fairness_weight)
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
         new = self.request_builder.build(
@@ -249,6 +256,8 @@ class LLMEngine(LLMEngineAdminMixin):
             trace_headers,
             priority,
             resumed_output_token_ids,
+            fairness_key,
+            fairness_weight,
         )
         params, headers, samples = new.params, new.trace_headers, new.samples
         if isinstance(params, PoolingParams):

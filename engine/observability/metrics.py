@@ -85,7 +85,41 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        # Per fairness key (the tenant; "" for requests that name none): what the scheduler's
+        # virtual token counter charges (engine/core/fairness.py).
+        self.tenant_served_tokens = Counter(
+            "pagedserve:tenant_served_tokens",
+            "Tokens served per fairness key (tenant): kind=prompt (computed, prefix-cache "
+            "hits excluded) or output (generated).",
+            ["model_name", "tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_virtual_tokens = Gauge(
+            "pagedserve:tenant_virtual_tokens",
+            "The fairness key's virtual token counter (weighted tokens served / weight); "
+            "the backlogged key with the smallest goes next. Keys the engine forgot (idle, "
+            "not ahead) have no series.",
+            ["model_name", "tenant"],
+            registry=r,
+        )
+        self._tenants_with_counter: set[str] = set()
         self.model_name = model_name
+
+    def record_tenant_tokens(
+        self, served: dict[str, tuple[int, int]], counters: dict[str, float]
+    ) -> None:
+        """One step's served (prompt, output) tokens per key, and every known key's
+        counter (a forgotten key's series is removed)."""
+        for tenant, (num_prompt, num_output) in served.items():
+            if num_prompt:
+                self.tenant_served_tokens.labels(self.model_name, tenant, "prompt").inc(num_prompt)
+            if num_output:
+                self.tenant_served_tokens.labels(self.model_name, tenant, "output").inc(num_output)
+        for tenant, counter in counters.items():
+            self.tenant_virtual_tokens.labels(self.model_name, tenant).set(counter)
+        for tenant in self._tenants_with_counter - counters.keys():
+            self.tenant_virtual_tokens.remove(self.model_name, tenant)
+        self._tenants_with_counter = set(counters)
 
     def set_cache_config_info(self, block_size: int, num_gpu_blocks: int) -> None:
         """vLLM's `cache_config_info` info gauge (value 1, the config in labels): what the

@@ -51,6 +51,7 @@ class _LiveRequest:
     samples: list[Request]
     traced: bool
     lora_name: str | None = None
+    fairness_key: str = ""
 
 
 class EngineRecorder:
@@ -97,7 +98,9 @@ class EngineRecorder:
         traced = contains_trace_headers(headers) or self.tracing_enabled
         lora = samples[0].lora_request
         lora_name = lora.lora_name if lora is not None else None
-        self._live[request_id] = _LiveRequest(params, headers, samples, traced, lora_name)
+        self._live[request_id] = _LiveRequest(
+            params, headers, samples, traced, lora_name, samples[0].fairness_key
+        )
 
     def untrack(self, request_id: str) -> None:
         """Forgets a request that ends without an output (an aborted pooling request)."""
@@ -133,7 +136,13 @@ class EngineRecorder:
                 preemptions = sorted(t for r in live.samples for t in r.times.preemption_times)
                 self.request_tracer.record(
                     output,
-                    TraceInfo(live.trace_headers, live.params, preemptions, live.lora_name),
+                    TraceInfo(
+                        live.trace_headers,
+                        live.params,
+                        preemptions,
+                        live.lora_name,
+                        live.fairness_key,
+                    ),
                     num_generated,
                 )
 
@@ -155,6 +164,11 @@ class EngineRecorder:
         m.prefix_cache_hits.inc(prefix.hits)
         m.prompt_tokens.inc(num_prompt)
         m.generation_tokens.inc(num_generated)
+        fairness = self.scheduler.fairness
+        m.record_tenant_tokens(
+            {key: (s.prompt, s.output) for key, s in fairness.drain_served().items()},
+            {key: state.counter for key, state in fairness.keys.items()},
+        )
         if self.lora_info is not None:
             self.lora_info.update(self.scheduler.running, self.scheduler.waiting)
         if self.log_stats and time.monotonic() - self.stat_logger.last_log_time > _STATS_INTERVAL_S:

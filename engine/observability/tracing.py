@@ -49,6 +49,9 @@ class SpanAttributes:
     E2E = "gen_ai.latency.e2e"
     NUM_PREEMPTIONS = "pagedserve.request.num_preemptions"
     LORA_NAME = "gen_ai.request.lora_name"  # ours: the LoRA adapter, when one is used
+    # Ours: who the request was served for (the tenant); with TIME_IN_QUEUE it shows how
+    # long fair sharing kept this tenant's request waiting. Absent for the default key.
+    FAIRNESS_KEY = "pagedserve.fairness_key"
 
 
 def contains_trace_headers(headers: Mapping[str, str] | None) -> bool:
@@ -107,6 +110,7 @@ class TraceInfo:
     params: Any  # SamplingParams or PoolingParams
     preemption_times: list[float]
     lora_name: str | None = None
+    fairness_key: str = ""  # "" = the default key
 
 
 class RequestTracer:
@@ -142,6 +146,8 @@ class RequestTracer:
         span.set_attribute(SpanAttributes.FINISH_REASONS, finish_reasons)
         if info.lora_name:
             span.set_attribute(SpanAttributes.LORA_NAME, info.lora_name)
+        if info.fairness_key:
+            span.set_attribute(SpanAttributes.FAIRNESS_KEY, info.fairness_key)
         if metrics.first_scheduled_time is not None:
             span.add_event("first_scheduled", timestamp=_ns(metrics.first_scheduled_time))
         if metrics.first_token_time is not None:

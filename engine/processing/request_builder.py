@@ -12,6 +12,7 @@ same seed gives unseeded requests the same seeds in the same order.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config.engine_config import EngineConfig
+from engine.core.fairness import DEFAULT_KEY
 from engine.core.request import Request
 from engine.pooling_params import PoolingParams
 from engine.processing.input_processor import InputProcessor, PromptType
@@ -68,6 +70,21 @@ class RequestBuilder:
                 f"(the engine uses {self.config.scheduler_config.policy!r})."
             )
 
+    @staticmethod
+    def check_fairness(fairness_key: Any, fairness_weight: Any) -> str:
+        """The key (None: the default key) and its weight, a positive finite number."""
+        if fairness_key is not None and not isinstance(fairness_key, str):
+            raise TypeError(f"fairness_key must be a str or None, got {fairness_key!r}.")
+        if (
+            not isinstance(fairness_weight, int | float)
+            or isinstance(fairness_weight, bool)
+            or not (fairness_weight > 0 and math.isfinite(fairness_weight))
+        ):
+            raise ValueError(
+                f"fairness_weight must be a positive finite number, got {fairness_weight!r}."
+            )
+        return DEFAULT_KEY if fairness_key is None else fairness_key
+
     def build(
         self,
         request_id: str,
@@ -78,6 +95,8 @@ class RequestBuilder:
         trace_headers: Mapping[str, str] | None,
         priority: int,
         resumed_output_token_ids: ResumedOutputTokenIds | None = None,
+        fairness_key: str = DEFAULT_KEY,
+        fairness_weight: float = 1.0,
     ) -> NewRequest:
         """The request's samples, after `check_params`; raises TypeError/ValueError on bad
         input (the prompt, the params against the model, the cache salt, the grammar, the
@@ -100,6 +119,8 @@ class RequestBuilder:
             cache_salt=salt,
             trace_headers=headers,
             lora_request=lora_request,
+            fairness_key=fairness_key,
+            fairness_weight=float(fairness_weight),
         )
         if isinstance(params, PoolingParams):
             pooling = Request(request_id, prompt_token_ids, None, pooling_params=params, **common)

@@ -54,6 +54,10 @@ _FLAG_HELP = {
     "for benchmarks)",
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
     "included, keeps its GGUF blocks; else none), none (fp32 on CPU), gguf, int8",
+    "fairness": "sharing between tenants: vtc (each tenant's share of the batch in "
+    "proportion to its API-key-file weight) or off (first come, first served)",
+    "fairness_prompt_token_weight": "vtc's cost of a computed prompt token",
+    "fairness_output_token_weight": "vtc's cost of a generated token",
 }
 
 
@@ -72,7 +76,7 @@ def engine_arg_fields() -> list[dataclasses.Field]:
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from engine.config.engine_config import SchedulingPolicy
+    from engine.config.engine_config import FairnessPolicy, SchedulingPolicy
     from engine.config.pooler import POOLING_TYPES
 
     group = parser.add_argument_group("engine (EngineArgs, vLLM's names)")
@@ -86,8 +90,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
         elif annotation.startswith("list[int]"):
             group.add_argument(flag, type=int, nargs="+", default=field.default, help=help_text)
-        elif annotation == "SchedulingPolicy":
-            choices = typing.get_args(SchedulingPolicy)
+        elif annotation in ("SchedulingPolicy", "FairnessPolicy"):
+            literal = SchedulingPolicy if annotation == "SchedulingPolicy" else FairnessPolicy
+            choices = typing.get_args(literal)
             group.add_argument(flag, choices=choices, default=field.default, help=help_text)
         else:
             kind = int if "int" in annotation else float if "float" in annotation else str

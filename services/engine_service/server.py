@@ -191,6 +191,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 priority=request.priority,
                 lora_request=lora_request,
                 resumed_output_token_ids=resumed,
+                fairness_key=request.fairness_key or None,
+                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
             )
             try:
                 async with contextlib.aclosing(stream):
@@ -246,6 +248,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 trace_headers=_engine_trace_headers(request, context),
                 priority=request.priority,
                 lora_request=lora_request,
+                fairness_key=request.fairness_key or None,
+                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
             )
             try:
                 async with contextlib.aclosing(stream):

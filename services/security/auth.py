@@ -2,12 +2,16 @@
 
 The key file has one key per line, whitespace-separated:
 
-    <key> <tenant> [admin] [max_streams=N] [rps=R]     # a comment
+    <key> <tenant> [admin] [max_streams=N] [rps=R] [weight=W]     # a comment
+
+`weight` is the tenant's share of an engine's batch against the other tenants (a positive
+number, default 1): the engine serves a tenant of weight 2 twice the tokens of one of
+weight 1 while both have requests waiting (docs/engine.md, fair sharing).
 
 A key alone is its own tenant, without limits, named by its fingerprint (`key-` and the
 first 12 hex digits of its SHA-256), so that a name exists for logs and metrics without
-the key. Several keys may share a tenant (rotation); the tenant's limits are given once,
-or identically. `admin` belongs to the key.
+the key. Several keys may share a tenant (rotation); the tenant's limits and weight are
+given once, or identically. `admin` belongs to the key.
 
 Keys are kept only as HMAC-SHA-256 digests under a random per-process secret, and a lookup
 compares the presented key's digest with every stored one in constant time, so neither
@@ -54,11 +58,11 @@ class ApiKeys:
         if self._find(digest) is not None:
             raise ValueError("the same API key appears twice")
         known = self.tenants.get(tenant.name)
-        limits = (tenant.max_streams, tenant.rps)
-        known_limits = (known.max_streams, known.rps) if known is not None else (None, None)
-        if limits != (None, None) and known_limits not in ((None, None), limits):
-            raise ValueError(f"tenant {tenant.name!r} is given two different limits")
-        if known is None or limits != (None, None):
+        unset = (None, None, None)
+        limits, known_limits = _limits(tenant), _limits(known) if known is not None else unset
+        if limits != unset and known_limits not in (unset, limits):
+            raise ValueError(f"tenant {tenant.name!r} is given two different limits or weights")
+        if known is None or limits != unset:
             self.tenants[tenant.name] = tenant
         self._entries.append((digest, tenant.name, admin))
 
@@ -101,6 +105,11 @@ class ApiKeys:
         return keys
 
 
+def _limits(tenant: Tenant) -> tuple[int | None, float | None, float | None]:
+    """What a key line may set for its tenant; None where it is left at its default."""
+    return tenant.max_streams, tenant.rps, tenant.weight if tenant.weight != 1.0 else None
+
+
 def _strip_comment(line: str) -> str:
     """`#` starts a comment at the start of a line or after whitespace (keys may hold #)."""
     match = re.search(r"(^|\s)#", line)
@@ -114,7 +123,7 @@ def _parse_fields(fields: list[str]) -> tuple[str, Tenant, bool]:
     name, options = rest[0], rest[1:]
     if not _TENANT_NAME.fullmatch(name):
         raise ValueError(f"tenant name {name!r} must match {_TENANT_NAME.pattern}")
-    admin, max_streams, rps = False, None, None
+    admin, max_streams, rps, weight = False, None, None, 1.0
     for option in options:
         option_name, eq, value = option.partition("=")
         if option == "admin":
@@ -123,9 +132,13 @@ def _parse_fields(fields: list[str]) -> tuple[str, Tenant, bool]:
             max_streams = _positive(option_name, value, int)
         elif option_name == "rps" and eq:
             rps = _positive(option_name, value, float)
+        elif option_name == "weight" and eq:
+            weight = _positive(option_name, value, float)
         else:
-            raise ValueError(f"unknown option {option!r} (expected admin, max_streams=N or rps=R)")
-    return key, Tenant(name, int(max_streams) if max_streams else None, rps), admin
+            raise ValueError(
+                f"unknown option {option!r} (expected admin, max_streams=N, rps=R or weight=W)"
+            )
+    return key, Tenant(name, int(max_streams) if max_streams else None, rps, weight), admin
 
 
 def _positive(name: str, value: str, kind: type) -> float:

@@ -17,6 +17,9 @@ class Tenant:
     name: str
     max_streams: int | None = None  # concurrent Generate / Encode streams
     rps: float | None = None  # requests per second (a token bucket, burst = one second)
+    # Its share of an engine's batch against the other tenants (the engine's fair sharing,
+    # engine/core/fairness.py): weight 2 is served twice the tokens of weight 1.
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,15 @@ current_principal: contextvars.ContextVar[Principal | None] = contextvars.Contex
 def current_tenant_name() -> str | None:
     principal = current_principal.get()
     return principal.tenant.name if principal is not None else None
+
+
+def fairness_fields() -> dict[str, object]:
+    """The internal engine request's fairness fields for the caller: its tenant and the
+    tenant's weight (API keys on), else the engine's default key."""
+    principal = current_principal.get()
+    if principal is None:
+        return {"fairness_key": "", "fairness_weight": 0.0}  # 0: the engine's default, 1
+    return {"fairness_key": principal.tenant.name, "fairness_weight": principal.tenant.weight}
 
 
 def scoped_request_id(request_id: str) -> str:

@@ -35,8 +35,10 @@ async def run_beam_search(
     cache_salt: str = "",
     lora_name: str = "",
     live: LiveRequest | None = None,
+    fairness: dict[str, Any] | None = None,
 ) -> BeamSearchOutput:
     """`cache_salt`: the tenant's, so beams share cached blocks only within the tenant;
+    `fairness`: the engine request's fairness fields (`services.security.caller.fairness_fields`);
     `lora_name`: the adapter every beam step runs with (empty: the base model); `live`: the
     request's entry, whose `aborted` flag stops the search (see the module doc)."""
     live = live if live is not None else LiveRequest()
@@ -56,6 +58,7 @@ async def run_beam_search(
                     sampling_params=step_params,
                     cache_salt=cache_salt,
                     lora_name=lora_name,
+                    **(fairness or {}),
                 ),
                 timeout=timeout,
                 metadata=metadata,

@@ -43,7 +43,7 @@ from services.common.grpc_server import (
 )
 from services.common.limits import RequestRegistry
 from services.common.metrics import TokenizerMetrics
-from services.security.caller import current_tenant_name, scoped_request_id
+from services.security.caller import current_tenant_name, fairness_fields, scoped_request_id
 from services.tokenizer_service.beam_search import (
     beam_params_from_request,
     beam_responses,
@@ -155,6 +155,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
             priority=request.priority,
             cache_salt=current_tenant_name() or "",  # tenants never share cached blocks
             lora_name=request.lora_name,  # unknown: the engine's NOT_FOUND, passed through
+            **fairness_fields(),  # the engine shares its batch fairly between tenants
         )
         stream = TextStream(request_id, self.tokenizer, prompt_ids, params, self.token_texts)
         incoming = trace_headers(request.trace_headers, context)
@@ -200,6 +201,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
                 outgoing_metadata(context),
                 cache_salt=current_tenant_name() or "",
                 lora_name=request.lora_name,
+                fairness=fairness_fields(),
                 live=live,
             )
         for response in beam_responses(
@@ -277,6 +279,7 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
                 pooling_params=request.pooling_params,
                 cache_salt=current_tenant_name() or "",
                 lora_name=request.lora_name,
+                **fairness_fields(),
             )
             for i, ids in enumerate(prompts)
         ]

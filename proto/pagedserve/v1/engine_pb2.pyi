@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "trace_headers", "cache_salt", "lora_name", "resumed_output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "trace_headers", "cache_salt", "lora_name", "resumed_output_token_ids", "fairness_key", "fairness_weight")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class EngineGenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAIRNESS_KEY_FIELD_NUMBER: _ClassVar[int]
+    FAIRNESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -39,7 +41,9 @@ class EngineGenerateRequest(_message.Message):
     cache_salt: str
     lora_name: str
     resumed_output_token_ids: _containers.MessageMap[int, _common_pb2.TokenIds]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ...) -> None: ...
+    fairness_key: str
+    fairness_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Mapping[int, _common_pb2.TokenIds]] = ..., fairness_key: _Optional[str] = ..., fairness_weight: _Optional[float] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "prompt_logprobs", "cumulative_logprob")
@@ -64,7 +68,7 @@ class EngineGenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class EngineEncodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "pooling_params", "priority", "trace_headers", "cache_salt", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "pooling_params", "priority", "trace_headers", "cache_salt", "lora_name", "fairness_key", "fairness_weight")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +83,8 @@ class EngineEncodeRequest(_message.Message):
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    FAIRNESS_KEY_FIELD_NUMBER: _ClassVar[int]
+    FAIRNESS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     pooling_params: _common_pb2.PoolingParams
@@ -86,7 +92,9 @@ class EngineEncodeRequest(_message.Message):
     trace_headers: _containers.ScalarMap[str, str]
     cache_salt: str
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    fairness_key: str
+    fairness_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., fairness_key: _Optional[str] = ..., fairness_weight: _Optional[float] = ...) -> None: ...
 
 class EngineEncodeResponse(_message.Message):
     __slots__ = ("request_id", "embedding", "usage")

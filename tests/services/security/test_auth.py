@@ -38,7 +38,7 @@ LONELY = "lonely-key-0123456789abcdef"
 ALL_KEYS = (ALICE, ALICE_2, BOB, OPS, SLOW, LONELY)
 KEY_FILE = f"""\
 # key                        tenant  options
-{ALICE}  alice   max_streams=2
+{ALICE}  alice   max_streams=2 weight=2.5
 {ALICE_2}  alice                 # a second key for the same tenant (rotation)
 {BOB}  bob
 {OPS}  ops     admin
@@ -265,8 +265,10 @@ def test_sighup_reloads_the_key_file(keyed, tmp_path):
     server, stub, key_file = keyed
     new_key = "rotated-key-0123456789abcdef"
     try:
-        key_file.write_text(KEY_FILE.replace(BOB, new_key))
+        key_file.write_text(KEY_FILE.replace(BOB, new_key).replace("weight=2.5", "weight=4"))
         server.reload()
+        alice = server.guard.keys.authenticate(ALICE)
+        assert alice is not None and alice.tenant.weight == 4.0  # the engine gets it next
         tokenize = generation_pb2.TokenizeRequest(text="hi")
         assert stub.Tokenize(tokenize, metadata=_auth(new_key)).count > 0
         assert _code(lambda: stub.Tokenize(tokenize, metadata=_auth(BOB)))[0] == (
@@ -285,11 +287,13 @@ def test_key_file_format():
     assert len(keys) == 6
     alice = keys.authenticate(ALICE_2)
     assert alice is not None and alice.tenant.name == "alice" and alice.tenant.max_streams == 2
+    assert alice.tenant.weight == 2.5  # given on the first key, it holds for the second
     ops = keys.authenticate(OPS)
     assert ops is not None and ops.admin and ops.tenant.rps is None
     lonely = keys.authenticate(LONELY)
     assert lonely is not None and lonely.tenant.name == fingerprint(LONELY)
     assert (lonely.tenant.max_streams, lonely.tenant.rps, lonely.admin) == (None, None, False)
+    assert lonely.tenant.weight == 1.0
     assert keys.authenticate(ALICE + "x") is None and keys.authenticate("") is None
     hashed = ApiKeys.parse("key#with#hash-0123456789 t1  # comment\n")
     assert hashed.authenticate("key#with#hash-0123456789") is not None
@@ -306,6 +310,11 @@ def test_key_file_format():
         (f"{ALICE} a/b", "tenant name"),
         (f"{ALICE} a\n{ALICE} b", "appears twice"),
         (f"{ALICE} a rps=1\n{BOB} a rps=2", "two different limits"),
+        (f"{ALICE} a weight=2\n{BOB} a weight=3", "two different limits or weights"),
+        (f"{ALICE} a weight=0", "weight must be a positive number"),
+        (f"{ALICE} a weight=-1", "weight must be a positive number"),
+        (f"{ALICE} a weight=nan", "weight must be a positive number"),
+        (f"{ALICE} a weight=heavy", "weight='heavy' is not a number"),
     ],
 )
 def test_key_file_errors_name_the_line_not_the_key(text, message):
