@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.config.engine_config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
+from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig

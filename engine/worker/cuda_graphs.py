@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.config.engine_config.cuda_graph import CudaGraphConfig
+from engine.config.cuda_graph import CudaGraphConfig
 from engine.worker.inputs import StepInputs
 
 logger = logging.getLogger(__name__)

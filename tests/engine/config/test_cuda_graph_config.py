@@ -7,7 +7,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from engine.config.engine_config.cuda_graph import (
+
+from engine.config.cuda_graph import (
     DEFAULT_CUDA_GRAPH_SIZES,
     CudaGraphConfig,
     cap_graph_sizes,
