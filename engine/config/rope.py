@@ -12,7 +12,7 @@ are computed in engine/layers/rope.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,18 +63,18 @@ class RopeParameters:
             return int(max_position_embeddings)
         return None
 
-    def regime(self, prompt_len: int, max_position_embeddings: int) -> Hashable | None:
-        """What, beside the tokens, the K/V of a request with this prompt length depends on.
+    def regime(self, rope_length: int, max_position_embeddings: int) -> Hashable | None:
+        """What, beside the tokens, the K/V of a request with this rope length depend on.
 
-        None where nothing does (every type but longrope and dynamic, and prompts within
-        the threshold: their tokens' scaling depends on the position alone). Longrope past
-        its threshold: every token uses the long factors. Dynamic past it: the prompt's
-        tokens use theta grown for exactly this prompt length.
+        None where nothing does (every type but longrope and dynamic, and lengths within the
+        threshold: the tokens' scaling depends on their positions alone). Longrope past its
+        threshold: every token uses the long factors. Dynamic past it: the tokens within the
+        length use theta grown for exactly this length.
         """
         limit = self.threshold(max_position_embeddings)
-        if limit is None or prompt_len <= limit:
+        if limit is None or rope_length <= limit:
             return None
-        return "long" if self.rope_type == "longrope" else prompt_len
+        return "long" if self.rope_type == "longrope" else rope_length
 
     def max_length(self, max_position_embeddings: int) -> int:
         """The longest sequence the scaling is made for (the engine's `max_model_len` cap):
@@ -169,17 +169,60 @@ def rope_max_length(hf_config: Any) -> int:
     return min(p.max_length(max_pos) for p in all_rope_parameters(hf_config))
 
 
-def rope_regime(hf_config: Any) -> Callable[[int], Hashable | None] | None:
-    """`prompt_len -> key or None`: the rope regime of a request of the model (a block-hash
-    extra key: engine/core/kv_cache_manager.py), or None when no rope of the model depends
-    on the sequence's length."""
+class RopeRegime:
+    """The scheduling side of a rope that scales by the sequence's length (torch-free: the
+    scheduler and the KV-cache manager hold it).
+
+    Each request has a *rope length* R (`Request.rope_length`), fixed while its K/V are in
+    the cache; the model gives a token at position p the scaling of its rope length (dynamic:
+    max(p + 1, R); longrope: R). What transformers does sets R:
+
+    - dynamic (the generic rotary embedding): the prompt's length. The prefill is one
+      forward of seq_len = prompt length, each decode step one of seq_len = p + 1, and the
+      cached keys keep the theta they were computed with; a recomputation after preemption
+      uses the same R, so it recomputes the same K/V.
+    - longrope (Phi-3's generation): the sequence's length when its K/V are computed from
+      scratch (the prompt's at first). When a sequence computed within the threshold grows
+      past it, transformers drops its cache and recomputes every token with the long
+      factors; the scheduler does the same (`must_recompute`: the request is preempted and
+      recomputed with R = its new length).
+
+    `key(R)` goes into every block hash of the request, so a cached block serves only a
+    request whose tokens it was computed for under the same scaling.
+    """
+
+    def __init__(self, params: RopeParameters, max_position_embeddings: int) -> None:
+        assert params.length_dependent, params.rope_type
+        self.params = params
+        self.max_position_embeddings = max_position_embeddings
+        self.threshold = params.threshold(max_position_embeddings)
+
+    def key(self, rope_length: int) -> Hashable | None:
+        regime = self.params.regime(rope_length, self.max_position_embeddings)
+        return None if regime is None else (self.params.rope_type, regime)
+
+    def admission_length(self, num_prompt_tokens: int, num_tokens: int) -> int:
+        """R of a request scheduled from scratch (new, or recomputed after a preemption)."""
+        return num_tokens if self.params.rope_type == "longrope" else num_prompt_tokens
+
+    def must_recompute(self, rope_length: int, num_tokens: int) -> bool:
+        """Whether a running request's next step crosses longrope's threshold: its K/V,
+        computed with the short factors, are recomputed with the long ones."""
+        assert self.threshold is not None
+        return self.params.rope_type == "longrope" and rope_length <= self.threshold < num_tokens
+
+
+def rope_regime(hf_config: Any) -> RopeRegime | None:
+    """The model's `RopeRegime`, or None when no rope of the model depends on the
+    sequence's length."""
     max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
-    ropes = [p for p in all_rope_parameters(hf_config) if p.length_dependent]
+    ropes = {p.rope_type: p for p in all_rope_parameters(hf_config) if p.length_dependent}
     if not ropes:
         return None
-
-    def regime(prompt_len: int) -> Hashable | None:
-        keys = tuple(p.regime(prompt_len, max_pos) for p in ropes)
-        return None if all(k is None for k in keys) else keys
-
-    return regime
+    distinct = {repr(p) for p in all_rope_parameters(hf_config) if p.length_dependent}
+    if len(distinct) > 1:
+        raise NotImplementedError(
+            "layer types with different length-dependent ropes are not supported "
+            f"({sorted(ropes)})."
+        )
+    return RopeRegime(next(iter(ropes.values())), max_pos)

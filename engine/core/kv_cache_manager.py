@@ -27,8 +27,9 @@ nothing reads it for real, and nothing writes there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
+from engine.config.rope import RopeRegime
 from engine.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats, hash_block_tokens
 from engine.core.request import Request
 
@@ -42,18 +43,18 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
-        rope_regime: Callable[[int], Hashable | None] | None = None,
+        rope: RopeRegime | None = None,
     ) -> None:
-        """`rope_regime`: a request's prompt length -> the scaling regime its K/V are computed
-        under (engine/config/rope.py), for a model whose rope scales by the sequence's length;
-        part of every block hash of the request."""
+        """`rope`: for a model whose rope scales by the sequence's length, the regime of a
+        request's rope length (engine/config/rope.py), part of every block hash of the
+        request; the scheduler reads it too."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.rope_regime = rope_regime
+        self.rope = rope
         # Table entry of a block dropped out of the window (owned by no pool, never freed).
         self._skipped = KVCacheBlock(block_id=0)
         # How many leading entries of each request's table are `_skipped`.
@@ -216,8 +217,8 @@ class KVCacheManager:
         keys: tuple[Hashable, ...] = ()
         if request.lora_request is not None:
             keys += (("lora", request.lora_request.lora_int_id),)
-        if self.rope_regime is not None:
-            regime = self.rope_regime(request.num_prompt_tokens)
+        if self.rope is not None:
+            regime = self.rope.key(request.rope_length)
             if regime is not None:
                 keys += (("rope", regime),)
         if request.cache_salt is not None:

@@ -94,7 +94,7 @@ class LLMEngine(LLMEngineAdminMixin):
             cache.block_size,
             cache.enable_prefix_caching,
             sliding_window=get_model_class(hf_config).kv_cache_sliding_window(hf_config),
-            rope_regime=rope_regime(hf_config),
+            rope=rope_regime(hf_config),
         )
         # A sequence can never outgrow the whole cache: that is its length limit too.
         self.max_tokens_in_cache = num_blocks * cache.block_size

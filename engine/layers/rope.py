@@ -17,16 +17,11 @@ engine is checked token for token against transformers:
                max_position_embeddings (NTK)
 
 **Length-dependent types.** transformers picks longrope's factors and dynamic's theta from
-`seq_len = max(position_ids) + 1` of each forward: the prompt's length for the prefill, the
-growing length at each decode step; keys already cached keep the scaling they were computed
-under. The engine gives each token its *rope length* ``n = max(position + 1, prompt length)``
-(`engine.worker.inputs`), which is exactly what transformers' `generate` uses for each token of
-one sequence, whatever the chunking, the batch or a preemption's recomputation (the prompt
-length never changes: a recomputed token gets the scaling it had the first time). The K/V
-of a token therefore depends on its request's prompt length, for prompt lengths past the
-threshold: `RopeParameters.regime` turns a prompt length into a key the KV-cache manager
-adds to every block hash of the request, so a cached block is reused only by a request whose
-tokens would be computed under the same scaling (docs/engine.md, "Rope scaling").
+`seq_len = max(position_ids) + 1` of each forward. The engine gives each request a rope
+length R, fixed while its K/V are cached (engine/config/rope.py, `RopeRegime`, says how the
+scheduler sets it to reproduce transformers' `generate` whatever the chunking, the batch or
+a preemption); `cos_sin` gets R per token and scales longrope by R and dynamic by
+max(position + 1, R) (docs/engine.md, "Rope scaling").
 """
 
 from __future__ import annotations
@@ -223,21 +218,23 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for `apply_rotary_emb`, each [num_tokens, 1, head_dim] in `dtype`.
 
-        `rope_lengths`: each token's rope length (module doc), read by the length-dependent
-        types; without it a token's is its position + 1. Computed once per forward and shared
-        by every layer.
+        `rope_lengths`: the rope length R of each token's request (engine/config/rope.py,
+        RopeRegime), read by the length-dependent types: longrope scales every token by R,
+        dynamic by max(position + 1, R); without it R is the position + 1. Computed once per
+        forward and shared by every layer.
         """
         cache = self._cache(positions.device)
         if not self.length_dependent:
             cos_sin = cache[positions]  # [num_tokens, head_dim]
         else:
             assert self.threshold is not None
-            lengths = positions + 1 if rope_lengths is None else rope_lengths
-            past = lengths > self.threshold  # [num_tokens]
-            if self.rope_type == "longrope":
-                cos_sin = cache[positions + past * self.max_position]
-            else:
-                cos_sin = self._dynamic_cos_sin(cache, positions, lengths, past)
+            if rope_lengths is None:
+                rope_lengths = positions + 1
+            if self.rope_type == "longrope":  # the request's regime, all its tokens alike
+                cos_sin = cache[positions + (rope_lengths > self.threshold) * self.max_position]
+            else:  # dynamic: each token's own length, max(position + 1, R)
+                lengths = torch.maximum(positions + 1, rope_lengths)
+                cos_sin = self._dynamic_cos_sin(cache, positions, lengths, lengths > self.threshold)
         cos, sin = cos_sin.unsqueeze(1).to(dtype).chunk(2, dim=-1)  # [num_tokens, 1, d / 2]
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 

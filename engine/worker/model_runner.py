@@ -286,7 +286,7 @@ class ModelRunner:
             [(e.token_ids, e.num_computed_tokens, e.block_ids) for e in batch],
             self.block_size,
             self.device,
-            [e.request.num_prompt_tokens for e in batch] if self._rope_lengths else None,
+            [e.request.rope_length for e in batch] if self._rope_lengths else None,
         )
         lora = self.lora_manager is not None and self.lora_manager.prepare(
             [(e.request.lora_request, len(e.token_ids)) for e in batch]

@@ -155,17 +155,24 @@ def test_rotation_matches_transformers_apply_rotary_pos_emb() -> None:
     torch.testing.assert_close(apply_rotary_emb(q, c, s), q_ours, atol=0, rtol=0)
 
 
-def test_regime_keys_and_lengths() -> None:
-    """The block-hash key of a prompt length: none within the threshold, one for every
-    longrope prompt past it, the length itself for dynamic; the length cap of each type."""
+def test_regime_keys_recompute_and_lengths() -> None:
+    """The block-hash key of a rope length: none within the threshold, one for every
+    longrope length past it, the length itself for dynamic; longrope's recomputation when a
+    sequence grows past the threshold; the length cap of each type."""
     longrope = rope_regime(_config(LONGROPE))
     assert longrope is not None
-    assert longrope(ORIGINAL) is None and longrope(1) is None
-    assert longrope(ORIGINAL + 1) == longrope(100) is not None
+    assert longrope.key(ORIGINAL) is None and longrope.key(1) is None
+    assert longrope.key(ORIGINAL + 1) == longrope.key(100) is not None
+    assert longrope.admission_length(10, 40) == 40  # recomputed: the whole sequence's
+    assert longrope.must_recompute(ORIGINAL, ORIGINAL + 1)
+    assert not longrope.must_recompute(ORIGINAL, ORIGINAL)
+    assert not longrope.must_recompute(ORIGINAL + 1, 90)
     dynamic = rope_regime(_config(ROPES["dynamic"]))
     assert dynamic is not None
-    assert dynamic(MAX_POS) is None
-    assert dynamic(MAX_POS + 1) != dynamic(MAX_POS + 2)
+    assert dynamic.key(MAX_POS) is None
+    assert dynamic.key(MAX_POS + 1) != dynamic.key(MAX_POS + 2)
+    assert dynamic.admission_length(10, 200) == 10  # the prompt's, whatever was generated
+    assert not dynamic.must_recompute(10, 200)
     assert rope_regime(_config(ROPES["yarn"])) is None
     lengths = {n: rope_parameters(_config(r)).max_length(MAX_POS) for n, r in ROPES.items()}
     assert lengths["default"] == lengths["llama3"] == lengths["longrope"] == MAX_POS

@@ -121,15 +121,15 @@ def test_matches_transformers_in_every_regime(model) -> None:
 
 @pytest.mark.parametrize("name", ["phi3-longrope", "llama-dynamic"])
 def test_prefix_cache_never_crosses_scaling_regimes(name, tmp_path) -> None:
-    """A prompt past the threshold shares its first blocks with a cached prompt within it:
-    they are not reused (their keys were rotated under the other scaling), and the answer
-    is transformers'. A second prompt past the threshold reuses the first one's blocks
+    """A prompt past the threshold shares its first block with a cached prompt that stayed
+    within it: the block is not reused (its keys were rotated under the other scaling), and
+    the answer is transformers'. A second prompt past the threshold reuses the first one's blocks
     (longrope: one long regime) or not (dynamic: the theta is the prompt length's own)."""
     architecture, kwargs, threshold, max_model_len = MODELS[name]
     model_dir = make_tiny_model(tmp_path, architecture, **kwargs)
     rng = random.Random(1)
     shared = [rng.randrange(3, VOCAB) for _ in range(32)]
-    short = [*shared[: threshold - 8], 7]  # within: blocks 0.. cached under the short regime
+    short = [*shared[:15], 7]  # within, generation included: block 0 cached under it
     long_a = [*shared, *(rng.randrange(3, VOCAB) for _ in range(threshold - 16))]
     long_b = [*long_a[:-3], 9, 10, 11, 12]  # past it too, other length
     llm = LLM(model=str(model_dir), max_model_len=max_model_len, block_size=8)
