@@ -145,7 +145,8 @@ def _rotary_case(num_tokens: int = 8192, num_heads: int = 32, num_kv_heads: int 
     from kernels import apply_rotary, build_cos_sin_cache, ref_rotary
 
     dev, dtype, head_dim = torch.device(DEVICE), torch.bfloat16, 128
-    cache = build_cos_sin_cache(head_dim, 8192, 500000.0, device=dev)
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    cache = build_cos_sin_cache(inv_freq, 8192, device=dev)
     positions = torch.randint(0, 8192, (num_tokens,), device=dev)
     query = torch.randn(num_tokens, num_heads, head_dim, device=dev).to(dtype)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, device=dev).to(dtype)

@@ -21,7 +21,7 @@ from kernels.reference import (
     ref_write_kv_cache,
 )
 from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary, build_cos_sin_cache, rope_inv_freq
+from kernels.rotary import apply_rotary, build_cos_sin_cache
 
 __all__ = [
     "apply_rotary",
@@ -33,7 +33,6 @@ __all__ = [
     "ref_silu_and_mul",
     "ref_write_kv_cache",
     "rms_norm",
-    "rope_inv_freq",
     "silu_and_mul",
     "write_kv_cache",
 ]

@@ -18,10 +18,6 @@ one load of that position's cos/sin row. The math runs in fp32 and rounds once.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -152,66 +148,26 @@ def apply_rotary(
     )
 
 
-def rope_inv_freq(
-    head_dim: int, rope_theta: float, rope_scaling: Mapping[str, Any] | None = None
-) -> torch.Tensor:  # [head_dim // 2] fp32
-    """Inverse frequencies theta^(-2i/d), rescaled for `rope_type` "llama3" when asked.
-
-    Llama 3 scaling keeps high frequencies (wavelength at most original_context /
-    high_freq_factor), divides low frequencies (wavelength at least original_context /
-    low_freq_factor) by `factor`, and blends linearly in between. Computed in fp32, as
-    Hugging Face does, so the angles match the reference implementation's.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope_theta**exponents)
-    rope_type = _rope_type(rope_scaling)
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default', 'llama3').")
-    assert rope_scaling is not None
-    factor = float(rope_scaling["factor"])
-    low_freq_factor = float(rope_scaling["low_freq_factor"])
-    high_freq_factor = float(rope_scaling["high_freq_factor"])
-    original_context = float(rope_scaling["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv_freq
-    # 0 at the low-frequency edge (fully scaled), 1 at the high-frequency edge (kept).
-    blend = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blend = blend.clamp(0.0, 1.0)
-    return (1.0 - blend) * inv_freq / factor + blend * inv_freq
-
-
-def _rope_type(rope_scaling: Mapping[str, Any] | None) -> str:
-    if not rope_scaling:
-        return "default"
-    # transformers 5 `rope_parameters` uses "rope_type"; older configs used "type".
-    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
-
-
 def build_cos_sin_cache(
-    head_dim: int,
+    inv_freq: torch.Tensor,  # [head_dim // 2] fp32
     max_position: int,
-    rope_theta: float | None = None,
-    rope_scaling: Mapping[str, Any] | None = None,
+    attention_scaling: float = 1.0,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # [max_position, head_dim]: cos | sin
-    """Builds the cache `apply_rotary` reads: row p = [cos(p * inv_freq), sin(p * inv_freq)].
+    """Builds the cache `apply_rotary` reads: row p = [cos(p * inv_freq), sin(p * inv_freq)]
+    times `attention_scaling`.
 
-    `rope_scaling` is a Hugging Face `rope_scaling` (transformers 4) or `rope_parameters`
-    (transformers 5) dict; `rope_theta` may be omitted when that dict carries it. Angles are
-    fp32 products position * inv_freq, as in Hugging Face; keep the fp32 `dtype` unless
-    memory matters.
+    The kernel knows no rope type: the inverse frequencies and the attention scaling of
+    every type (default, linear, llama3, yarn, longrope, dynamic) come from the engine's
+    one rope module (engine/layers/rope.py, `inv_freq` and
+    `RopeParameters.attention_factor`). Angles are fp32 products position * inv_freq, as in
+    Hugging Face; keep the fp32 `dtype` unless memory matters.
     """
-    if rope_theta is None:
-        if not rope_scaling or "rope_theta" not in rope_scaling:
-            raise ValueError("rope_theta is required (as an argument or in rope_scaling).")
-        rope_theta = float(rope_scaling["rope_theta"])
-    if head_dim % 2 != 0:
-        raise ValueError(f"head_dim must be even, got {head_dim}.")
-    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
-    positions = torch.arange(max_position, dtype=torch.float32)
-    angles = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-    cache = torch.cat([angles.cos(), angles.sin()], dim=1)
+    if inv_freq.ndim != 1:
+        raise ValueError(f"inv_freq must be [head_dim // 2], got {tuple(inv_freq.shape)}.")
+    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    angles = positions[:, None] * inv_freq.float()[None, :]  # [max_position, head_dim // 2]
+    cache = torch.cat([angles.cos(), angles.sin()], dim=1) * attention_scaling
     return cache.to(device=device, dtype=dtype)

@@ -44,6 +44,10 @@ class AttentionMetadata:
     # Host copies, so a backend can loop over requests without syncing the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # [num_tokens] int64: the rope length of each token's request (Request.rope_length), for
+    # the rope types that scale by the sequence's length (longrope, dynamic;
+    # engine/config/rope.py); None for the others (and outside scheduled steps).
+    rope_lengths: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

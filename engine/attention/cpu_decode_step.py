@@ -84,7 +84,7 @@ class CPUDecodeStep:
     ) -> torch.Tensor:  # [rows, hidden_size], after the final norm
         model = self._model
         hidden = model.embed_tokens(input_ids)  # [rows, hidden_size]
-        cos, sin = model.rotary_emb.cos_sin(positions, hidden.dtype)  # [rows, 1, head_dim]
+        cos, sin = model.rotary_emb.cos_sin(positions, hidden.dtype, metadata.rope_lengths)
         if input_ids.shape[0] == 1 and self.fp32:
             hidden, residual = self._one_fp32_row(hidden, cos, sin, kv_caches, metadata)
             hidden, _ = model.norm(hidden[None], residual[None])

@@ -15,6 +15,7 @@ from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dty
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
 from engine.config.quantization import gguf_source, resolve_quantization
+from engine.config.rope import rope_max_length
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 FairnessPolicy = Literal["vtc", "off"]
@@ -321,11 +322,13 @@ class EngineArgs:
             verify_parallel_config(hf_config, parallel_config, self)
         dtype = _resolve_dtype(self.dtype, hf_config, device)
         max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
+        max_len = rope_max_length(hf_config)  # max_pos, or stretched by the rope's scaling
         max_model_len = self.max_model_len or max_pos
-        if max_model_len > max_pos:
+        if max_model_len > max_len:
+            scaled = "" if max_len == max_pos else f" with its rope scaling: {max_len}"
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({max_pos})."
+                f"max_position_embeddings ({max_pos}{scaled})."
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from engine.config.rope import RopeRegime
 from engine.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats, hash_block_tokens
 from engine.core.request import Request
 
@@ -42,13 +43,18 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
+        rope: RopeRegime | None = None,
     ) -> None:
+        """`rope`: for a model whose rope scales by the sequence's length, the regime of a
+        request's rope length (engine/config/rope.py), part of every block hash of the
+        request; the scheduler reads it too."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.sliding_window = sliding_window
+        self.rope = rope
         # Table entry of a block dropped out of the window (owned by no pool, never freed).
         self._skipped = KVCacheBlock(block_id=0)
         # How many leading entries of each request's table are `_skipped`.
@@ -204,11 +210,17 @@ class KVCacheManager:
         return self.block_pool.take_prefix_cache_stats()
 
     def _extra_keys(self, request: Request) -> tuple[Hashable, ...] | None:
-        """The adapter (its KV differs from the base model's) and the cache salt: blocks of
-        two adapters never match."""
+        """The adapter (its KV differs from the base model's), the rope regime (longrope's
+        long factors, dynamic NTK's theta: a prompt past the threshold changes the K/V of
+        every token of the request) and the cache salt: blocks computed under two of them
+        never match."""
         keys: tuple[Hashable, ...] = ()
         if request.lora_request is not None:
             keys += (("lora", request.lora_request.lora_int_id),)
+        if self.rope is not None:
+            regime = self.rope.key(request.rope_length)
+            if regime is not None:
+                keys += (("rope", regime),)
         if request.cache_salt is not None:
             keys += (request.cache_salt,)
         return keys or None

@@ -113,6 +113,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
+        # The sequence length a rope scaled by the length (longrope, dynamic) scales this
+        # request's K/V for; set by the scheduler when it computes them from scratch
+        # (engine/config/rope.py, RopeRegime).
+        self.rope_length = len(prompt_token_ids)
         # Chained hashes of the full blocks of all_token_ids, kept by the KV-cache manager.
         self.block_hashes: list[int] = []
         # Draft tokens scheduled for verification this step (speculative decoding): not in

@@ -119,6 +119,14 @@ class Scheduler:
             if num_new <= 0:  # its last step is still in flight (pipeline parallelism)
                 index += 1
                 continue
+            rope = self.kv_cache_manager.rope
+            if rope is not None and rope.must_recompute(request.rope_length, request.num_tokens):
+                # Longrope past its threshold: every K/V again, with the long factors (as
+                # transformers' Phi-3 generation does), through a recomputing preemption.
+                self.running.pop(index)
+                self._preempt(request)
+                preempted.add(request.request_id)
+                continue
             drafts = self._propose(request, budget)
             num_new += len(drafts)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
@@ -179,6 +187,7 @@ class Scheduler:
                 continue
             if self._too_many_loras(request):  # it waits until an adapter's requests end
                 break
+            self._set_rope_length(request)
             if request.needs_all_prompt_positions:
                 hit_blocks, num_hit = [], 0
             else:
@@ -201,6 +210,17 @@ class Scheduler:
             scheduled.append(self._entry(request, num_new))
             budget -= num_new
         return budget
+
+    def _set_rope_length(self, request: Request) -> None:
+        """The rope length of a request about to be computed from scratch (RopeRegime); its
+        block hashes follow a change (they carry the regime)."""
+        rope = self.kv_cache_manager.rope
+        if rope is None:
+            return
+        length = rope.admission_length(request.num_prompt_tokens, request.num_tokens)
+        if length != request.rope_length:
+            request.rope_length = length
+            request.block_hashes.clear()
 
     def _too_many_loras(self, request: Request) -> bool:
         """Admitting `request` would put more than `max_loras` distinct adapters among the

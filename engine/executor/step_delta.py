@@ -33,6 +33,7 @@ class NewRequestData:
     sampling_params: Any  # SamplingParams | None
     pooling_params: Any  # PoolingParams | None
     seed: int
+    rope_length: int  # Request.rope_length (engine/config/rope.py)
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class StepDeltaBuilder:
                         request.sampling_params,
                         request.pooling_params,
                         request.seed,
+                        request.rope_length,
                     )
                 )
                 sent = self._sent[request.request_id] = _Sent(request.num_output_tokens, [])
@@ -154,6 +156,7 @@ class RequestMirror:
                 pooling_params=new.pooling_params,
             )
             request.append_output_token_ids(new.output_token_ids)
+            request.rope_length = new.rope_length
             self.requests[new.request_id] = request
             self._block_tables[new.request_id] = []
         scheduled = []

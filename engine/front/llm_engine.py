@@ -35,6 +35,7 @@ from engine.config.engine_config import (
     SchedulerConfig,
 )
 from engine.config.parallel import ParallelConfig
+from engine.config.rope import rope_regime
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -94,6 +95,7 @@ class LLMEngine(LLMEngineAdminMixin):
             cache.block_size,
             cache.enable_prefix_caching,
             sliding_window=get_model_class(hf_config).kv_cache_sliding_window(hf_config),
+            rope=rope_regime(hf_config),
         )
         # A sequence can never outgrow the whole cache: that is its length limit too.
         self.max_tokens_in_cache = num_blocks * cache.block_size

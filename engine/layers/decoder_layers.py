@@ -34,10 +34,10 @@ from engine.layers.ops import (
     GemmaRMSNorm,
     OpImpl,
     RMSNorm,
-    RotaryEmbedding,
     SiluAndMul,
 )
 from engine.layers.parallel_layers import RowParallelLinear, column_parallel_linear
+from engine.layers.rope import RotaryEmbedding
 
 
 def get_head_dim(hf_config: Any) -> int:

@@ -12,21 +12,19 @@ configuration (attention backend, device, dtype) into one `OpImpl` for the whole
                                            pass each instead of several torch ops)
     torch, or else      anywhere           torch
 
-The op modules (`RMSNorm`, `SiluAndMul`, `RotaryEmbedding.rotate_`) bind their function at
-construction; nothing is decided per call from the tensors' device or a process-wide switch.
+The op modules (`RMSNorm`, `SiluAndMul`, and `RotaryEmbedding.rotate_` of engine/layers/rope.py,
+where the cos/sin of every rope type are computed) bind their function at construction;
+nothing is decided per call from the tensors' device or a process-wide switch.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from engine.layers.rope import RopeParameters
 
 OpImpl = Literal["torch", "native", "triton"]
 
@@ -110,7 +108,7 @@ def _silu_and_mul_impl(impl: OpImpl) -> Callable[[torch.Tensor], torch.Tensor]:
     return silu_and_mul
 
 
-def _rotary_impl(impl: OpImpl) -> Callable[..., torch.Tensor]:
+def rotary_impl(impl: OpImpl) -> Callable[..., torch.Tensor]:
     """In place where a kernel does it (native); the callers own `x` and use the result."""
     if impl == "native":
         from engine import native
@@ -179,124 +177,3 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fn(x)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a cos/sin table over all positions.
-
-    Supported `rope_scaling["rope_type"]`: "default", "linear", "llama3" (the Hugging Face
-    `rope_parameters` dict). The table, [max_position, head_dim] = (cos | sin) of each
-    frequency in fp32, is built lazily on the device of the first positions it sees, so the
-    module can be created on the meta device.
-    """
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        rope_theta: float,
-        rope_scaling: dict[str, Any] | None = None,
-        impl: OpImpl = "torch",
-    ) -> None:
-        super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}.")
-        scaling = dict(rope_scaling or {})
-        scaling.pop("rope_theta", None)
-        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-        params = RopeParameters(float(rope_theta), rope_type, scaling)  # validates
-        self.head_dim = head_dim
-        self.max_position = max_position
-        self.rope_theta = params.rope_theta
-        self.rope_type = params.rope_type
-        self.rope_scaling = params.scaling
-        self._rotate_ = _rotary_impl(impl)
-        self._cos_sin_cache: torch.Tensor | None = None  # [max_position, head_dim] fp32
-
-    @classmethod
-    def from_parameters(
-        cls, head_dim: int, max_position: int, params: RopeParameters, impl: OpImpl = "torch"
-    ) -> RotaryEmbedding:
-        return cls(
-            head_dim,
-            max_position,
-            params.rope_theta,
-            {"rope_type": params.rope_type, **params.scaling},
-            impl,
-        )
-
-    def rotate_(
-        self,
-        x: torch.Tensor,  # [num_tokens, num_heads, head_dim], heads contiguous; may be overwritten
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim] from `cos_sin`
-        sin: torch.Tensor,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """The rotation, in place where the implementation does it: use the return value."""
-        return self._rotate_(x, cos, sin)
-
-    def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:  # [head_dim // 2]
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
-        inv_freq = 1.0 / (self.rope_theta ** (exponents / self.head_dim))
-        if self.rope_type == "linear":
-            inv_freq = inv_freq / self.rope_scaling["factor"]
-        elif self.rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, self.rope_scaling, self.max_position)
-        return inv_freq
-
-    def _cache(self, device: torch.device) -> torch.Tensor:
-        cache = self._cos_sin_cache
-        if cache is None or cache.device != device:
-            inv_freq = self.inv_freq(device)  # [head_dim // 2]
-            positions = torch.arange(self.max_position, device=device).float()
-            freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
-            self._cos_sin_cache = cache
-        return cache
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for `apply_rotary_emb`, each [num_tokens, 1, head_dim] in `dtype`.
-
-        Computed once per forward and shared by every layer.
-        """
-        cos_sin = self._cache(positions.device)[positions]  # [num_tokens, head_dim]
-        cos, sin = cos_sin.unsqueeze(1).to(dtype).chunk(2, dim=-1)  # [num_tokens, 1, d / 2]
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, query.dtype)
-        return apply_rotary_emb(query, cos, sin), apply_rotary_emb(key, cos, sin)
-
-    def extra_repr(self) -> str:
-        return (
-            f"head_dim={self.head_dim}, max_position={self.max_position}, "
-            f"rope_theta={self.rope_theta}, rope_type={self.rope_type!r}"
-        )
-
-
-def _llama3_inv_freq(
-    inv_freq: torch.Tensor, scaling: dict[str, Any], max_position: int
-) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, a smooth ramp between.
-
-    Wavelengths shorter than original_len / high_freq_factor are kept; longer than
-    original_len / low_freq_factor are divided by `factor`; in between they are interpolated.
-    """
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    original_len = scaling.get("original_max_position_embeddings") or max_position
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original_len / low_freq_factor, inv_freq / factor, inv_freq)
-    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= original_len / high_freq_factor) & (
-        wavelen <= original_len / low_freq_factor
-    )
-    return torch.where(is_medium, smoothed, scaled)

@@ -32,9 +32,9 @@ from engine.layers.decoder_layers import (
 )
 from engine.layers.linear import can_pack, linear, pack_linear_weights
 from engine.layers.linear_select import LinearPlan, make_plan, select_methods
-from engine.layers.ops import OpImpl, RMSNorm, RotaryEmbedding
+from engine.layers.ops import OpImpl, RMSNorm
 from engine.layers.parallel_layers import VocabParallelEmbedding, post_load
-from engine.layers.rope import rope_parameters
+from engine.layers.rope import RotaryEmbedding, rope_parameters
 from engine.loader.weight_loader import load_weights
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ class DecoderModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
         else:
             hidden, residual = intermediate
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_dim] each
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype, attn_metadata.rope_lengths)
+        # [T, 1, head_dim] each
         local_layers = self.layers[self.start_layer : self.end_layer]
         for layer, kv_cache in zip(local_layers, kv_caches, strict=True):
             hidden, residual = layer(

@@ -28,8 +28,8 @@ from engine.layers.decoder_layers import (
     get_head_dim,
     layer_sliding_windows,
 )
-from engine.layers.ops import GemmaRMSNorm, OpImpl, RotaryEmbedding
-from engine.layers.rope import rope_parameters
+from engine.layers.ops import GemmaRMSNorm, OpImpl
+from engine.layers.rope import RotaryEmbedding, rope_parameters
 from engine.models.decoder import DecoderForCausalLM
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -109,7 +109,7 @@ class GemmaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         cos_sin = {
-            layer_type: rotary.cos_sin(positions, hidden.dtype)
+            layer_type: rotary.cos_sin(positions, hidden.dtype, attn_metadata.rope_lengths)
             for layer_type, rotary in self.rotary.items()
         }  # per layer type: ([T, 1, head_dim], [T, 1, head_dim])
         for layer, layer_type, kv_cache in zip(

@@ -22,9 +22,12 @@ def build_step_inputs(
     requests: list[tuple[list[int], int, list[int]]],
     block_size: int,
     device: torch.device,
+    rope_lengths: list[int] | None = None,
 ) -> StepInputs:
     """`requests`: (new token ids, num_computed_tokens, block table) per request, decode
-    requests (one new token) first.
+    requests (one new token) first. `rope_lengths` (each request's `Request.rope_length`),
+    for a model whose rope scales by the sequence's length, go to the metadata per token
+    (engine/config/rope.py, RopeRegime).
 
     Token at position p of a request goes to slot ``block_table[p // block_size] *
     block_size + p % block_size`` of the flattened cache::
@@ -37,8 +40,9 @@ def build_step_inputs(
     slots: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
+    token_rope_lengths: list[int] = []
     num_decodes = 0
-    for token_ids, num_computed, block_table in requests:
+    for i, (token_ids, num_computed, block_table) in enumerate(requests):
         num_new = len(token_ids)
         if num_new == 1 and num_decodes == len(seq_lens):
             num_decodes += 1
@@ -46,6 +50,8 @@ def build_step_inputs(
         for pos in range(num_computed, num_computed + num_new):
             positions.append(pos)
             slots.append(block_table[pos // block_size] * block_size + pos % block_size)
+        if rope_lengths is not None:
+            token_rope_lengths.extend([rope_lengths[i]] * num_new)
         query_start_loc.append(query_start_loc[-1] + num_new)
         seq_lens.append(num_computed + num_new)
     max_blocks = max(len(table) for _, _, table in requests)
@@ -63,6 +69,11 @@ def build_step_inputs(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
+        rope_lengths=(
+            None
+            if rope_lengths is None
+            else torch.tensor(token_rope_lengths, dtype=torch.int64, device=device)
+        ),
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -25,6 +25,7 @@ import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.config.engine_config import CacheConfig, EngineConfig
+from engine.config.rope import rope_regime
 from engine.core.sched_output import (
     ModelRunnerOutput,
     SchedulerOutput,
@@ -87,6 +88,8 @@ class ModelRunner:
             load_format=model_config.load_format,
             seed=model_config.seed,
         )
+        # Whether the steps carry each token's rope length (longrope, dynamic: rope.py).
+        self._rope_lengths = rope_regime(model_config.hf_config) is not None
         # The backend's fused whole-step path for one-token decode steps, if it has one.
         self._decode_step = None
         self.bind_decode_step()
@@ -346,6 +349,7 @@ class ModelRunner:
             [(e.token_ids, e.num_computed_tokens, e.block_ids) for e in batch],
             self.block_size,
             self.device,
+            [e.request.rope_length for e in batch] if self._rope_lengths else None,
         )
         lora = self.lora_manager is not None and self.lora_manager.prepare(
             [(e.request.lora_request, len(e.token_ids)) for e in batch]

@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from kernels import apply_rotary, build_cos_sin_cache, ref_rotary, rope_inv_freq
+from engine.config.rope import RopeParameters
+from engine.layers.rope import inv_freq
+from kernels import apply_rotary, build_cos_sin_cache, ref_rotary
 from tests.kernels._helpers import DTYPES, TOLERANCES, device, pick
 
 LLAMA3_SCALING = {
-    "rope_type": "llama3",
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
@@ -28,7 +29,9 @@ def test_matches_reference(
     num_tokens = pick(6, 3001)
     max_position = pick(200, 16384)
     gen = torch.Generator().manual_seed(head_dim + num_heads)
-    cache = build_cos_sin_cache(head_dim, max_position, 500000.0, LLAMA3_SCALING).to(device())
+    llama3 = RopeParameters(500000.0, "llama3", LLAMA3_SCALING)
+    cache = build_cos_sin_cache(inv_freq(llama3, head_dim, max_position), max_position)
+    cache = cache.to(device())
     positions = torch.randint(0, max_position, (num_tokens,), generator=gen).to(device())
     # q and k as views of one fused QKV buffer, rotated in place.
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
@@ -46,7 +49,7 @@ def test_matches_reference(
 
 
 def test_position_zero_is_identity_and_norms_are_kept() -> None:
-    cache = build_cos_sin_cache(64, 50, 10000.0).to(device())
+    cache = build_cos_sin_cache(inv_freq(RopeParameters(), 64, 50), 50).to(device())
     positions = torch.tensor([0, 0, 31, 49], device=device())
     query = torch.randn(4, 2, 64, device=device())
     key = torch.randn(4, 1, 64, device=device())
@@ -60,7 +63,7 @@ def test_position_zero_is_identity_and_norms_are_kept() -> None:
 
 def test_cache_layout_is_cos_then_sin() -> None:
     head_dim, theta = 8, 10000.0
-    cache = build_cos_sin_cache(head_dim, 10, theta)
+    cache = build_cos_sin_cache(inv_freq(RopeParameters(theta), head_dim, 10), 10)
     assert cache.shape == (10, head_dim) and cache.dtype == torch.float32
     for i in range(head_dim // 2):
         angle = 7 * theta ** (-2 * i / head_dim)
@@ -68,47 +71,26 @@ def test_cache_layout_is_cos_then_sin() -> None:
         assert cache[7, head_dim // 2 + i].item() == pytest.approx(math.sin(angle), abs=1e-5)
 
 
-def test_llama3_scaling_piecewise() -> None:
-    """High frequencies kept, low ones divided by `factor`, the band between blended."""
-    head_dim, theta = 128, 500000.0
-    plain = rope_inv_freq(head_dim, theta)
-    scaled = rope_inv_freq(head_dim, theta, LLAMA3_SCALING)
-    wavelength = 2 * math.pi / plain
-    high_edge = 8192 / LLAMA3_SCALING["high_freq_factor"]  # shorter wavelengths: unchanged
-    low_edge = 8192 / LLAMA3_SCALING["low_freq_factor"]  # longer wavelengths: / factor
-    short, long = wavelength < high_edge, wavelength > low_edge
-    assert short.any() and long.any() and (~short & ~long).any()
-    torch.testing.assert_close(scaled[short], plain[short])
-    torch.testing.assert_close(scaled[long], plain[long] / 8.0)
-    between = ~short & ~long
-    assert torch.all(scaled[between] < plain[between])
-    assert torch.all(scaled[between] > plain[between] / 8.0)
-
-
-def test_rope_parameters_dict_matches_transformers() -> None:
-    """The transformers 5 `rope_parameters` form (theta inside the dict) gives HF's values."""
+def test_cache_of_any_type_matches_transformers() -> None:
+    """The kernel's cache from the engine's frequencies and attention factor (yarn here)
+    holds transformers' cos/sin rows."""
     transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rope_parameters = {**LLAMA3_SCALING, "rope_theta": 500000.0}
+    from engine.config.rope import rope_parameters
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     config = transformers.LlamaConfig(
         hidden_size=256,
         num_attention_heads=2,
         head_dim=128,
-        max_position_embeddings=131072,
-        rope_parameters=rope_parameters,
+        max_position_embeddings=256,
+        rope_parameters={**rope, "rope_theta": 500000.0},
     )
-    hf_inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    assert attention_factor == 1.0
-    ours = rope_inv_freq(128, 500000.0, rope_parameters)
-    torch.testing.assert_close(ours, hf_inv_freq.float(), atol=0, rtol=1e-6)
-    cache = build_cos_sin_cache(128, 300, rope_scaling=rope_parameters)
-    angles = 299 * hf_inv_freq.float()
-    torch.testing.assert_close(cache[299], torch.cat([angles.cos(), angles.sin()]))
-
-
-def test_unsupported_rope_type_is_rejected() -> None:
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        build_cos_sin_cache(64, 10, 10000.0, {"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="rope_theta is required"):
-        build_cos_sin_cache(64, 10)
+    params = rope_parameters(config)
+    factor = params.attention_factor(256)
+    assert factor > 1.0
+    cache = build_cos_sin_cache(inv_freq(params, 128, 256), 256, factor)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.arange(256)[None])
+    torch.testing.assert_close(cache[:, :64], cos[0, :, :64])
+    torch.testing.assert_close(cache[:, 64:], sin[0, :, 64:])

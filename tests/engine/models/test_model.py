@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine.attention import torch_backend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.layers.ops import RotaryEmbedding, apply_rotary_emb, rms_norm, silu_and_mul
+from engine.layers.ops import rms_norm, silu_and_mul
 from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM, get_kv_cache_shape, kv_cache_bytes_per_token
@@ -225,51 +225,6 @@ def test_rms_norm_matches_transformers(dtype):
 def test_silu_and_mul():
     x = torch.randn(3, 10)
     torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
-
-
-@pytest.mark.parametrize(
-    "rope",
-    [
-        {"rope_type": "default"},
-        {"rope_type": "linear", "factor": 4.0},
-        LLAMA3_ROPE,
-    ],
-    ids=["default", "linear", "llama3"],
-)
-def test_rotary_matches_transformers(rope):
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import (
-        LlamaRotaryEmbedding,
-        apply_rotary_pos_emb,
-    )
-
-    head_dim, theta = 32, 50000.0
-    config = LlamaConfig(
-        hidden_size=128,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        rope_parameters={**rope, "rope_theta": theta},
-    )
-    ref = LlamaRotaryEmbedding(config)
-    ours = RotaryEmbedding(head_dim, 256, theta, config.rope_parameters)
-    positions = torch.tensor([0, 1, 7, 31, 100, 255, 3])
-    q = torch.randn(len(positions), 4, head_dim)
-    k = torch.randn(len(positions), 2, head_dim)
-    cos, sin = ref(q, positions[None])  # [1, T, D]
-    # transformers wants [batch, heads, T, D]; ours takes [T, heads, D].
-    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    q_ours, k_ours = ours(positions, q, k)
-    torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    # The functional form the model uses agrees with the module.
-    c, s = ours.cos_sin(positions, torch.float32)
-    torch.testing.assert_close(apply_rotary_emb(q, c, s), q_ours, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope"])
-def test_rotary_rejects_other_types(rope_type):
-    with pytest.raises(NotImplementedError, match=rope_type):
-        RotaryEmbedding(32, 64, 10000.0, {"rope_type": rope_type, "factor": 2.0})
 
 
 # --- torch backend against a dense reference -------------------------------------------------
