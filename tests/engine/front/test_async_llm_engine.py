@@ -73,7 +73,7 @@ def joined_tokens(outputs: list[RequestOutput]) -> list[int]:
 
 
 async def assert_idle_and_free(engine: AsyncLLMEngine, max_generated: int | None = None) -> None:
-    await engine.wait_until_idle(timeout=10)
+    await engine.wait_until_idle(timeout=60)
     stats = engine.get_stats()
     assert engine.num_running() == engine.num_waiting() == 0
     assert stats.num_requests == 0
