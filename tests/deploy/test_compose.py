@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.cli import build_parser
 from services.engine_pool import parse_engine_addresses
 from services.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
+from tests.deploy.build_context import dockerignore_rules, in_build_context
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -341,40 +342,13 @@ def test_cuda_dockerfile_keeps_the_images_torch() -> None:
     assert "--constraint /tmp/torch-constraints.txt" in text
 
 
-def _dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
-    """.dockerignore as (re-include?, pattern): Docker's rules for the patterns used here
-    (`*` within one path segment, `**` across segments, the last matching line wins)."""
-    rules = []
-    for raw in (ROOT / ".dockerignore").read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        include = line.startswith("!")
-        pattern = line.lstrip("!").strip().strip("/")
-        regex = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*")
-        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
-        regex = re.sub(r"\\\[(.*?)\\\]", r"[\1]", regex)
-        rules.append((include, re.compile(regex + r"\Z")))
-    return rules
-
-
-def _in_build_context(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
-    parts = path.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    kept = True
-    for include, pattern in rules:
-        if any(pattern.match(prefix) for prefix in prefixes):
-            kept = include
-    return kept
-
-
 def test_dockerignore_keeps_what_the_build_needs() -> None:
-    rules = _dockerignore_rules()
+    rules = dockerignore_rules()
     needed = ["pyproject.toml", "README.md", "docker/healthcheck.py"]
     for package in ("engine", "kernels", "services", "clients", "proto/pagedserve"):
         needed += [str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*") if p.is_file()]
     needed = [path for path in needed if "__pycache__" not in path]
-    assert [path for path in needed if not _in_build_context(path, rules)] == []
+    assert [path for path in needed if not in_build_context(path, rules)] == []
     for left_out in (
         ".git/HEAD",
         ".venv/bin/python",
@@ -383,7 +357,7 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
         "engine/__pycache__/llm.cpython-311.pyc",
         "docker-compose.yml",
     ):
-        assert not _in_build_context(left_out, rules), left_out
+        assert not in_build_context(left_out, rules), left_out
 
 
 # ---- the gRPC health probe ------------------------------------------------------------------
