@@ -323,13 +323,30 @@ def test_dockerfile(dockerfile: Path) -> None:
 
 def test_cpu_dockerfile_torch_index_is_the_users() -> None:
     steps = _instructions(DOCKERFILES[0])
-    assert steps[0] == ("FROM", "python:3.11-slim")
+    assert steps[0] == ("FROM", "python:3.11-slim AS build")
     # Declared without a default value; torch comes from it only when it is given.
     assert ("ARG", "TORCH_INDEX_URL") in steps
     assert ("ARG", "TORCH_VERSION=2.13.0") in steps
     text = " ".join(args for _, args in steps)
     assert '--index-url "${TORCH_INDEX_URL}"' in text
     assert '[ -n "${TORCH_INDEX_URL}" ]' in text
+
+
+def test_cpu_image_is_built_in_two_stages() -> None:
+    """Everything is installed in the build stage; the final stage copies its virtual
+    environment and never runs pip, so no installer, cache or source tree is left in it."""
+    steps = _instructions(DOCKERFILES[0])
+    froms = [index for index, (keyword, _) in enumerate(steps) if keyword == "FROM"]
+    assert len(froms) == 2 and steps[froms[1]] == ("FROM", "python:3.11-slim")
+    build, final = steps[: froms[1]], steps[froms[1] :]
+    assert ("RUN", "python -m venv /opt/venv") in build
+    assert any("pip uninstall -y setuptools wheel pip" in args for _, args in build)
+    assert ("COPY", "--from=build /opt/venv /opt/venv") in final
+    final_text = " ".join(args for _, args in final)
+    assert "pip " not in final_text and "/tmp/pagedserve-src" not in final_text
+    assert "rm -rf /var/lib/apt/lists/*" in final_text
+    (env,) = [args for keyword, args in final if keyword == "ENV" and "PATH=" in args]
+    assert "PATH=/opt/venv/bin:$PATH" in env
 
 
 def test_cuda_dockerfile_keeps_the_images_torch() -> None:
