@@ -46,7 +46,7 @@ if [ "$STANDIN" = 1 ]; then
         --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - python:3.11-slim
   fi
   # The CPU torch wheel, served on loopback (the image builds on the host network).
-  rm -rf torchidx torchdl; pip download -q "torch==2.13.0" -d torchdl --no-deps
+  rm -rf torchidx torchdl; pip download -q "torch==2.13.0" -d torchdl
   for f in torchdl/*.whl; do b=$(basename "$f"); n=$(echo "${b%%-*}" | tr 'A-Z_.' 'a-z--'); mkdir -p "torchidx/$n"; cp "$f" "torchidx/$n/"; done
   (cd torchidx && exec python3 -m http.server 8765 --bind 127.0.0.1) >httpserver.log 2>&1 & HTTP=$!
   trap 'kill $HTTP' EXIT
