@@ -87,7 +87,8 @@ nice -n 19 docker compose "${FILES[@]}" build
 echo "build took $(( $(date +%s) - start )) s"
 docker image inspect pagedserve:cpu --format 'image size: {{.Size}} bytes'
 docker run --rm pagedserve:cpu sh -c \
-  'if command -v pip || python -c "import triton" 2>/dev/null; then exit 1; fi; echo "no pip, no triton in the image"'
+  'if [ -e /opt/venv/bin/pip ] || python -c "import triton" 2>/dev/null; then exit 1; fi
+   echo "no pip and no triton in the environment"'
 
 log "default stack"
 up C
