@@ -49,7 +49,6 @@ if [ "$STANDIN" = 1 ]; then
   rm -rf torchidx torchdl; pip download -q "torch==2.13.0" -d torchdl
   for f in torchdl/*.whl; do b=$(basename "$f"); n=$(echo "${b%%-*}" | tr 'A-Z_.' 'a-z--'); mkdir -p "torchidx/$n"; cp "$f" "torchidx/$n/"; done
   (cd torchidx && exec python3 -m http.server 8765 --bind 127.0.0.1) >httpserver.log 2>&1 & HTTP=$!
-  trap 'kill $HTTP' EXIT
   export TORCH_INDEX_URL=http://127.0.0.1:8765/
 fi
 
@@ -71,12 +70,14 @@ YML
   FILES+=(-f compose.local.yml)
 fi
 C() { docker compose "${FILES[@]}" "$@"; }
+# On any exit: the stack down (whichever files are in use then), the local index stopped.
+trap 'C down --remove-orphans >/dev/null 2>&1 || true; [ -z "${HTTP:-}" ] || kill "$HTTP"' EXIT
 ask() {  # ask ARGS...: a client in the image, on the host network
   docker run --rm --network host -v "$PWD/certs:/certs:ro" pagedserve:cpu sh -c "$*"
 }
-up() {  # up ARGS...: starts and waits until healthy; prints the seconds it took
+up() {  # up [ARGS...]: starts the stack, waits until healthy; prints the seconds it took
   local start; start=$(date +%s)
-  "$@" up -d --pull never --wait --wait-timeout 900
+  C up -d --pull never --wait --wait-timeout 900 "$@"
   echo "healthy after $(( $(date +%s) - start )) s"
 }
 mkdir -p certs
@@ -91,11 +92,11 @@ docker run --rm pagedserve:cpu sh -c \
    echo "no pip and no triton in the environment"'
 
 log "default stack"
-up C
+up
 ask 'pagedserve health && pagedserve generate "Why is the sky blue?" --chat --max-tokens 32'
 
 log "--scale engine=2"
-up C --scale engine=2 --no-recreate
+up --scale engine=2 --no-recreate
 # The tokenizer re-resolves dns:///engine:50052 every few seconds: wait for both replicas.
 ask 'for i in $(seq 60); do n=$(pagedserve health | grep -c "replica.*: up"); [ "$n" = 2 ] && break; sleep 2; done;
      pagedserve health | grep replica; [ "$n" = 2 ] && pagedserve generate "Name three colours." --chat --max-tokens 32'
@@ -105,7 +106,7 @@ log "secure stack"
 rm -rf certs secrets; "$PY" scripts/dev_ca.py certs/ --key-mode 644 >/dev/null
 mkdir -p secrets && printf '%s my-team max_streams=32 rps=20\n' "$(openssl rand -hex 32)" > secrets/api-keys
 FILES+=(-f docker/compose.secure.yml)
-up C
+up
 KEY=$(cut -d' ' -f1 secrets/api-keys)
 ask "pagedserve generate 'Hi' --chat --max-tokens 16 --address localhost:50051 --root-certificates /certs/ca.pem --api-key $KEY"
 out=$(ask "pagedserve generate 'Hi' --chat --address localhost:50051 --root-certificates /certs/ca.pem --api-key wrong" 2>&1 || true)
