@@ -4,7 +4,8 @@
     pagedserve chat                an interactive chat: one stdin line per turn, history kept;
                                    /reset clears it, /exit or EOF quits
     pagedserve tokenize "text"     token ids and token strings
-    pagedserve health              the server's health; exit status 0 when SERVING
+    pagedserve health              the server's health; exit status 0 when SERVING (--wait S:
+                                   until it is, at most S seconds)
     pagedserve lora load|unload|list   LoRA adapters on every engine replica (admin key)
     pagedserve bench serve         the serving benchmark (clients/bench.py)
     pagedserve bench plot          latency against request rate from saved results
@@ -168,9 +169,26 @@ def run_tokenize(ns: argparse.Namespace) -> int:
     return 0
 
 
+_HEALTH_POLL_S = 0.5
+
+
 def run_health(ns: argparse.Namespace) -> int:
+    """One health call; with `--wait S`, asks again (a server still starting is unreachable
+    or NOT_SERVING) until it is SERVING or S seconds have passed, so a script can start a
+    server in the background and go on once it answers."""
+    deadline = time.monotonic() + max(ns.wait, 0.0)
     with _client(ns) as client:
-        status = client.health()
+        while True:
+            try:
+                status = client.health()
+                if status.healthy and status.status == "SERVING":
+                    break
+            except PagedServeError:
+                if time.monotonic() >= deadline:
+                    raise
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_HEALTH_POLL_S)
     print(status.status)
     for key, value in sorted(status.details.items()):
         print(f"  {key}: {value}")
@@ -231,6 +249,13 @@ def add_client_commands(commands: Any) -> None:
 
     health = commands.add_parser("health", help="exit status 0 when the server is SERVING")
     _connection(health, 5.0)
+    health.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="ask again until SERVING or this many seconds have passed (0: ask once)",
+    )
     health.set_defaults(client_main=run_health)
 
     lora = commands.add_parser("lora", help="LoRA adapters on the engines (admin API key)")

@@ -2,6 +2,7 @@
 
     python scripts/dev_ca.py certs/              # ca.pem, tokenizer.*, engine.*, client.*
     python scripts/dev_ca.py certs/ --days 30 --name tokenizer.example.com
+    python scripts/dev_ca.py certs/ --key-mode 644   # for the compose stack (see below)
 
 Writes, under the folder:
 
@@ -14,6 +15,10 @@ Writes, under the folder:
 Every certificate names `localhost` and 127.0.0.1, the compose service name, and any
 `--name`. For development and tests only: a production deployment gets its certificates
 from its own PKI (cert-manager, Vault, an ACME CA...). Needs `cryptography` (dev extra).
+
+The keys are readable by their owner only (0600), unless `--key-mode` says otherwise. The
+images run as the user `pagedserve` (uid 10001), which cannot read a 0600 key owned by you
+through a bind mount, so docker/compose.secure.yml's quick start writes them with 644.
 """
 
 from __future__ import annotations
@@ -63,12 +68,13 @@ class Issued:
             serialization.NoEncryption(),
         )
 
-    def write(self, folder: Path, name: str) -> tuple[Path, Path]:
-        """`<name>.pem` and `<name>-key.pem` (the key readable by its owner only)."""
+    def write(self, folder: Path, name: str, key_mode: int = 0o600) -> tuple[Path, Path]:
+        """`<name>.pem` and `<name>-key.pem` (the key readable by its owner only, unless
+        `key_mode` says otherwise)."""
         cert_path, key_path = folder / f"{name}.pem", folder / f"{name}-key.pem"
         cert_path.write_bytes(self.cert_pem)
         key_path.write_bytes(self.key_pem)
-        os.chmod(key_path, 0o600)
+        os.chmod(key_path, key_mode)
         return cert_path, key_path
 
 
@@ -135,13 +141,15 @@ def issue(
     return Issued(key, cert)
 
 
-def make_dev_pki(folder: Path, extra_names: list[str], days: int) -> list[Path]:
+def make_dev_pki(
+    folder: Path, extra_names: list[str], days: int, key_mode: int = 0o600
+) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     ca = make_ca(days=days)
-    written = list(ca.write(folder, "ca"))
+    written = list(ca.write(folder, "ca"))  # the CA's key stays the owner's alone
     local = ["localhost", "127.0.0.1", "::1", *extra_names]
     for service in ("tokenizer", "engine", "client"):
-        written += issue(ca, service, local, days=days).write(folder, service)
+        written += issue(ca, service, local, days=days).write(folder, service, key_mode)
     return written
 
 
@@ -150,8 +158,14 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--days", type=int, default=365)
     parser.add_argument("--name", action="append", default=[], help="another DNS name or IP")
+    parser.add_argument(
+        "--key-mode",
+        type=lambda text: int(text, 8),
+        default=0o600,
+        help="octal mode of the service keys (600); 644 lets the containers' user read them",
+    )
     ns = parser.parse_args()
-    for path in make_dev_pki(ns.folder, ns.name, ns.days):
+    for path in make_dev_pki(ns.folder, ns.name, ns.days, ns.key_mode):
         print(path)
 
 

@@ -36,6 +36,7 @@ from services.cli.secure_flags import (
     request_limits_from,
     server_tls_from,
 )
+from services.common.metrics import NAME_PREFIX, NAME_PREFIXES
 
 logger = logging.getLogger("services.cli.main")
 
@@ -179,6 +180,14 @@ def _add_observability_args(parser: argparse.ArgumentParser, command: str) -> No
     help_port = "Prometheus /metrics on this port ($PAGEDSERVE_METRICS_PORT; 0: off)"
     if command in ("serve", "tokenizer"):
         group.add_argument("--metrics-port", type=int, default=env_port, help=help_port)
+    group.add_argument(
+        "--metrics-name-prefix",
+        choices=NAME_PREFIXES,
+        default=_env("PAGEDSERVE_METRICS_NAME_PREFIX", NAME_PREFIX),
+        help="the metric names' prefix on /metrics: pagedserve (pagedserve:...) or vllm "
+        "(vllm:..., for dashboards and autoscalers made for vLLM) "
+        "($PAGEDSERVE_METRICS_NAME_PREFIX; pagedserve)",
+    )
     if command in ("serve", "engine"):
         flag = "--engine-metrics-port" if command == "serve" else "--metrics-port"
         default = "0" if command == "serve" else env_port
@@ -304,6 +313,7 @@ async def run_engine(ns: argparse.Namespace) -> int:
             metrics_address=_metrics_address(
                 ns.engine_addr.rpartition(":")[0], ns.engine_metrics_port
             ),
+            metrics_name_prefix=ns.metrics_name_prefix,
             log_stats_interval_s=ns.log_stats_interval,
             tls=server_tls_from(ns),
             allow_insecure=ns.allow_insecure_engine,
@@ -356,6 +366,7 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             max_message_bytes=ns.max_message_bytes,
             shutdown_grace_s=ns.shutdown_grace,
             metrics_address=_metrics_address(ns.host, ns.metrics_port),
+            metrics_name_prefix=ns.metrics_name_prefix,
             route_policy=ns.route_policy,
             tls=server_tls_from(ns),
             engine_tls=engine_link_tls_from(ns),

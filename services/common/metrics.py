@@ -13,6 +13,11 @@
 
 A registry per server (not prometheus_client's global one) keeps several servers in one
 process (the tests) apart. The endpoint is prometheus_client's HTTP server, in a thread.
+
+`--metrics-name-prefix vllm` serves every name with vLLM's prefix instead (`vllm:` for
+`pagedserve:`; the engine's names are vLLM's where they overlap), so dashboards, the
+inference gateway's endpoint picker and autoscalers written for vLLM read them unchanged.
+The names are rewritten at the endpoint only: the code and the tests use one set.
 """
 
 from __future__ import annotations
@@ -139,14 +144,49 @@ class EngineServiceMetrics(RpcMetrics):
         return registry.collect() if registry is not None else ()
 
 
-class MetricsEndpoint:
-    """`/metrics` over HTTP at `address` (host:port; port 0 picks a free one)."""
+NAME_PREFIX = "pagedserve"
+NAME_PREFIXES = (NAME_PREFIX, "vllm")
 
-    def __init__(self, registry: CollectorRegistry, address: str) -> None:
+
+class _Renamed:
+    """A collector serving another registry's metrics with `prefix:` for `pagedserve:`."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self._registry = registry
+        self._old, self._new = f"{NAME_PREFIX}:", f"{prefix}:"
+
+    def _name(self, name: str) -> str:
+        return self._new + name[len(self._old) :] if name.startswith(self._old) else name
+
+    def collect(self) -> Iterable[Any]:
+        for family in self._registry.collect():  # fresh objects on every collect()
+            family.name = self._name(family.name)
+            family.samples = [s._replace(name=self._name(s.name)) for s in family.samples]
+            yield family
+
+
+def named_registry(registry: CollectorRegistry, prefix: str) -> CollectorRegistry:
+    """`registry` as served with the name prefix `prefix` (itself for `pagedserve`)."""
+    if prefix not in NAME_PREFIXES:
+        raise ValueError(f"metrics name prefix must be one of {NAME_PREFIXES}, got {prefix!r}.")
+    if prefix == NAME_PREFIX:
+        return registry
+    renamed = CollectorRegistry(auto_describe=False)
+    renamed.register(_Renamed(registry, prefix))  # type: ignore[arg-type]
+    return renamed
+
+
+class MetricsEndpoint:
+    """`/metrics` over HTTP at `address` (host:port; port 0 picks a free one), the names with
+    `name_prefix` (`pagedserve` or `vllm`)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, address: str, name_prefix: str = NAME_PREFIX
+    ) -> None:
         host, sep, port = address.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"metrics address must be host:port, got {address!r}.")
-        self.registry = registry
+        self.registry = named_registry(registry, name_prefix)
         self.host = host.strip("[]") or "0.0.0.0"
         self.requested_port = int(port)
         self.port = 0

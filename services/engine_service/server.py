@@ -100,6 +100,7 @@ class EngineServerConfig:
     # A step running longer than this turns health NOT_SERVING (0: no watchdog).
     engine_stall_timeout_s: float = 10.0
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
+    metrics_name_prefix: str = "pagedserve"  # or "vllm": vLLM's metric names on /metrics
     log_stats_interval_s: float = 10.0  # the engine's stats line every so often; 0: never
     tls: ServerTLSConfig | None = None  # None: plaintext (loopback only, or allow_insecure)
     allow_insecure: bool = False  # plaintext on a non-loopback address (--allow-insecure-engine)
@@ -411,7 +412,9 @@ class EngineServer:
         self.port = 0
         self.metrics_endpoint: MetricsEndpoint | None = None
         if config.metrics_address is not None:
-            self.metrics_endpoint = MetricsEndpoint(self.metrics.registry, config.metrics_address)
+            self.metrics_endpoint = MetricsEndpoint(
+                self.metrics.registry, config.metrics_address, config.metrics_name_prefix
+            )
         self.engine_dead = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.watchdog: EngineWatchdog | None = None

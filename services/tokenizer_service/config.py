@@ -27,6 +27,7 @@ class TokenizerServerConfig:
     route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
     route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/routing.py)
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
+    metrics_name_prefix: str = "pagedserve"  # or "vllm": vLLM's metric names on /metrics
     tls: ServerTLSConfig | None = None  # the public API's TLS / mTLS; None: plaintext
     engine_tls: EngineLinkTLS = field(default_factory=EngineLinkTLS)  # to the engine
     api_key_file: str | None = None  # None: no keys, every caller is let in

@@ -74,7 +74,9 @@ class TokenizerServer:
         self.metrics_endpoint: MetricsEndpoint | None = None
         if config.metrics_address is not None:
             self.metrics_endpoint = MetricsEndpoint(
-                self.servicer.rpc_metrics.registry, config.metrics_address
+                self.servicer.rpc_metrics.registry,
+                config.metrics_address,
+                config.metrics_name_prefix,
             )
 
     async def _on_engine_health(self, available: bool, reason: str) -> None:

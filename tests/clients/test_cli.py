@@ -67,6 +67,39 @@ def test_health_fails_when_nothing_listens():
     assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
 
 
+def test_health_wait_asks_until_a_late_server_is_serving():
+    """`health --wait`: a script starts a server in the background and waits on this. The
+    server comes up only after the command is running (its first calls find nothing)."""
+    port = free_port()
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
+    argv = [sys.executable, "-m", "services", "health", "--address", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(
+        [*argv, "--wait", "300", "--timeout", "2"],
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    server = None
+    try:
+        # Not yet: nothing listens until the command has made at least one call.
+        assert pagedserve("health", "--address", f"127.0.0.1:{port}").returncode == 1
+        assert proc.poll() is None
+        server, _ = start_fake_server(FakeService(), port)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert out.startswith("SERVING")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            server.stop(None)
+    proc = pagedserve("health", "--address", f"127.0.0.1:{free_port()}", "--wait", "1")
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
+
+
 def test_bench_serve_saves_its_result(address, stack, tmp_path):
     proc = pagedserve(
         "bench", "serve", "--address", address, "--num-prompts", "4",

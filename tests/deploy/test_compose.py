@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.cli.main import build_parser
 from services.common.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
 from services.tokenizer_service.replicas.pool import parse_engine_addresses
+from tests.deploy.build_context import dockerignore_rules, in_build_context
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -39,7 +40,7 @@ DOCKERFILES = (ROOT / "docker" / "Dockerfile.cpu", ROOT / "docker" / "Dockerfile
 PROBE = ROOT / "docker" / "healthcheck.py"
 PROBE_IN_IMAGE = "/opt/pagedserve/healthcheck.py"
 APP_SERVICES = ("engine", "tokenizer")
-BAKE_MODEL = "from engine.loader.model_loader import resolve_model; print(resolve_model(None))"
+BAKE_MODEL = "from engine.loader.model_files import resolve_model; print(resolve_model(None))"
 
 
 # ---- the compose binary -------------------------------------------------------------------
@@ -322,13 +323,30 @@ def test_dockerfile(dockerfile: Path) -> None:
 
 def test_cpu_dockerfile_torch_index_is_the_users() -> None:
     steps = _instructions(DOCKERFILES[0])
-    assert steps[0] == ("FROM", "python:3.11-slim")
+    assert steps[0] == ("FROM", "python:3.11-slim AS build")
     # Declared without a default value; torch comes from it only when it is given.
     assert ("ARG", "TORCH_INDEX_URL") in steps
     assert ("ARG", "TORCH_VERSION=2.13.0") in steps
     text = " ".join(args for _, args in steps)
     assert '--index-url "${TORCH_INDEX_URL}"' in text
     assert '[ -n "${TORCH_INDEX_URL}" ]' in text
+
+
+def test_cpu_image_is_built_in_two_stages() -> None:
+    """Everything is installed in the build stage; the final stage copies its virtual
+    environment and never runs pip, so no installer, cache or source tree is left in it."""
+    steps = _instructions(DOCKERFILES[0])
+    froms = [index for index, (keyword, _) in enumerate(steps) if keyword == "FROM"]
+    assert len(froms) == 2 and steps[froms[1]] == ("FROM", "python:3.11-slim")
+    build, final = steps[: froms[1]], steps[froms[1] :]
+    assert ("RUN", "python -m venv /opt/venv") in build
+    assert any("pip uninstall -y triton pip" in args for _, args in build)
+    assert ("COPY", "--from=build /opt/venv /opt/venv") in final
+    final_text = " ".join(args for _, args in final)
+    assert "pip " not in final_text and "/tmp/pagedserve-src" not in final_text
+    assert "rm -rf /var/lib/apt/lists/*" in final_text
+    (env,) = [args for keyword, args in final if keyword == "ENV" and "PATH=" in args]
+    assert "PATH=/opt/venv/bin:$PATH" in env
 
 
 def test_cuda_dockerfile_keeps_the_images_torch() -> None:
@@ -341,40 +359,13 @@ def test_cuda_dockerfile_keeps_the_images_torch() -> None:
     assert "--constraint /tmp/torch-constraints.txt" in text
 
 
-def _dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
-    """.dockerignore as (re-include?, pattern): Docker's rules for the patterns used here
-    (`*` within one path segment, `**` across segments, the last matching line wins)."""
-    rules = []
-    for raw in (ROOT / ".dockerignore").read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        include = line.startswith("!")
-        pattern = line.lstrip("!").strip().strip("/")
-        regex = re.escape(pattern).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*")
-        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
-        regex = re.sub(r"\\\[(.*?)\\\]", r"[\1]", regex)
-        rules.append((include, re.compile(regex + r"\Z")))
-    return rules
-
-
-def _in_build_context(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
-    parts = path.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    kept = True
-    for include, pattern in rules:
-        if any(pattern.match(prefix) for prefix in prefixes):
-            kept = include
-    return kept
-
-
 def test_dockerignore_keeps_what_the_build_needs() -> None:
-    rules = _dockerignore_rules()
+    rules = dockerignore_rules()
     needed = ["pyproject.toml", "README.md", "docker/healthcheck.py"]
     for package in ("engine", "kernels", "services", "clients", "proto/pagedserve"):
         needed += [str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*") if p.is_file()]
     needed = [path for path in needed if "__pycache__" not in path]
-    assert [path for path in needed if not _in_build_context(path, rules)] == []
+    assert [path for path in needed if not in_build_context(path, rules)] == []
     for left_out in (
         ".git/HEAD",
         ".venv/bin/python",
@@ -383,7 +374,7 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
         "engine/__pycache__/llm.cpython-311.pyc",
         "docker-compose.yml",
     ):
-        assert not _in_build_context(left_out, rules), left_out
+        assert not in_build_context(left_out, rules), left_out
 
 
 # ---- the gRPC health probe ------------------------------------------------------------------

@@ -43,6 +43,7 @@ from services.tokenizer_service.replicas.lora_sync import sync_lora_adapters
 logger = logging.getLogger("services.tokenizer_service.replicas.pool")
 
 DNS_SCHEME = "dns:///"
+TARGET_NAME_OVERRIDE = "grpc.ssl_target_name_override"
 POLICIES = ("affinity", "round_robin")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _MODEL_FIELDS = ("model", "architecture", "vocab_size", "max_model_len", "hidden_size")
@@ -142,14 +143,25 @@ class EnginePool:
         for replica in self.replicas.values():
             replica.replace_credentials(credentials)
 
-    def _add(self, address: str) -> None:
+    def _options_for(self, dns_name: str | None) -> list[ChannelOption]:
+        """A replica found through `dns:///name` is dialled by IP, but its certificate names
+        the service (`engine` in compose, the Service in Kubernetes), not a pod's address:
+        over TLS, check that name, as a connection to `name:port` would, unless
+        `--engine-tls-server-name` gave one."""
+        options = list(self._channel_options)
+        named = any(key == TARGET_NAME_OVERRIDE for key, _ in options)
+        if dns_name is not None and self._credentials is not None and not named:
+            options.append((TARGET_NAME_OVERRIDE, dns_name))
+        return options
+
+    def _add(self, address: str, dns_name: str | None = None) -> None:
         replica = EngineBackend(
             address,
             self._replica_health_changed,
             poll_interval_s=self._poll_interval_s,
             max_message_bytes=self._max_message_bytes,
             credentials=self._credentials,
-            channel_options=self._channel_options,
+            channel_options=self._options_for(dns_name),
         )
         replica.accepts_model = self._accepts_model
         replica.before_available = self._before_available
@@ -160,16 +172,17 @@ class EnginePool:
     async def refresh_dns(self) -> None:
         """Resolves the `dns:///` names now; replicas follow the answer. A failed lookup
         keeps the replicas it had (a DNS hiccup must not empty the pool)."""
-        wanted = set(self.fixed)
+        wanted: dict[str, str | None] = dict.fromkeys(self.fixed)  # address -> its DNS name
         for host, port in self.names:
             try:
-                wanted.update(await self._resolver(host, port))
+                for address in await self._resolver(host, port):
+                    wanted.setdefault(address, host)
             except OSError as exc:
                 logger.warning("cannot resolve %s: %s", host, exc)
-                wanted.update(a for a in self.replicas if a not in self.fixed)
-        for address in sorted(wanted - set(self.replicas)):
-            self._add(address)
-        for address in sorted(set(self.replicas) - wanted):
+                wanted.update((a, host) for a in self.replicas if a not in self.fixed)
+        for address in sorted(set(wanted) - set(self.replicas)):
+            self._add(address, wanted[address])
+        for address in sorted(set(self.replicas) - set(wanted)):
             replica = self.replicas.pop(address)
             await replica.close()
             logger.info("engine replica removed", extra={"engine_address": address})

@@ -12,9 +12,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.v1 import generation_pb2_grpc
 from services.cli.main import build_parser, flags_from, subparser
 from tests.services.conftest import ServiceStack
 from tests.services.helpers import gather, request, token_prompts, wait_for
+from tests.services.secure import start_engine_server, start_tokenizer_server
 
 MAX_TOKENS = 4
 
@@ -127,3 +129,42 @@ def test_cli_flags(monkeypatch):
     assert tokenizer_flags[tokenizer_flags.index("--metrics-port") + 1] == "9100"
     assert "--log-stats-interval" in engine_flags
     assert "--log-stats-interval" not in tokenizer_flags
+
+
+def _families(port: int) -> set[str]:
+    return {name for name, _ in scrape(port)}
+
+
+def test_vllm_metric_names_on_request(metrics_stack):
+    """`--metrics-name-prefix vllm`: the same metrics under vLLM's names (`vllm:...`), so
+    dashboards, the endpoint picker and autoscalers made for vLLM find them; nothing else
+    changes."""
+    stack = metrics_stack
+    engine = start_engine_server(stack, metrics_address="127.0.0.1:0", metrics_name_prefix="vllm")
+    tokenizer = start_tokenizer_server(
+        stack, engine.port, metrics_address="127.0.0.1:0", metrics_name_prefix="vllm"
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{tokenizer.port}") as channel:
+            stub = generation_pb2_grpc.TextGenerationServiceStub(channel)
+            assert gather(stub.Generate(request(token_ids=[5, 6, 7], max_tokens=2)))[0].token_ids
+        for ours, theirs in (
+            (stack.engine_server.metrics_endpoint.port, engine.metrics_endpoint.port),
+            (stack.tokenizer_server.metrics_endpoint.port, tokenizer.metrics_endpoint.port),
+        ):
+            renamed = {name.replace("pagedserve:", "vllm:", 1) for name in _families(ours)}
+            wait_for(lambda: renamed <= _families(theirs))  # noqa: B023
+            assert not [name for name in _families(theirs) if name.startswith("pagedserve:")]
+        samples = scrape(engine.metrics_endpoint.port)
+        for gauge in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+            assert [name for name, _ in samples if name == f"vllm:{gauge}"], gauge
+        assert value(samples, "vllm:request_success_total") >= 1
+    finally:
+        stack.loop.run(tokenizer.stop(0))
+        stack.loop.run(engine.stop(0))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["engine", "--metrics-name-prefix", "sglang"])
+    ns = build_parser().parse_args(["serve", "--metrics-name-prefix", "vllm"])
+    for child in ("engine", "tokenizer"):
+        flags = flags_from(ns, subparser(build_parser(), child))
+        assert flags[flags.index("--metrics-name-prefix") + 1] == "vllm"

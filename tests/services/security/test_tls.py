@@ -22,9 +22,12 @@ from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.errors import ConfigError
 from services.engine_service.server import EngineServer, EngineServerConfig
 from services.security.tls import EngineLinkTLS, ServerTLSConfig
+from services.tokenizer_service.config import TokenizerServerConfig
+from services.tokenizer_service.server import TokenizerServer
 from tests.services.helpers import wait_for
 from tests.services.secure import (
     ROOT,
+    dev_ca,
     make_pki,
     start_engine_server,
     start_tokenizer_server,
@@ -107,6 +110,40 @@ def test_server_tls_verified_against_the_right_ca(stack, pki):
             client.tokenize("hello")
     finally:
         stop(stack, tokenizer)
+
+
+def test_dns_replicas_are_verified_against_the_name_not_their_address(stack, tmp_path):
+    """`dns:///engine:50052` over TLS (compose's secure stack): each replica is dialled by IP,
+    while its certificate names the service only, so the name is what must be checked."""
+    ca_module = dev_ca()
+    ca = ca_module.make_ca()
+    ca.write(tmp_path, "ca")
+    cert, key = ca_module.issue(ca, "localhost", []).write(tmp_path, "named")  # no IP in it
+    engine = start_engine_server(stack, tls=ServerTLSConfig(str(cert), str(key)))
+
+    async def start_tokenizer() -> TokenizerServer:
+        server = TokenizerServer(
+            TokenizerServerConfig(
+                address="127.0.0.1:0",
+                engine_address=f"dns:///localhost:{engine.port}",
+                engine_poll_interval_s=0.2,
+                engine_tls=EngineLinkTLS(str(tmp_path / "ca.pem")),
+            ),
+            stack.files,
+        )
+        await server.start()
+        return server
+
+    tokenizer = stack.loop.run(start_tokenizer())
+    try:
+        assert stack.loop.run(tokenizer.backend.wait_until_available(60.0))
+        up = [a for a, r in tokenizer.backend.replicas.items() if r.available]
+        assert up == [f"127.0.0.1:{engine.port}"], tokenizer.backend.describe()
+        with Client(f"127.0.0.1:{tokenizer.port}", timeout=30) as client:
+            result = client.generate_text(token_ids=[5, 6], max_tokens=2)
+            assert len(result.outputs[0].token_ids) == 2
+    finally:
+        stop(stack, tokenizer, engine)
 
 
 def test_engine_link_without_a_client_certificate_is_refused(mtls, pki, stack):

@@ -1,0 +1,196 @@
+"""README.md's examples that talk to a server run as written, with sensible answers.
+
+The README is what a new user copies first, so its examples are run from the README itself,
+not from a copy in this file: the shell tour's `pagedserve serve ... &` line starts the one
+live server (the default model, as written), every other `pagedserve` line of it then runs
+through bash exactly as written, and the Python client example runs with only its address
+changed. The server's port comes from the variables the commands read (`PAGEDSERVE_PORT`,
+`PAGEDSERVE_ENGINE_ADDR`, `PAGEDSERVE_ADDRESS`), so the test need not take port 50051.
+
+"Sensible" is checked per command, because an example can run and still mislead: a question
+sent as a raw prompt to the default (instruct) model ends after a token or two, so an answer
+must be a real one (`EXPECTED`). A new client command in the tour fails the test until an
+expectation is written for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.supervisor import wait_until_serving
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# What `pagedserve chat` reads from stdin: one turn, then EOF ends the chat.
+CHAT_INPUT = "What is the capital of France?\n"
+
+
+def _fenced(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), re.S | re.M)
+
+
+def _commands(block: str) -> list[str]:
+    """The block's commands: continuation lines joined, comments and blank lines dropped."""
+    commands = []
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            commands.append(line.split(" #")[0].strip())
+    return commands
+
+
+def _tour() -> list[str]:
+    (block,) = [block for block in _fenced("bash") if "pagedserve serve" in block]
+    return _commands(block)
+
+
+def _server_command() -> str:
+    (line,) = [line for line in _tour() if line.startswith("pagedserve serve")]
+    assert line.endswith("&"), "the tour starts the server in the background"
+    return line.removesuffix("&").strip()
+
+
+def _client_commands() -> list[str]:
+    return [line for line in _tour() if not line.startswith("pagedserve serve")]
+
+
+def _tokens(stderr: str) -> int:
+    match = re.search(r"\[(\d+) tokens in", stderr)
+    assert match, stderr[-2000:]
+    return int(match.group(1))
+
+
+def _answered(command: str, out: str, err: str) -> None:
+    """A streamed answer, not one that ends at once: at least 16 tokens, or a stop after a
+    few words."""
+    stopped = "finish_reason=stop" in err and len(out.split()) >= 5
+    assert _tokens(err) >= 16 or stopped, (out, err)
+
+
+def _bench(command: str, out: str, err: str) -> None:
+    assert "Serving Benchmark Result" in out, out
+    requests = int(re.search(r"Successful requests:\s+(\d+)", out).group(1))
+    assert requests == int(re.search(r"--num-prompts (\d+)", command).group(1)), out
+
+
+def _health(command: str, out: str, err: str) -> None:
+    assert out.startswith("SERVING") and "engine_reachable: true" in out, out
+
+
+def _chat(command: str, out: str, err: str) -> None:
+    """An answer to the question on stdin (sampled: its words vary, not its being one)."""
+    assert len(out.split()) >= 3, out
+
+
+# The client command (its first word after `pagedserve`) -> what its output must show.
+EXPECTED: dict[str, Callable[[str, str, str], None]] = {
+    "health": _health,
+    "generate": _answered,
+    "chat": _chat,
+    "bench": _bench,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shell_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`pagedserve` on PATH (this checkout's, as `make run` would install it) and the ports."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    script = bin_dir / "pagedserve"
+    script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m services "$@"\n')
+    script.chmod(0o755)
+    port = _free_port()
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]),
+        PAGEDSERVE_PORT=str(port),
+        PAGEDSERVE_ENGINE_ADDR=f"127.0.0.1:{_free_port()}",
+        PAGEDSERVE_ADDRESS=f"127.0.0.1:{port}",
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(shell_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The README's own server line, run by bash; yields the public API's address."""
+    cwd = tmp_path_factory.mktemp("readme")
+    proc = subprocess.Popen(["bash", "-c", "exec " + _server_command()], env=shell_env, cwd=cwd)
+    address = shell_env["PAGEDSERVE_ADDRESS"]
+    try:
+        assert wait_until_serving(address, [proc], timeout=900), "the README's server is down"
+        yield address
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # `pagedserve serve` stops both services
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_the_tour_has_the_commands_this_test_knows() -> None:
+    commands = _client_commands()
+    assert commands and all(line.startswith("pagedserve ") for line in commands), commands
+    unknown = {line.split()[1] for line in commands} - set(EXPECTED)
+    assert not unknown, f"no expectation for the README's `pagedserve {unknown}` examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", _client_commands())
+def test_tour_command_runs_as_written(command: str, server, shell_env, tmp_path) -> None:
+    done = subprocess.run(
+        ["bash", "-c", command],
+        env=shell_env,
+        cwd=tmp_path,
+        input=CHAT_INPUT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    EXPECTED[command.split()[1]](command, done.stdout, done.stderr)
+
+
+def _client_example() -> str:
+    (block,) = [block for block in _fenced("python") if "Client(" in block]
+    return block
+
+
+@pytest.mark.slow
+def test_python_client_example_runs_as_written(server, shell_env, tmp_path) -> None:
+    example = _client_example()
+    assert example.count('"localhost:50051"') == 1, "the example's address changed"
+    script = tmp_path / "example.py"
+    script.write_text(example.replace('"localhost:50051"', repr(server)))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=shell_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    # The greedy completion names the capital; the chat answer is printed with its reasons
+    # and token count; the last line is the token ids of "Hello world" and SERVING.
+    assert "Paris" in lines[0], done.stdout
+    assert re.search(r"\['(stop|length)'\] \d+$", done.stdout, re.M), done.stdout
+    assert lines[-1].endswith("SERVING") and lines[-1].startswith("["), done.stdout
