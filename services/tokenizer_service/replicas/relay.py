@@ -100,6 +100,8 @@ class EngineRelay:
             live,
             choose,
             attempt,
+            RequestMigrations(self.migration_limit, self.metrics, engine_request.request_id),
+            lambda: stream.num_tokens,
         )
 
     async def encode(

@@ -5,7 +5,9 @@ SIGTERMed midway, and every stream completes as if nothing had happened.
 Why real processes: the failures are the processes' own (a dead socket, a frozen process
 whose connections stay open, an engine that drains and hands its streams back). Each stream
 is compared with the same request run undisturbed beforehand: exact tokens (greedy and
-seeded on the tiny fp32 model) and text, and usage counting the whole output.
+seeded on the tiny fp32 model; greedy up to DESIGN.md's top-5 criterion, since the
+undisturbed run batches differently and a random model has near-ties) and text, and usage
+counting the whole output.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ MAX_TOKENS = 600  # long enough to be midway when the fault comes
 STALL_TIMEOUT_S = 2.0  # the test's --engine-stall-timeout: a SIGSTOP is noticed quickly
 # Greedy, seeded sampling, and two seeded samples (seed + i each).
 STREAMS = (
-    {"temperature": 0.0},
+    {"temperature": 0.0, "logprobs": 5},  # greedy: the top-5 check needs them
     {"temperature": 1.0, "seed": 1234},
     {"temperature": 0.8, "seed": 99, "n": 2},
 )
@@ -174,10 +176,25 @@ def _assert_complete_and_equal(fleet: Fleet, expected, results) -> None:
         assert sorted(got) == sorted(want)
         for index, out in got.items():
             assert out.finish_reason == common_pb2.FINISH_REASON_LENGTH
-            assert out.token_ids == want[index].token_ids  # exact: greedy and seeded
+            if out.logprobs:  # greedy
+                _assert_greedy_match(out, want[index])
+            else:
+                assert out.token_ids == want[index].token_ids  # seeded: exact
             assert len(out.token_ids) == out.usage.completion_tokens == MAX_TOKENS
-            assert out.text == want[index].text  # nothing sent twice, nothing lost
+            if out.token_ids == want[index].token_ids:
+                assert out.text == want[index].text  # nothing sent twice, nothing lost
             assert out.text == fleet.files.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def _assert_greedy_match(got, want) -> None:
+    """Equal tokens, or at the first divergence each side's token within the other's top-5
+    (DESIGN.md "Correctness reference")."""
+    assert len(got.logprobs) == len(got.token_ids)  # logprobs for every token, moved or not
+    for pos, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+        if a != b:
+            assert a in {e.token_id for e in want.logprobs[pos].top}, pos
+            assert b in {e.token_id for e in got.logprobs[pos].top}, pos
+            return
 
 
 def test_sigkill_moves_the_streams_and_they_complete_unchanged(fleet):
