@@ -243,6 +243,29 @@ def test_sigterm_drains_and_hands_the_streams_back(fleet):
     fleet.wait_all_up()
 
 
+def test_a_replica_restarted_with_a_smaller_cache_is_reread_and_limits_follow_it(fleet):
+    """GetModelInfo used to report the old engine's KV blocks after it came back smaller."""
+    info = fleet.public.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
+    old = fleet.engines[1]
+    old.kill()
+    small = fleet.engines[1] = EngineProcess(
+        old.model_dir, old.port, "--kv-cache-memory-bytes", str(1 << 20)
+    )
+    small.start()
+    small.wait_serving()
+    fleet.wait_all_up()
+    own = fleet.replica(small).model_info
+    assert own.num_kv_blocks < info.num_kv_blocks
+
+    def reported():
+        return fleet.public.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=10)
+
+    wait_for(lambda: reported().num_kv_blocks == own.num_kv_blocks, timeout=30)
+    assert reported().effective_max_model_len == own.effective_max_model_len
+    details = fleet.public.Health(common_pb2.HealthRequest(), timeout=10).details
+    assert f"num_kv_blocks={own.num_kv_blocks}" in details[f"replica.{small.address}"]
+
+
 def test_every_replica_killed_ends_the_streams_unavailable(fleet):
     holder = fleet.engines[0]
     readers = [Reader(fleet.public.Generate(r, timeout=300)) for r in _requests(fleet, holder, 4)]
