@@ -5,12 +5,14 @@ nothing for them. Each rank counts its collectives and the time spent in them
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.distributed.parallel_state import ParallelRank, get_parallel_rank
+from engine.distributed.parallel_state import CollectiveError, ParallelRank, get_parallel_rank
 
 
 @dataclass
@@ -39,7 +41,8 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    dist.all_reduce(x, group=ranks.tp_group)
+    with _raising_collective_error("all_reduce"):
+        dist.all_reduce(x, group=ranks.tp_group)
     COLLECTIVE_STATS.num_all_reduce += 1
     COLLECTIVE_STATS.all_reduce_s += time.perf_counter() - start
     return x
@@ -57,7 +60,8 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     dst = ranks.global_rank(ranks.pp_rank, 0)
     start = time.perf_counter()
     parts = None if ranks.tp_rank != 0 else [torch.empty_like(x) for _ in range(ranks.tp_size)]
-    dist.gather(x, parts, dst=dst, group=ranks.tp_group)
+    with _raising_collective_error("gather"):
+        dist.gather(x, parts, dst=dst, group=ranks.tp_group)
     COLLECTIVE_STATS.num_gather += 1
     COLLECTIVE_STATS.gather_s += time.perf_counter() - start
     return None if parts is None else torch.cat(parts, dim=-1)
@@ -70,7 +74,8 @@ def send_to_next_stage(x: torch.Tensor) -> None:
     import torch.distributed as dist
 
     start = time.perf_counter()
-    dist.send(x.contiguous(), ranks.global_rank(ranks.pp_rank + 1, ranks.tp_rank))
+    with _raising_collective_error("send to the next stage"):
+        dist.send(x.contiguous(), ranks.global_rank(ranks.pp_rank + 1, ranks.tp_rank))
     COLLECTIVE_STATS.num_stage_transfers += 1
     COLLECTIVE_STATS.stage_transfer_s += time.perf_counter() - start
 
@@ -82,7 +87,8 @@ def recv_from_prev_stage(shape: tuple[int, ...], dtype: torch.dtype, device) -> 
 
     x = torch.empty(shape, dtype=dtype, device=device)
     start = time.perf_counter()
-    dist.recv(x, ranks.global_rank(ranks.pp_rank - 1, ranks.tp_rank))
+    with _raising_collective_error("receive from the previous stage"):
+        dist.recv(x, ranks.global_rank(ranks.pp_rank - 1, ranks.tp_rank))
     COLLECTIVE_STATS.num_stage_transfers += 1
     COLLECTIVE_STATS.stage_transfer_s += time.perf_counter() - start
     return x
@@ -93,3 +99,13 @@ def _stage_ranks() -> ParallelRank:
     if ranks.pp_size == 1:
         raise RuntimeError("stage-to-stage transfer needs pipeline_parallel_size > 1.")
     return ranks
+
+
+@contextlib.contextmanager
+def _raising_collective_error(op: str) -> Iterator[None]:
+    """gloo and NCCL raise a RuntimeError (a reset connection, a timeout) when a peer dies;
+    tagged, the driver knows to name the peer rather than this rank."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CollectiveError(f"{op} failed: {exc}") from exc

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class CollectiveError(RuntimeError):
+    """A collective (all-reduce, gather, a stage transfer) broke: usually a symptom, a peer
+    rank died or stopped, so the driver looks for that rank before blaming this one."""
+
+
 @dataclass(frozen=True)
 class ParallelRank:
     tp_rank: int = 0

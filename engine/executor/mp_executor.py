@@ -13,6 +13,17 @@ engine thread wakes and dies, so the gRPC service turns NOT_SERVING). `shutdown`
 ranks to exit and kills any that do not, so no process outlives the engine; a finalizer does
 the same when the executor is collected without it (`del llm; gc.collect()`): only the engine
 holds the executor (the monitor thread keeps a weak reference).
+
+The failure names the cause, not a symptom. When rank 1 is killed, rank 0's all-reduce
+breaks ("Connection reset by peer") and rank 0 may well report first, before rank 1's exit
+is even reaped. So the causes rank::
+
+    a rank that died (killed, or exited without reporting)   "rank 1 (pid N) died (SIGKILL)"
+    a rank's reported error                                  its traceback
+    a rank whose heartbeat stopped (the most silent one)     "has not answered for X s"
+
+and a reported collective error (`CollectiveError`, a symptom) or a closed pipe first waits
+up to `_DEATH_GRACE_S` for a rank to be seen dead.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -33,7 +45,7 @@ from typing import Any
 from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.step_delta import StepDeltaBuilder
-from engine.executor.worker_proc import WorkerSpec, worker_main
+from engine.executor.worker_proc import REPORTED_ERROR_EXIT_CODE, WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +53,9 @@ RANK_TIMEOUT_ENV = "PAGEDSERVE_RANK_TIMEOUT_S"
 _DEFAULT_RANK_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 600.0  # loading a large model's shard
 _POLL_S = 0.25
+# How long a broken collective waits for the peer that broke it to be seen dead (its
+# sockets close before its exit status can be read; under load the gap can be long).
+_DEATH_GRACE_S = 5.0
 
 
 class RankFailedError(RuntimeError):
@@ -153,11 +168,11 @@ class MultiprocExecutor:
             self.check_health()
             ready = wait([*self._conns, *(p.sentinel for p in self._procs)], timeout=_POLL_S)
             if driver in ready:
-                kind, payload = driver.recv()
+                kind, payload = self._recv(self.driver_rank)
                 if kind == "output":
                     self._num_in_flight -= 1
                     return payload
-                self._fail(str(payload))
+                self._fail(self._cause(kind, payload))
             elif ready:
                 self._check_ranks()
 
@@ -184,24 +199,62 @@ class MultiprocExecutor:
             raise RankFailedError(failure)
 
     def _check_ranks(self, read_pipes: bool = True) -> None:
-        """Fails on a rank that exited, stopped its heartbeat, or (`read_pipes`: only the
-        thread that collects outputs reads the pipes) reported an error."""
+        """Fails on the worst cause found (see the module docstring): a rank that died, then
+        (`read_pipes`: only the thread that collects outputs reads the pipes) a reported
+        error, then the most silent heartbeat."""
+        dead = self._dead_rank(grace_s=0.0)
+        if dead is not None:
+            self._fail(dead)
+            return
+        if read_pipes:
+            for rank, conn in enumerate(self._conns):
+                if rank != self.driver_rank and conn.poll():
+                    kind, message = self._recv(rank)
+                    self._fail(self._cause(kind, message))
+                    return
+        silent = self._most_silent_rank()
+        if silent is not None:
+            self._fail(silent)
+
+    def _recv(self, rank: int) -> tuple[str, Any]:
+        try:
+            return self._conns[rank].recv()
+        except (EOFError, OSError):
+            return "closed", f"rank {rank} closed its pipe"
+
+    def _cause(self, kind: str, message: Any) -> str:
+        """A rank's report, unless it is a symptom (a broken collective, a closed pipe) of
+        a rank that died, which then is the cause."""
+        grace_s = 0.0 if kind == "error" else _DEATH_GRACE_S
+        return self._dead_rank(grace_s) or str(message)
+
+    def _dead_rank(self, grace_s: float) -> str | None:
+        """The first rank that died (exited other than after reporting an error), waiting
+        up to `grace_s` for one; None if none did."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                code = proc.exitcode
+                if code is not None and code != REPORTED_ERROR_EXIT_CODE:
+                    return f"rank {rank} (pid {proc.pid}) died ({_describe_exit(code)})"
+            running = [p.sentinel for p in self._procs if p.exitcode is None]
+            left = deadline - time.monotonic()
+            if not running or left <= 0:
+                return None
+            wait(running, timeout=left)
+
+    def _most_silent_rank(self) -> str | None:
+        """The rank silent the longest past `rank_timeout_s`: one that hangs, or one that
+        exited after reporting an error nobody read."""
         now = time.monotonic()
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
-            if read_pipes and rank != self.driver_rank and conn.poll():
-                try:
-                    _, message = conn.recv()
-                except (EOFError, OSError):
-                    message = f"rank {rank} closed its pipe"
-                self._fail(str(message))
-                return
-            if not proc.is_alive():
-                self._fail(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
-                return
-            silent = now - self._heartbeats[rank].value
-            if silent > self.rank_timeout_s:
-                self._fail(f"rank {rank} (pid {proc.pid}) has not answered for {silent:.1f} s")
-                return
+        silences = [now - beat.value for beat in self._heartbeats]
+        rank = max(range(self.world_size), key=silences.__getitem__)
+        if silences[rank] <= self.rank_timeout_s:
+            return None
+        proc = self._procs[rank]
+        if proc.exitcode is not None:
+            return f"rank {rank} (pid {proc.pid}) exited after an error ({proc.exitcode})"
+        return f"rank {rank} (pid {proc.pid}) has not answered for {silences[rank]:.1f} s"
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -225,15 +278,15 @@ class MultiprocExecutor:
             for rank, conn in enumerate(self._conns):
                 if rank in values or conn not in ready:
                     continue
-                kind, payload = conn.recv()
+                kind, payload = self._recv(rank)
                 if kind != expected:
-                    raise RankFailedError(str(payload))
+                    raise RankFailedError(self._cause(kind, payload))
                 values[rank] = payload
             for rank, proc in enumerate(self._procs):
                 if proc.sentinel in ready and rank not in values:
                     if self._conns[rank].poll():  # its error message came first
                         continue
-                    raise RankFailedError(f"rank {rank} exited with code {proc.exitcode}")
+                    raise RankFailedError(self._dead_rank(grace_s=0.0) or f"rank {rank} exited")
         return [values[rank] for rank in range(self.world_size)]
 
     # ---- shutdown ---------------------------------------------------------------------
@@ -259,9 +312,13 @@ def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:
         executor = executor_ref()
         if executor is None or executor._failure is not None:
             return
-        sentinels = [p.sentinel for p in executor._procs]
+        # Only the running ranks: an exited one's sentinel is ready at once (a busy loop).
+        sentinels = [p.sentinel for p in executor._procs if p.exitcode is None]
         del executor
-        wait(sentinels, timeout=_POLL_S)
+        if sentinels:
+            wait(sentinels, timeout=_POLL_S)
+        else:
+            time.sleep(_POLL_S)
         executor = executor_ref()
         if executor is None or executor._failure is not None:
             return
@@ -289,6 +346,16 @@ def _kill_all(procs: list[Any]) -> None:
             proc.kill()
     for proc in procs:
         proc.join(5.0)
+
+
+def _describe_exit(code: int) -> str:
+    """-9 -> "killed by SIGKILL"; 1 -> "exit code 1" (`Process.exitcode` conventions)."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _free_port() -> int:

@@ -10,7 +10,10 @@ Started (spawned) by `MultiprocExecutor`, one per rank. The conversation over it
     driver -> rank   ("stats", None)           (nothing in flight) every rank answers
     rank -> driver   ("stats", {...})          its steps and collective times
     driver -> rank   ("shutdown", None)
-    rank -> driver   ("error", text)           any failure, then the process exits
+    rank -> driver   ("error", text)           any failure, then the process exits with
+                                               REPORTED_ERROR_EXIT_CODE
+    rank -> driver   ("collective_error", text)   the same for a broken collective (a
+                                               symptom: the driver looks for a peer that died)
 
 A heartbeat thread stamps a shared clock every `HEARTBEAT_INTERVAL_S`, so the driver sees
 a rank that stopped (SIGSTOP, a stuck machine) even while the others wait in a
@@ -31,7 +34,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from engine.distributed.parallel_state import CollectiveError
+
 HEARTBEAT_INTERVAL_S = 0.5
+# The exit code after an error sent over the pipe: the driver tells a rank that reported
+# (its message says why) from one that died (killed, crashed without a word).
+REPORTED_ERROR_EXIT_CODE = 3
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +67,12 @@ def worker_main(spec: WorkerSpec, conn: Any, heartbeat: Any) -> None:
     ).start()
     try:
         _serve(spec, conn)
-    except BaseException:
+    except BaseException as exc:
+        kind = "collective_error" if isinstance(exc, CollectiveError) else "error"
         text = traceback.format_exc()
         with contextlib.suppress(OSError, EOFError):
-            conn.send(("error", f"rank {spec.rank}: {text}"))
-        sys.exit(1)
+            conn.send((kind, f"rank {spec.rank}: {text}"))
+        sys.exit(REPORTED_ERROR_EXIT_CODE)
 
 
 def _serve(spec: WorkerSpec, conn: Any) -> None:

@@ -289,9 +289,9 @@ class AsyncLLMEngine:
             lora_request,
             trace_headers,
             priority,
-            resumed_output_token_ids,
-            fairness_key,
-            fairness_weight,
+            resumed_output_token_ids=resumed_output_token_ids,
+            fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -321,8 +321,8 @@ class AsyncLLMEngine:
             lora_request,
             trace_headers,
             priority,
-            fairness_key,
-            fairness_weight,
+            fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
         )
         async with contextlib.aclosing(stream):
             async for output in stream:
@@ -352,6 +352,7 @@ class AsyncLLMEngine:
         lora_request: Any,
         trace_headers: Mapping[str, str] | None,
         priority: int,
+        *,
         resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
         fairness_key: str | None = None,
         fairness_weight: float = 1.0,
@@ -366,9 +367,9 @@ class AsyncLLMEngine:
                 lora_request,
                 trace_headers,
                 priority,
-                resumed_output_token_ids,
-                fairness_key,
-                fairness_weight,
+                resumed_output_token_ids=resumed_output_token_ids,
+                fairness_key=fairness_key,
+                fairness_weight=fairness_weight,
             )
         )
         done = False

@@ -257,9 +257,9 @@ class LLMEngine(LLMEngineAdminMixin):
             lora_request,
             trace_headers,
             priority,
-            resumed_output_token_ids,
-            fairness_key,
-            fairness_weight,
+            resumed_output_token_ids=resumed_output_token_ids,
+            fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
         )
         params, headers, samples = new.params, new.trace_headers, new.samples
         if isinstance(params, PoolingParams):

@@ -94,6 +94,7 @@ class RequestBuilder:
         lora_request: Any,
         trace_headers: Mapping[str, str] | None,
         priority: int,
+        *,
         resumed_output_token_ids: ResumedOutputTokenIds | None = None,
         fairness_key: str = DEFAULT_KEY,
         fairness_weight: float = 1.0,

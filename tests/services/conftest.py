@@ -130,7 +130,7 @@ class ServiceStack:
     def stats(self) -> EngineStats:
         return self.engine.get_stats()
 
-    def wait_until_idle(self, timeout: float = 20.0) -> EngineStats:
+    def wait_until_idle(self, timeout: float = 60.0) -> EngineStats:
         """Waits until no request is left and every KV block is free again."""
         deadline = time.monotonic() + timeout
         while True:

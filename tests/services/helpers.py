@@ -62,8 +62,10 @@ def request(
     return msg
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
-    """Polls `predicate` until it returns something truthy; returns that, or fails."""
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02):
+    """Polls `predicate` until it returns something truthy; returns that, or fails. The
+    deadline is generous: it only matters when the condition never comes, and a loaded
+    2-core machine may take many seconds for one that does."""
     import time
 
     deadline = time.monotonic() + timeout

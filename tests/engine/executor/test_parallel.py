@@ -10,7 +10,9 @@ applies (equal tokens, or each side's token in the other's top-5 at a divergence
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 
 import psutil
@@ -129,7 +131,11 @@ def test_unsplittable_settings_are_refused_with_the_numbers(kwargs, message) -> 
         EngineArgs(**kwargs).create_engine_config()
 
 
-def test_a_killed_rank_fails_the_engine_and_no_rank_outlives_it(tmp_path) -> None:
+@pytest.mark.parametrize("victim", [0, 1], ids=["driver-rank", "other-rank"])
+def test_a_killed_rank_fails_the_engine_and_no_rank_outlives_it(tmp_path, victim) -> None:
+    """The failure names the rank that was killed, not the survivor whose all-reduce broke
+    (which often reports first: "rank 0: ... Connection reset by peer"), whichever rank
+    the driver hears from first; every rank is gone afterwards."""
     path = make_tiny_llama(tmp_path / "m", num_layers=2, max_position_embeddings=4096)
     engine = LLMEngine.from_engine_args(
         EngineArgs(str(path), skip_tokenizer_init=True, tensor_parallel_size=2)
@@ -139,34 +145,29 @@ def test_a_killed_rank_fails_the_engine_and_no_rank_outlives_it(tmp_path) -> Non
     engine.add_request("long", {"prompt_token_ids": [5, 6, 7]}, params)
     for _ in range(3):
         engine.step()
-    os.kill(pids[1], signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(RankFailedError, match="rank 1"):
-        while time.monotonic() - started < 30:
+    os.kill(pids[victim], signal.SIGKILL)
+    cause = re.escape(f"rank {victim} (pid {pids[victim]}) died (killed by SIGKILL)")
+    with pytest.raises(RankFailedError, match=f"^{cause}$"):
+        while engine.has_unfinished_requests():  # 3000 tokens: it fails long before
             engine.step()
-    assert time.monotonic() - started < 5.0
     _wait_gone(pids)
     engine.shutdown()
 
 
 def test_a_stopped_rank_is_noticed_while_idle(tmp_path, monkeypatch) -> None:
     """SIGSTOP (a hung rank): its heartbeat stops; the engine fails even with nothing to
-    step, and every rank (the stopped one too) is killed."""
+    step, naming the stopped rank, and every rank (the stopped one too) is killed."""
     monkeypatch.setenv("PAGEDSERVE_RANK_TIMEOUT_S", "2")
     path = make_tiny_llama(tmp_path / "m", num_layers=2)
     engine = LLMEngine.from_engine_args(
         EngineArgs(str(path), skip_tokenizer_init=True, pipeline_parallel_size=2)
     )
-    failed = []
-    engine.add_failure_listener(lambda: failed.append(time.monotonic()))
+    failed = threading.Event()
+    engine.add_failure_listener(failed.set)
     pids = engine.executor.pids
     os.kill(pids[0], signal.SIGSTOP)
-    started = time.monotonic()
-    deadline = started + 30
-    while not failed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert failed and failed[0] - started < 10.0
-    with pytest.raises(RankFailedError, match="has not answered"):
+    assert failed.wait(timeout=120), "the idle engine never noticed the stopped rank"
+    with pytest.raises(RankFailedError, match=rf"^rank 0 \(pid {pids[0]}\) has not answered"):
         engine.step()
     _wait_gone(pids)
     engine.shutdown()
@@ -200,7 +201,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while any(_alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"ranks still alive: {pids}"

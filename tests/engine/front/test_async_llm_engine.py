@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
+import threading
 import time
 
 import pytest
@@ -71,7 +73,7 @@ def joined_tokens(outputs: list[RequestOutput]) -> list[int]:
 
 
 async def assert_idle_and_free(engine: AsyncLLMEngine, max_generated: int | None = None) -> None:
-    await engine.wait_until_idle(timeout=10)
+    await engine.wait_until_idle(timeout=60)
     stats = engine.get_stats()
     assert engine.num_running() == engine.num_waiting() == 0
     assert stats.num_requests == 0
@@ -298,36 +300,39 @@ def test_shutdown_ends_in_flight_requests(model_dir) -> None:
 
 
 def test_event_loop_stays_responsive_during_a_step(model_dir) -> None:
-    """Each step takes over 0.5 s here; a ticker on the event loop must keep ticking."""
+    """A step runs on the engine thread, never on the event loop: each step here blocks
+    until a ticker on the event loop has ticked five more times. Were the step run on the
+    loop, no tick could come while it runs and the step would give up waiting (a minute),
+    so the counts below would be 0. Ticks are counted per step, not timed."""
+    ticks = [0]
+    ticks_per_step: list[int] = []
+
+    def ticking_execute(real_execute, scheduler_output):
+        start = ticks[0]
+        deadline = time.monotonic() + 60  # generous: only a stalled loop reaches it
+        while ticks[0] - start < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)  # stands for a long forward pass, the GIL released
+        ticks_per_step.append(ticks[0] - start)
+        return real_execute(scheduler_output)
 
     async def main() -> None:
         with async_engine(model_dir) as engine:
             runner = engine.engine.runner
-            real_execute = runner.execute
-
-            def slow_execute(scheduler_output):
-                time.sleep(0.6)  # stands for a long forward pass
-                return real_execute(scheduler_output)
-
-            runner.execute = slow_execute
-            gaps: list[float] = []
+            runner.execute = functools.partial(ticking_execute, runner.execute)
             done = asyncio.Event()
 
             async def ticker() -> None:
-                last = time.monotonic()
                 while not done.is_set():
-                    await asyncio.sleep(0.01)
-                    now = time.monotonic()
-                    gaps.append(now - last)
-                    last = now
+                    await asyncio.sleep(0.001)
+                    ticks[0] += 1
 
             tick_task = asyncio.create_task(ticker())
             outputs = await collect(engine, ids([3, 4, 5]), greedy(2), "slow")
             done.set()
             await tick_task
             assert outputs[-1].finished
-            assert len(gaps) > 20
-            assert max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s"
+            assert len(ticks_per_step) >= 2  # the prefill and a decode step
+            assert min(ticks_per_step) >= 5, f"the event loop stalled in a step: {ticks_per_step}"
 
     asyncio.run(main())
 
@@ -359,20 +364,25 @@ def test_encode_yields_one_pooling_output(model_dir) -> None:
                 async for _ in engine.encode(ids([3]), greedy(2), "wrong"):  # type: ignore[arg-type]
                     pass
 
-            # An aborted pooling request ends its generator without an output.
+            # An aborted pooling request ends its generator without an output. It needs 13
+            # steps of 16 tokens; the first is held until the abort is sent, so the abort
+            # certainly comes first.
             runner = engine.engine.runner
             real_execute = runner.execute
+            stepping, release = threading.Event(), threading.Event()
 
-            def slow_execute(scheduler_output):
-                time.sleep(0.05)
+            def held_execute(scheduler_output):
+                stepping.set()
+                assert release.wait(timeout=120)
                 return real_execute(scheduler_output)
 
-            runner.execute = slow_execute  # 13 steps of 16 tokens: the abort comes first
+            runner.execute = held_execute
             long_prompt = [3 + i % 100 for i in range(200)]
             gen = engine.encode(ids(long_prompt), PoolingParams(), "pool-abort")
             pending = asyncio.ensure_future(gen.__anext__())
-            await asyncio.sleep(0.01)
+            assert await asyncio.to_thread(stepping.wait, 120), "the request never ran"
             await engine.abort("pool-abort")
+            release.set()
             with pytest.raises(StopAsyncIteration):
                 await pending
             await assert_idle_and_free(engine)

@@ -176,7 +176,7 @@ def test_background_loop_restarts_and_keeps_requests(model_dir, reference_tokens
                 tokens = list(output.outputs[0].token_ids)
             assert tokens == reference_tokens
             assert await waiting == reference_tokens
-            await engine.wait_until_idle(timeout=30)
+            await engine.wait_until_idle(timeout=60)
             stats = engine.get_stats()
             assert stats.num_free_blocks == stats.num_total_blocks
         assert engine.is_stopped and engine.errored and not engine.is_running
@@ -199,7 +199,7 @@ def test_reset_prefix_cache(model_dir) -> None:
         with async_engine(model_dir) as engine:
             assert await cached_tokens(engine, "first") == 0
             assert await cached_tokens(engine, "second") >= 32  # two full blocks hit
-            await engine.wait_until_idle(timeout=30)
+            await engine.wait_until_idle(timeout=60)
             assert await engine.reset_prefix_cache() is True
             assert await cached_tokens(engine, "third") == 0
         # With the loop off the call runs on the caller's thread, between steps.

@@ -5,6 +5,7 @@ while asleep wait for wake-up, and health stays good."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import psutil
 import pytest
@@ -140,7 +141,12 @@ def test_async_requests_sent_while_asleep_wait_for_wake_up(model_dir):
                 asyncio.create_task(generate(engine, p, f"sent-asleep-{i}"))
                 for i, p in enumerate(PROMPTS)
             ]
-            await asyncio.sleep(0.5)
+            # Every request has reached the engine and is held waiting, however slowly the
+            # loaded machine delivers them; none has run.
+            deadline = time.monotonic() + 60
+            while engine.get_stats().num_waiting < len(PROMPTS):
+                assert time.monotonic() < deadline, engine.get_stats()
+                await asyncio.sleep(0.02)
             assert not any(t.done() for t in tasks), "a request ran on a sleeping engine"
             await engine.check_health()  # asleep is healthy
             stats = engine.get_stats()
@@ -148,7 +154,7 @@ def test_async_requests_sent_while_asleep_wait_for_wake_up(model_dir):
             await engine.wake_up()
             assert not await engine.is_sleeping()
             assert [await t for t in tasks] == reference
-            await engine.wait_until_idle(timeout=30)
+            await engine.wait_until_idle(timeout=60)
         finally:
             engine.shutdown()
 

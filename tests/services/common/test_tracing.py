@@ -248,17 +248,35 @@ def test_abort_rpc_is_recorded(stack, exporter):
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
-def test_cancelled_stream_is_recorded(stack, exporter, how):
+def test_cancelled_stream_is_recorded(stack, exporter, how, monkeypatch):
     traceparent, trace_id, _ = _new_traceparent()
     if how == "cancel":
         call, _ = _start_long_stream(stack, "to-cancel", traceparent)
         call.cancel()
         expected = grpc.StatusCode.CANCELLED
     else:
+        # The engine's steps are held until the deadline has passed: the request reaches
+        # the engine well within the 5 s however loaded the machine, and the deadline, not
+        # the end of its tokens, ends it.
+        entered, release = threading.Event(), threading.Event()
+        runner = stack.engine.engine.runner
+        real_execute = runner.execute
+
+        def held_execute(scheduler_output):
+            entered.set()
+            release.wait(120)
+            return real_execute(scheduler_output)
+
+        monkeypatch.setattr(runner, "execute", held_execute)
         req = request(token_ids=PROMPT, max_tokens=2000, ignore_eos=True)
-        with pytest.raises(grpc.RpcError) as info:
-            _generate_with_timeout(stack, req, traceparent, timeout=0.5)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                _generate_with_timeout(stack, req, traceparent, timeout=5.0)
+        finally:
+            release.set()
+            monkeypatch.undo()
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert entered.is_set(), "the deadline passed before the request reached the engine"
         expected = grpc.StatusCode.DEADLINE_EXCEEDED
     spans = _spans_of(exporter, int(trace_id, 16), expected=6)
     _check_tree(spans)

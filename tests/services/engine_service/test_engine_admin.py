@@ -71,9 +71,8 @@ def test_sleep_rpcs_and_health(stack):
         assert stub.IsSleeping(engine_pb2.IsSleepingRequest(), timeout=30).is_sleeping
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(generate, stack, "sent-asleep", 4)
-            time.sleep(0.5)
+            wait_for(lambda: stack.stats().num_waiting == 1)  # arrived, and held waiting
             assert not waiting.done()
-            wait_for(lambda: stack.stats().num_waiting == 1)
             engine_health = stub.Health(common_pb2.HealthRequest(), timeout=30)
             assert engine_health.healthy and engine_health.details["is_sleeping"] == "true"
             public = stack.public.Health(common_pb2.HealthRequest(), timeout=30)
@@ -91,7 +90,7 @@ def test_sleep_rpcs_and_health(stack):
     stack.wait_until_idle()
 
 
-def wait_for(condition, timeout: float = 20.0) -> None:
+def wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"

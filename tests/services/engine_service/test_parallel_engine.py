@@ -3,7 +3,6 @@ an engine service whose model runs in two rank processes (gloo on CPU)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -96,16 +95,15 @@ def test_a_killed_rank_ends_streams_unavailable_and_leaves_no_process(tp_stack):
     )
     next(stream)  # running
     ranks[1].kill()
-    killed = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
-        for _ in stream:
+        for _ in stream:  # 3000 tokens: it ends long before, unless the failure went unseen
             pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - killed < 5.0
+    assert "rank 1" in info.value.details(), info.value.details()
     # The dead engine takes its service down; nothing it started is left.
     assert tp_stack.engine.proc is not None
-    tp_stack.engine.proc.wait(30)
-    wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks), 15)
+    tp_stack.engine.proc.wait(120)
+    wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks), 60)
     health = tp_stack.public.Health(common_pb2.HealthRequest(), timeout=10)
     assert not health.healthy
 
@@ -122,4 +120,4 @@ def test_ranks_exit_when_the_engine_service_is_killed(tiny_model_dir):
         assert len(ranks) == 2
     finally:
         engine.kill()
-    wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks), 10)
+    wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks), 60)

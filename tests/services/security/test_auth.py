@@ -187,7 +187,9 @@ def test_tenant_rate_limit_with_retry_after(keyed):
     _, stub, _ = keyed
     tokenize = generation_pb2.TokenizeRequest(text="hi")
     codes, retry_after = [], None
-    for _ in range(4):  # rps=2: a burst of two, then refused
+    # rps=2: a burst of two, then refused once calls come faster than two a second (on a
+    # loaded machine a few more may pass first, as the bucket refills between slow calls).
+    while retry_after is None and len(codes) < 100:
         try:
             stub.Tokenize(tokenize, metadata=_auth(SLOW))
             codes.append("OK")
@@ -195,7 +197,7 @@ def test_tenant_rate_limit_with_retry_after(keyed):
             codes.append(exc.code().name)
             assert "rate limit of 2 requests per second" in exc.details()
             retry_after = _retry_after_ms(exc)
-    assert codes[:2] == ["OK", "OK"] and "RESOURCE_EXHAUSTED" in codes[2:]
+    assert codes[:2] == ["OK", "OK"] and codes[-1] == "RESOURCE_EXHAUSTED", codes
     assert retry_after is not None and 0 < retry_after <= 501
     time.sleep(retry_after / 1000 + 0.05)
     assert stub.Tokenize(tokenize, metadata=_auth(SLOW)).count > 0

@@ -152,7 +152,7 @@ def test_reload_rotates_the_engine_link_client_certificate(mtls, pki, stack, tmp
                 shutil.copy(pki.cert("stranger"), cert)  # not signed by the engine's CA
                 shutil.copy(pki.key("stranger"), key)
                 stack.loop.run(reload())
-                wait_for(lambda: not tokenizer.backend.available, timeout=20)
+                wait_for(lambda: not tokenizer.backend.available)
                 with pytest.raises(UnavailableError):
                     client.generate_text(token_ids=[5, 6], max_tokens=2)
                 num_tokens += sum(len(d.token_ids) for d in deltas)  # the old channel's
@@ -161,7 +161,7 @@ def test_reload_rotates_the_engine_link_client_certificate(mtls, pki, stack, tmp
             shutil.copy(pki.cert("client"), cert)
             shutil.copy(pki.key("client"), key)
             stack.loop.run(reload())
-            wait_for(lambda: tokenizer.backend.available, timeout=20)
+            wait_for(lambda: tokenizer.backend.available)
             result = client.generate_text(token_ids=[5, 6], max_tokens=2)
             assert len(result.outputs[0].token_ids) == 2
     finally:
@@ -248,7 +248,7 @@ def test_sighup_reloads_the_certificate_without_dropping_streams(tiny_model_dir,
             shutil.copy(pki.cert("stranger"), cert)
             shutil.copy(pki.key("stranger"), key)
             proc.send_signal(signal.SIGHUP)
-            wait_for(lambda: _serving(address, new_ca), timeout=20)
+            wait_for(lambda: _serving(address, new_ca))
             assert not _serving(address, old_ca)  # new handshakes get the new certificate
             # ...while the stream opened before the reload runs to its end.
             messages = list(stream)
