@@ -112,13 +112,28 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="requests in flight at the engine service; more get RESOURCE_EXHAUSTED (1024)",
     )
+
+
+def _add_fleet_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """Streams that survive a replica (docs/deployment.md "What survives what"). The stall
+    timeout is one flag both services take: `serve` passes it to both children."""
+    group = parser.add_argument_group("replica failures (docs/deployment.md)")
     group.add_argument(
         "--engine-stall-timeout",
         type=float,
         default=10.0,
-        help="seconds an engine step may run before the engine service reports NOT_SERVING "
-        "(a hung engine; SERVING again when steps return); 0: no watchdog (10)",
+        help="seconds without progress that make an engine stalled: the engine service "
+        "reports NOT_SERVING while a step runs this long, and the tokenizer service moves "
+        "the streams of a replica that has sent nothing on any of them this long; 0: never (10)",
     )
+    if command in ("serve", "tokenizer"):
+        group.add_argument(
+            "--migration-limit",
+            type=int,
+            default=3,
+            help="how often one stream may move to another engine replica when the one "
+            "holding it dies, stalls or drains; 0: never (the stream ends UNAVAILABLE) (3)",
+        )
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_security_args(sub, name)
     for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):
         _add_observability_args(sub, name)
+    for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):
+        _add_fleet_args(sub, name)
     # The children log warnings only, so the demo answer reads cleanly (--log-level INFO
     # shows every request).
     serve.set_defaults(log_level=_env("PAGEDSERVE_LOG_LEVEL", "WARNING"))
@@ -368,6 +385,8 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             metrics_address=_metrics_address(ns.host, ns.metrics_port),
             metrics_name_prefix=ns.metrics_name_prefix,
             route_policy=ns.route_policy,
+            migration_limit=ns.migration_limit,
+            engine_stall_timeout_s=ns.engine_stall_timeout,
             tls=server_tls_from(ns),
             engine_tls=engine_link_tls_from(ns),
             api_key_file=ns.api_key_file,

@@ -5,6 +5,7 @@
                        pagedserve:engine_replica_{up,num_requests_waiting,
                        num_requests_running,kv_cache_usage_perc,num_inflight_requests}
                        {engine_address}, pagedserve:engine_failovers_total,
+                       pagedserve:request_migrations_total{reason},
                        pagedserve:num_inflight_requests, pagedserve:streamed_tokens_total,
                        pagedserve:streamed_text_chars_total
     engine service     /metrics: pagedserve:rpc_requests_total{method,code} and the engine's
@@ -85,6 +86,14 @@ class TokenizerMetrics(RpcMetrics):
         self.engine_failovers = Counter(
             "pagedserve:engine_failovers",
             "Generate calls retried on another replica after failing before the first token.",
+            registry=r,
+        )
+        # reason: killed (the call broke), stalled (silence or a stalled step), drained
+        # (the engine handed the stream back): services/tokenizer_service/replicas/migration.py
+        self.request_migrations = Counter(
+            "pagedserve:request_migrations",
+            "Streams moved to another replica after their first token, by reason.",
+            ["reason"],
             registry=r,
         )
 

@@ -26,6 +26,11 @@ class TokenizerServerConfig:
     route_prefix_blocks: int = 4  # affinity key: the prompt's first (up to) N full blocks
     route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
     route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/routing.py)
+    # Streams that survive their replica (services/tokenizer_service/replicas/migration.py):
+    # each request moves at most this often (0: never); a replica that holds streams but has
+    # sent nothing on any of them this long is stalled (0: never).
+    migration_limit: int = 3
+    engine_stall_timeout_s: float = 10.0
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
     metrics_name_prefix: str = "pagedserve"  # or "vllm": vLLM's metric names on /metrics
     tls: ServerTLSConfig | None = None  # the public API's TLS / mTLS; None: plaintext

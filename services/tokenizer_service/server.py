@@ -60,6 +60,7 @@ class TokenizerServer:
             prefix_blocks=config.route_prefix_blocks,
             max_queue_imbalance=config.route_max_queue_imbalance,
             policy=config.route_policy,
+            stall_timeout_s=config.engine_stall_timeout_s,
             resolver=resolver,
             credentials=engine_tls.credentials() if engine_tls.enabled else None,
             channel_options=engine_tls.channel_options(),

@@ -5,12 +5,18 @@ never
 emits half a UTF-8 character, applies the stop strings and holds back a tail that could
 still become one. Tokens are fed one at a time when there are stop strings, so an output
 ends on exactly the token that completed its stop string (as offline `LLM.generate` does).
+
+A stream outlives the engine replica that produced it: when the request moves to another
+replica (services/tokenizer_service/replicas/migration.py), that replica sends only the new
+tokens of each output, with their original index, and this stream carries on with the same
+detokenizers and stop-string state, so no text is sent twice or lost. Each output keeps
+its token ids (`resume_points`, what the next replica continues from).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.processing.detokenizer import IncrementalDetokenizer
@@ -43,6 +49,9 @@ class TokenTexts:
 @dataclass
 class _Output:
     detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # every token of this output so far
+    cumulative_logprob: float = 0.0  # the last value sent
+    logprob_base: float = 0.0  # what earlier replicas summed: a new one starts from zero
     num_tokens: int = 0
     num_sent_chars: int = 0
     finished: bool = False
@@ -74,6 +83,7 @@ class TextStream:
             )
             for _ in range(params.n)
         ]
+        self.started = False  # any engine message came back (a move now resumes outputs)
 
     @property
     def finished(self) -> bool:
@@ -97,6 +107,7 @@ class TextStream:
     ) -> generation_pb2.GenerateResponse | None:
         """The client's message for one engine message; None once that output has ended
         (a stop string ended it here while the engine was still generating)."""
+        self.started = True
         out = self.outputs[msg.index]
         if out.finished:
             return None
@@ -111,6 +122,7 @@ class TextStream:
         else:
             out.detokenizer.update(token_ids)
         out.num_tokens += len(token_ids)
+        out.token_ids += token_ids
         response = generation_pb2.GenerateResponse(
             request_id=self.request_id,
             index=msg.index,
@@ -129,9 +141,10 @@ class TextStream:
             self.token_texts.fill(response.prompt_logprobs)
         if msg.HasField("cumulative_logprob"):
             dropped = msg.logprobs[len(token_ids) :]
-            response.cumulative_logprob = msg.cumulative_logprob - sum(
-                p.chosen.logprob for p in dropped
+            response.cumulative_logprob = (
+                out.logprob_base + msg.cumulative_logprob - sum(p.chosen.logprob for p in dropped)
             )
+            out.cumulative_logprob = response.cumulative_logprob
         if stop is not None:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
             response.stop_reason.text = stop
@@ -143,6 +156,17 @@ class TextStream:
         out.finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         response.text = self._new_text(out)
         return response
+
+    def resume_points(self) -> dict[int, list[int]]:
+        """For a move to another replica: each unfinished output's tokens so far. The new
+        replica's `cumulative_logprob` covers its own tokens only, so it is added to what
+        each output had."""
+        points: dict[int, list[int]] = {}
+        for index, out in enumerate(self.outputs):
+            if not out.finished:
+                out.logprob_base = out.cumulative_logprob
+                points[index] = list(out.token_ids)
+        return points
 
     def abort_unfinished(self) -> list[generation_pb2.GenerateResponse]:
         """Last messages (finish_reason ABORT) for the outputs that have not ended."""

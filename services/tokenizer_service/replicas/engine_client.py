@@ -5,6 +5,13 @@ A replica is available while its standard health check says SERVING (and, among 
 replicas, while it serves the same model as the others). A call that finds it unreachable
 marks it down at once; the next poll that finds it SERVING brings it back. The channel
 reconnects with a short backoff, so a restarted engine is found within about a second.
+Its `ModelInfo` is read again whenever it (re)joins or its KV cache size changes (an engine
+restarted with another configuration between two polls).
+
+The replica also watches the Generate streams it holds (`migration.StreamWatch`): silence on
+all of them for the stall timeout, or a NOT_SERVING health with `engine_stalled_s`, gives
+them up as "stalled"; a call that finds the replica gone gives them up as "killed". Given-up
+streams have their calls cancelled and move to another replica (replicas/migration.py).
 `services/tokenizer_service/replicas/pool.py` holds the replicas and routes among them.
 """
 
@@ -23,6 +30,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.v1 import common_pb2, engine_pb2_grpc
 from services.common.errors import ServiceError, engine_call_error, engine_unreachable
 from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, ENGINE_SERVICE
+from services.common.migration import (
+    REASON_DRAINED,
+    REASON_KILLED,
+    REASON_STALLED,
+    migrate_reason,
+)
+from services.tokenizer_service.replicas.migration import DEFAULT_STALL_TIMEOUT_S, StreamWatch
 
 logger = logging.getLogger("services.tokenizer_service.replicas.engine_client")
 
@@ -77,6 +91,7 @@ class EngineBackend:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[ChannelOption] = (),
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         """`credentials` (TLS / mTLS to the engine) and `extra_options` (e.g. the TLS
         name override) come from `services.security.tls.EngineLinkTLS`; None: plaintext."""
@@ -87,6 +102,7 @@ class EngineBackend:
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
         self.load = ReplicaLoad()
+        self.watch = StreamWatch(stall_timeout_s)  # the Generate streams it holds
         self.num_inflight = 0  # this service's calls open on the replica
         self.num_pending = 0  # ... of which no message has come back yet (queued, for us)
         # Set by the pool: whether `model_info` may serve (None: accept anything).
@@ -143,6 +159,9 @@ class EngineBackend:
     async def _poll_loop(self) -> None:
         while True:
             await self._check()
+            if self.watch.stalled():
+                silent_s = self.watch.silent_s()
+                await self.lose(REASON_STALLED, f"sent nothing for {silent_s:.1f} s")
             self._poke.clear()
             # asyncio.TimeoutError, not TimeoutError: they differ before Python 3.11.
             with contextlib.suppress(asyncio.TimeoutError):
@@ -155,13 +174,20 @@ class EngineBackend:
             )
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             reason = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-            if serving and (self.model_info is None or not self.available):
+            details = await self._read_load()
+            if not serving and "engine_stalled_s" in details and self.watch.streams:
+                stalled = f"engine step stalled for {details['engine_stalled_s']} s"
+                await self.lose(REASON_STALLED, stalled)
+            if serving and (
+                self.model_info is None
+                or not self.available
+                or details.get("num_kv_blocks", str(self.model_info.num_kv_blocks))
+                != str(self.model_info.num_kv_blocks)
+            ):
                 # (Re)connected: the engine may have restarted with another configuration.
                 self.model_info = await self.stub.GetModelInfo(
                     common_pb2.GetModelInfoRequest(), timeout=_CHECK_TIMEOUT_S
                 )
-            if serving:
-                await self._read_load()
             if serving and self.accepts_model is not None and not self.accepts_model(self):
                 serving, reason = False, "serves another model than the other replicas"
             if serving and not self.available and self.before_available is not None:
@@ -170,7 +196,7 @@ class EngineBackend:
             serving, reason = False, f"{exc.code().name}: {exc.details()}"
         await self._set_available(serving, reason)
 
-    async def _read_load(self) -> None:
+    async def _read_load(self) -> dict[str, str]:
         # A not-sampled trace context: with the usual parent-based sampler the engine records
         # no trace for a poll that runs every second.
         unsampled = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
@@ -186,6 +212,7 @@ class EngineBackend:
                 num_running=int(details["num_running_requests"]),
                 kv_cache_usage=float(details["kv_cache_usage"]),
             )
+        return dict(details)
 
     async def _set_available(self, available: bool, reason: str) -> None:
         if available == self.available:
@@ -211,8 +238,24 @@ class EngineBackend:
     # ---- errors ---------------------------------------------------------------------------
 
     async def mark_down(self, exc: grpc.aio.AioRpcError) -> None:
-        """An unreachable replica is taken out of routing at once (the poll brings it back)."""
-        await self._set_available(False, f"{exc.code().name}: {exc.details()}")
+        """An unreachable replica is taken out of routing at once (the poll brings it back);
+        the streams it holds move elsewhere, unless it is draining (they run out its grace
+        and are handed back one by one)."""
+        detail = f"{exc.code().name}: {exc.details()}"
+        if migrate_reason(exc) == REASON_DRAINED:
+            await self._set_available(False, f"{REASON_DRAINED}: {detail}")
+            return
+        await self.lose(REASON_KILLED, detail)
+
+    async def lose(self, reason: str, detail: str) -> None:
+        """Out of routing, and every stream it holds moves away (`reason`: migration's)."""
+        moved = self.watch.lose(reason)
+        if moved:
+            logger.warning(
+                "engine replica lost: moving its streams",
+                extra={"engine_address": self.address, "reason": reason, "streams": moved},
+            )
+        await self._set_available(False, f"{reason}: {detail}")
         self._poke.set()
 
     async def translate(self, exc: grpc.aio.AioRpcError) -> ServiceError:

@@ -13,8 +13,11 @@ Kubernetes headless Service): replicas appear and disappear with the answer. A s
        └─ available           True while any replica serves (the service's own health)
 
 All replicas must serve the same model: the first one reached sets it, and a replica
-reporting another model (name, architecture, vocabulary, context length) is logged and
-left out of routing.
+reporting another model (name, architecture, vocabulary, hidden size) is logged and left out
+of routing. Their configurations may differ (a rolling upgrade: KV blocks, max_model_len,
+max_logprobs): `model_info` reports the model with the most restrictive limits of the live
+replicas, so the front never admits what one of them would refuse, and follows them as they
+leave, return or restart (the Health details list each replica's own).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ DNS_SCHEME = "dns:///"
 TARGET_NAME_OVERRIDE = "grpc.ssl_target_name_override"
 POLICIES = ("affinity", "round_robin")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-_MODEL_FIELDS = ("model", "architecture", "vocab_size", "max_model_len", "hidden_size")
+_MODEL_FIELDS = ("model", "architecture", "vocab_size", "hidden_size")
+_LIMIT_FIELDS = ("max_model_len", "effective_max_model_len", "num_kv_blocks", "max_logprobs")
 
 
 def _model_key(info: common_pb2.ModelInfo) -> tuple:
@@ -97,6 +101,7 @@ class EnginePool:
         resolver: Resolver = resolve_all,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[ChannelOption] = (),
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.address = spec
         self.fixed, self.names = parse_engine_addresses(spec)
@@ -116,6 +121,8 @@ class EnginePool:
         self._resolver = resolver
         self._credentials = credentials
         self._channel_options = channel_options
+        self._stall_timeout_s = stall_timeout_s
+        self._winner: tuple | None = None  # the model key the replicas agree on
         self._mismatch_logged: dict[str, common_pb2.ModelInfo] = {}
         self._dns_task: asyncio.Task[None] | None = None
         self._started = False
@@ -162,6 +169,7 @@ class EnginePool:
             max_message_bytes=self._max_message_bytes,
             credentials=self._credentials,
             channel_options=self._options_for(dns_name),
+            stall_timeout_s=self._stall_timeout_s,
         )
         replica.accepts_model = self._accepts_model
         replica.before_available = self._before_available
@@ -209,8 +217,8 @@ class EnginePool:
         winner = max(votes, key=lambda key: len(votes[key]))  # the first listed wins a tie
         if _model_key(info) == winner:
             replica.serves_another_model = False
-            if self.model_info is None or _model_key(self.model_info) != winner:
-                self.model_info = info
+            self._winner = winner
+            self._refresh_model_info(joining=replica)
             return True
         replica.serves_another_model = True
         if self._mismatch_logged.get(replica.address) is not info:
@@ -225,6 +233,28 @@ class EnginePool:
             )
         return False
 
+    def _refresh_model_info(self, joining: EngineBackend | None = None) -> None:
+        """`model_info`: the agreed model with the smallest limits among the live replicas
+        (and `joining`, about to be); kept as it was while none is live. A new object only
+        when something changed (the servicer rebuilds its checks on a new one)."""
+        infos = [
+            r.model_info
+            for r in self.replicas.values()
+            if r.model_info is not None
+            and _model_key(r.model_info) == self._winner
+            and (r is joining or (r.available and not r.serves_another_model))
+        ]
+        if not infos:
+            return
+        merged = common_pb2.ModelInfo()
+        merged.CopyFrom(infos[0])
+        for name in _LIMIT_FIELDS:
+            values = [getattr(i, name) for i in infos if getattr(i, name)]
+            if values:
+                setattr(merged, name, min(values))
+        if merged != self.model_info:
+            self.model_info = merged
+
     async def _before_available(self, replica: EngineBackend) -> None:
         """A replica about to join: the LoRA adapters its peers serve, loaded first."""
         peers = [
@@ -238,6 +268,7 @@ class EnginePool:
     async def _replica_health_changed(self, available: bool, reason: str) -> None:
         """The service is available while any replica is."""
         del available  # recomputed over every replica
+        self._refresh_model_info()
         now = any(r.available for r in self.replicas.values())
         if now != self.available:
             self.available = now
@@ -310,9 +341,16 @@ class EnginePool:
         details: dict[str, str] = {}
         for address, r in sorted(self.replicas.items()):
             state = "up" if r.available else "down"
+            info = r.model_info
+            config = (
+                f" max_model_len={info.max_model_len} num_kv_blocks={info.num_kv_blocks}"
+                if info is not None
+                else ""
+            )
             details[f"replica.{address}"] = (
                 f"{state} waiting={r.load.num_waiting} running={r.load.num_running} "
                 f"kv_cache_usage={r.load.kv_cache_usage:.4f} inflight={r.num_inflight}"
+                f"{config}"
             )
         return details
 

@@ -1,10 +1,14 @@
 """The tokenizer service's side of one request at the engines: the replica calls under their
-CLIENT span, failover before the first result, and for Generate the relay of engine messages
-to the client through the request's `TextStream`.
+CLIENT span, failover before the first result, migration after it, and for Generate the
+relay of engine messages to the client through the request's `TextStream`.
 
     generate / encode ─▶ _on_some_replica: CLIENT span, pick a replica, attempt; the replica
-                         failed before anything came back? mark it down, once more elsewhere
-                         ├─▶ Generate: one streaming call, relayed message by message
+                         failed before anything came back? mark it down, once more elsewhere;
+                         a Generate stream's replica lost after that (`migration.Moved`:
+                         killed, stalled, drained)? the stream continues on another replica,
+                         resumed with its tokens so far (replicas/migration.py)
+                         ├─▶ Generate: one streaming call per replica, relayed message by
+                         │   message into the request's one TextStream
                          └─▶ Encode: one call per input, all on the same replica
 """
 
@@ -23,7 +27,9 @@ from services.common import tracing
 from services.common.errors import ServiceError, engine_unreachable, status_for
 from services.common.grpc_server import ENGINE_SERVICE, trace_headers, trace_metadata
 from services.common.metrics import TokenizerMetrics
+from services.tokenizer_service.replicas import migration
 from services.tokenizer_service.replicas.engine_client import EngineBackend
+from services.tokenizer_service.replicas.migration import HeldStream, Moved, RequestMigrations
 from services.tokenizer_service.replicas.pool import EnginePool, TrackedCall, tracked
 from services.tokenizer_service.text_stream import TextStream
 
@@ -50,9 +56,15 @@ class LiveRequest:
 class EngineRelay:
     """Runs a generation on a replica chosen by the pool and relays it to the client."""
 
-    def __init__(self, pool: EnginePool, metrics: TokenizerMetrics) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        metrics: TokenizerMetrics,
+        migration_limit: int = migration.DEFAULT_MIGRATION_LIMIT,
+    ) -> None:
         self.pool = pool
         self.metrics = metrics
+        self.migration_limit = migration_limit
 
     async def generate(
         self,
@@ -63,12 +75,20 @@ class EngineRelay:
         context: grpc.aio.ServicerContext,
     ) -> None:
         """The engine call, under its CLIENT span: the parent the engine service gets, in
-        the metadata and in `trace_headers`. Its messages are relayed under `detokenize`."""
+        the metadata and in `trace_headers`. Its messages are relayed under `detokenize`.
+        After a move, the next replica gets the request resumed where the stream is."""
 
         async def attempt(replica: EngineBackend, headers: dict[str, str]) -> None:
-            engine_request.trace_headers.update(headers)
+            if stream.finished:
+                return
+            if live.aborted:  # aborted while moving: no replica holds it
+                for response in stream.abort_unfinished():
+                    await context.write(response)
+                return
+            request = migration.resume_request(engine_request, stream)
+            request.trace_headers.update(headers)
             with tracing.internal_span("detokenize"):
-                await self._call_replica(replica, engine_request, headers, live, stream, context)
+                await self._call_replica(replica, request, headers, live, stream, context)
 
         def choose(tried: list[EngineBackend]) -> EngineBackend:
             return self.pool.choose(engine_request.prompt_token_ids, exclude=tried)
@@ -80,6 +100,8 @@ class EngineRelay:
             live,
             choose,
             attempt,
+            RequestMigrations(self.migration_limit, self.metrics, engine_request.request_id),
+            lambda: stream.num_tokens,
         )
 
     async def encode(
@@ -141,29 +163,44 @@ class EngineRelay:
         live: LiveRequest,
         choose: Callable[[list[EngineBackend]], EngineBackend],
         attempt: Callable[[EngineBackend, dict[str, str]], Awaitable[T]],
+        migrations: RequestMigrations | None = None,
+        num_tokens: Callable[[], int] = lambda: 0,
     ) -> T:
         """`attempt` on the replica `choose` picks, under the CLIENT span `span_name`; a
         replica that fails before anything came back (`FailedBeforeFirstToken`) is marked
-        down and the attempt made once more on another, invisibly to the client."""
+        down and the attempt made once more on another, invisibly to the client. A stream
+        whose replica is lost later (`Moved`) goes on elsewhere while `migrations` allows."""
         client_span = tracing.start_client_span(span_name)
         try:
             headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
             tried: list[EngineBackend] = []
+            failed_over = False
+            moving: tuple[str, EngineBackend] | None = None  # (reason, replica left)
             while True:
                 replica = choose(tried)
                 tried.append(replica)
                 live.replica = replica
+                if moving is not None and migrations is not None:
+                    migrations.record(moving[0], moving[1], replica, num_tokens())
+                    moving = None
                 try:
                     return await attempt(replica, headers)
                 except FailedBeforeFirstToken as failed:
-                    if len(tried) > 1 or not self.pool.up(exclude=tried):
+                    if failed_over or not self.pool.up(exclude=tried):
                         raise await replica.translate(failed.error) from None
+                    failed_over = True
                     await replica.mark_down(failed.error)
                     self.metrics.engine_failovers.inc()
                     logger.info(
                         "engine replica failed before the first result; retrying elsewhere",
                         extra={"request_id": request_id, "engine_address": replica.address},
                     )
+                except Moved as moved:
+                    if moved.reason != migration.REASON_DRAINED:
+                        await replica.lose(moved.reason, f"a stream of {request_id} broke")
+                    if migrations is None or not migrations.may_move(self.pool.up(exclude=tried)):
+                        raise moved.client_error(replica.address) from None
+                    moving = (moved.reason, replica)
         except (Exception, asyncio.CancelledError) as exc:
             tracing.set_error(client_span, *status_for(exc))
             raise
@@ -179,41 +216,57 @@ class EngineRelay:
         stream: TextStream,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        with tracked(replica) as tracking:
-            call = replica.stub.Generate(
+        with tracked(replica) as tracking, replica.watch.hold() as held:
+            call = held.call = replica.stub.Generate(
                 engine_request, timeout=context.time_remaining(), metadata=trace_metadata(headers)
             )
             live.calls.append(call)
             try:
-                await self._relay(call, replica, tracking, live, stream, context)
+                await self._relay(call, replica, tracking, held, live, stream, context)
             finally:
-                call.cancel()  # a no-op once the call is done; else the engine aborts
+                # A no-op once the call is done; else the engine aborts the request and
+                # frees its blocks (a stalled replica: once it runs again).
+                call.cancel()
 
     async def _relay(
         self,
         call: Any,
         replica: EngineBackend,
         tracking: TrackedCall,
+        held: HeldStream,
         live: LiveRequest,
         stream: TextStream,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """Engine messages → client messages until every output has ended."""
+        """Engine messages → client messages until every output has ended; `Moved` when
+        the replica is lost first (the call broke, was handed back, or was given up)."""
         try:
             async for msg in call:
                 tracking.started()
+                replica.watch.heard()
                 response = stream.process(msg)
                 if response is not None:
                     await context.write(response)
                 if stream.finished:
                     return  # stop strings ended every output: the caller cancels the call
         except asyncio.CancelledError:
-            if not live.aborted or context.cancelled() or context.done():
-                raise  # our client went away (an Abort cancels only the engine call)
-        except grpc.aio.AioRpcError as exc:
+            if context.cancelled() or context.done():
+                raise  # our client went away
+            if held.lost is not None and not live.aborted:
+                raise Moved(held.lost) from None  # the replica was given up: we cancelled
             if not live.aborted:
-                if engine_unreachable(exc) and tracking.pending:
-                    raise FailedBeforeFirstToken(exc) from None
+                raise  # (an Abort cancels only the engine call)
+        except grpc.aio.AioRpcError as exc:
+            if stream.finished:
+                return  # every output had ended: nothing to move
+            if held.lost is not None and not live.aborted:
+                raise Moved(held.lost, exc) from None
+            if not live.aborted:
+                reason = migration.reason_for_error(exc)
+                if reason is not None and tracking.pending and not stream.started:
+                    raise FailedBeforeFirstToken(exc) from None  # nothing to resume yet
+                if reason is not None:
+                    raise Moved(reason, exc) from None
                 raise await replica.translate(exc) from None
         # The engine stream ended (or an Abort cancelled it) with outputs left open.
         for response in stream.abort_unfinished():
