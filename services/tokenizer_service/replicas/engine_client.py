@@ -238,14 +238,15 @@ class EngineBackend:
     # ---- errors ---------------------------------------------------------------------------
 
     async def mark_down(self, exc: grpc.aio.AioRpcError) -> None:
-        """An unreachable replica is taken out of routing at once (the poll brings it back);
-        the streams it holds move elsewhere, unless it is draining (they run out its grace
-        and are handed back one by one)."""
+        """An unreachable replica is taken out of routing at once (the poll brings it back).
+        The streams it holds stay where they are: each moves when its own call breaks, is
+        handed back, or the replica stalls. A new call can fail where running ones still
+        flow (a rotated TLS credential the replica no longer accepts: the open connection
+        keeps its old handshake)."""
         detail = f"{exc.code().name}: {exc.details()}"
-        if migrate_reason(exc) == REASON_DRAINED:
-            await self._set_available(False, f"{REASON_DRAINED}: {detail}")
-            return
-        await self.lose(REASON_KILLED, detail)
+        reason = REASON_DRAINED if migrate_reason(exc) == REASON_DRAINED else REASON_KILLED
+        await self._set_available(False, f"{reason}: {detail}")
+        self._poke.set()
 
     async def lose(self, reason: str, detail: str) -> None:
         """Out of routing, and every stream it holds moves away (`reason`: migration's)."""

@@ -317,7 +317,7 @@ _SETUP_SCRIPT = """
 from opentelemetry import context, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from services import tracing
+from services.common import tracing
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 # Off: no provider; spans are non-recording and the caller's context passes through.

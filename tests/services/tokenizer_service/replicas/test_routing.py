@@ -97,4 +97,4 @@ def test_model_check_settles_on_the_first_listed_replicas_model():
     assert pool._accepts_model(a)  # one each: the first listed wins
     a.available = True
     assert not pool._accepts_model(b) and b.serves_another_model  # its next poll
-    assert pool.model_info is right
+    assert pool.model_info == right  # the agreed model (a merged copy of its limits)
