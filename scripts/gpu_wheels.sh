@@ -7,14 +7,14 @@
 #   PYTHON=path/to/python scripts/gpu_wheels.sh
 #
 # The list is what `import engine` and the GPU tests need beyond the image's packages
-# (/work/.library/device/KINDS.md lists those): gguf, the OpenTelemetry tracing packages,
+# (the GPU image's package list): gguf, the OpenTelemetry tracing packages,
 # xgrammar (and its missing needs: pydantic, apache-tvm-ffi), the gRPC pieces the engine's generated
 # code pins (grpcio, protobuf: the image's may be older), and vLLM's engine-protocol
 # messages. Versions are the ones this checkout is tested with here; the wheels are for
 # the image's CPython 3.12 on x86-64 Linux. Total kept under 64 MiB, the carry limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-/work/main/.venv/bin/python}
+PYTHON=${PYTHON:-.venv/bin/python}  # the project venv `make test` creates
 DEST=.gpu_wheels
 PACKAGES=(
     gguf
