@@ -87,7 +87,9 @@ class TextStream:
 
     @property
     def finished(self) -> bool:
-        return all(out.finished for out in self.outputs)
+        """Every output has ended. A stream with none (n = 0) has not: that request is the
+        engine's to refuse, and the relay must still ask it."""
+        return bool(self.outputs) and all(out.finished for out in self.outputs)
 
     @property
     def finish_reasons(self) -> list[str]:

@@ -78,19 +78,13 @@ class EngineRelay:
         the metadata and in `trace_headers`. Its messages are relayed under `detokenize`.
         After a move, the next replica gets the request resumed where the stream is."""
 
-        moved = False  # a later attempt continues the stream where it is
-
         async def attempt(replica: EngineBackend, headers: dict[str, str]) -> None:
-            nonlocal moved
-            # The first attempt always reaches the engine, which checks the request (n = 0
-            # leaves the stream with no open output, yet is the engine's to refuse).
-            if moved and stream.finished:
+            if stream.finished:
                 return
-            if moved and live.aborted:  # aborted while moving: no replica holds it
+            if live.aborted:  # aborted while moving: no replica holds it
                 for response in stream.abort_unfinished():
                     await context.write(response)
                 return
-            moved = True
             request = migration.resume_request(engine_request, stream)
             request.trace_headers.update(headers)
             with tracing.internal_span("detokenize"):
@@ -263,8 +257,8 @@ class EngineRelay:
             if not live.aborted:
                 raise  # (an Abort cancels only the engine call)
         except grpc.aio.AioRpcError as exc:
-            if stream.started and stream.finished:
-                return  # every output had ended: nothing to move (n = 0 is the engine's error)
+            if stream.finished:
+                return  # every output had ended: nothing to move
             if held.lost is not None and not live.aborted:
                 raise Moved(held.lost, exc) from None
             if not live.aborted:
