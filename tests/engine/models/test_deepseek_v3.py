@@ -7,6 +7,7 @@ deepseek2 GGUF files)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -214,3 +215,19 @@ def test_deepseek2_gguf_is_refused_naming_the_file(tmp_path) -> None:
     writer.close()
     with pytest.raises(NotImplementedError, match=rf"{path.name}.*'deepseek2'.*safetensors"):
         LLM(model=str(path), max_model_len=64)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_other_backends_run_mla_layers_in_torch(small_model, backend, caplog) -> None:
+    """The cpu and triton backends hand MLA layers the torch implementation, say so once,
+    and keep the tokens (the triton backend runs in Triton's interpreter without a GPU)."""
+    from engine.native import native_kernels_available
+
+    if backend == "cpu" and not native_kernels_available():
+        pytest.skip("the cpu backend needs the native CPU kernels (a C compiler)")
+    prompts = make_prompts(128)[2:5]
+    with caplog.at_level(logging.INFO, logger="engine.attention.backend"):
+        _, outputs = run(small_model, prompts, attention_backend=backend)
+    message = f"Attention backend {backend!r} has no multi-head latent attention kernels"
+    assert caplog.text.count(message) == 1
+    assert_close_to_reference(hf_greedy(small_model, prompts, MAX_TOKENS), ours_greedy(outputs))
