@@ -21,11 +21,17 @@ KV-cache layout per layer (asserted by the kernels' launchers)::
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.mla import TorchMLAAttention
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -184,6 +190,22 @@ class AttentionBackend(ABC):
         """A fused path that replaces `model`'s forward for one-token decode steps, if the
         backend has one for it (the runner asks once, after loading); None by default."""
         return None
+
+    def mla_attention(self) -> TorchMLAAttention:
+        """Multi-head latent attention over a latent cache, for MLA layers (DeepSeek-V3:
+        engine/attention/mla.py). Only a torch implementation exists: every backend hands
+        it out, on its device, and a backend with kernels of its own (cpu, triton) says
+        once that MLA layers bypass them; the model's other ops keep the backend's."""
+        from engine.attention.mla import TorchMLAAttention
+
+        if self.name != "torch" and not getattr(self, "_mla_logged", False):
+            logger.info(
+                "Attention backend %r has no multi-head latent attention kernels: MLA "
+                "layers run the torch implementation (engine/attention/mla.py).",
+                self.name,
+            )
+            self._mla_logged = True
+        return TorchMLAAttention()
 
 
 class SplitAttentionBackend(AttentionBackend):

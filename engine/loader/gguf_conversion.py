@@ -21,10 +21,35 @@ from engine.loader.model_files import gguf_cache_path
 logger = logging.getLogger(__name__)
 
 
+# llama.cpp architectures of families we serve from safetensors only: transformers' GGUF
+# loader (the conversion) does not map their tensor names, so they are refused up front,
+# naming the file, rather than failing inside the conversion.
+REFUSED_GGUF_ARCHITECTURES = {"deepseek2": "DeepseekV3ForCausalLM (DeepSeek-V2/V3, Kimi K2)"}
+
+
+def check_gguf_architecture(gguf_path: Path) -> None:
+    """NotImplementedError naming the file for a GGUF architecture we refuse (a header
+    that does not parse is left to the conversion, which reports it)."""
+    from engine.loader.gguf_file import read_gguf
+
+    try:
+        architecture = read_gguf(gguf_path).architecture
+    except ValueError:
+        return
+    family = REFUSED_GGUF_ARCHITECTURES.get(architecture)
+    if family is not None:
+        raise NotImplementedError(
+            f"{gguf_path}: GGUF architecture {architecture!r} ({family}) cannot be loaded "
+            "from GGUF (llama.cpp's tensor names for it are not mapped); serve the model's "
+            "safetensors directory instead."
+        )
+
+
 def cached_gguf_conversion(gguf_path: Path, cache_dir: Path | None) -> Path:
     target = gguf_cache_path(gguf_path, cache_dir)
     if (target / "config.json").is_file():
         return target
+    check_gguf_architecture(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("Converting %s to safetensors once (about 30 s); cache: %s", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.kv_cache_spec import KVCacheSpec, PagedKVSpec
 from engine.distributed.communication import tp_gather_last_dim
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.distributed.sharding import layer_range
@@ -50,6 +51,9 @@ IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderModel(nn.Module):
+    # The layer class a family's stack is built of (DeepSeek-V3 brings its own).
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+
     def __init__(
         self, hf_config: Any, spec: DecoderSpec, attn_backend: AttentionBackend, impl: OpImpl
     ) -> None:
@@ -64,7 +68,7 @@ class DecoderModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         windows = layer_sliding_windows(hf_config)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, spec, attn_backend, impl, window, layer_idx)
+            self.layer_class(hf_config, spec, attn_backend, impl, window, layer_idx)
             if self.start_layer <= layer_idx < self.end_layer
             else PPMissingLayer()
             for layer_idx, window in enumerate(windows)
@@ -174,6 +178,11 @@ class DecoderForCausalLM(nn.Module):
         if intermediate is None:  # the common case keeps the call as it always was
             return self.model(input_ids, positions, kv_caches, attn_metadata)
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What each layer's cache holds per token (the runner allocates from it)."""
+        return PagedKVSpec(self.num_kv_heads, self.head_dim)
 
     @property
     def num_local_layers(self) -> int:

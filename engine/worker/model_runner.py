@@ -187,17 +187,18 @@ class ModelRunner:
             self.cuda_graphs.release()
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks (+ the padding block of CUDA graphs), block_size,
-        num_kv_heads, head_dim] tensor per layer, in the cache dtype (`kv_cache_dtype`;
-        DESIGN.md's "in the model dtype" is the default).
+        """One tensor per layer of the model's `kv_cache_spec` shape (num_blocks + the
+        padding block of CUDA graphs; engine/attention/kv_cache_spec.py: [2, num_blocks,
+        block_size, num_kv_heads, head_dim] for keys and values, [num_blocks, block_size,
+        latent + rope] for MLA), in the cache dtype (`kv_cache_dtype`; DESIGN.md's "in the
+        model dtype" is the default).
 
         Zeroed, not empty: padded positions of a gathered context are masked to weight 0,
         and 0 * NaN from uninitialised memory would still poison the sum.
         """
-        mc = self.config.model_config
-        # This rank's KV heads and this stage's layers.
+        # This rank's KV heads (the spec's) and this stage's layers.
         num_blocks += self._num_pad_blocks
-        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, mc.head_dim)
+        shape = self.model.kv_cache_spec.shape(num_blocks, self.block_size)
         num_layers = self.model.num_local_layers
         if self.device.type == "cpu":  # pages become resident as blocks are first used
             return [lazily_zeroed(shape, self.kv_cache_dtype) for _ in range(num_layers)]
@@ -257,11 +258,10 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes for one block in the cache dtype: its KV heads, its stage's
-        layers."""
-        mc = self.config.model_config
+        """This rank's bytes for one block in the cache dtype: its KV heads (or latent
+        entries: the model's `kv_cache_spec`), its stage's layers."""
         elem = self.kv_cache_dtype.itemsize
-        per_layer = 2 * self.block_size * self.model.num_kv_heads * mc.head_dim * elem
+        per_layer = self.block_size * self.model.kv_cache_spec.elements_per_token * elem
         return per_layer * self.model.num_local_layers
 
     def _determine_num_blocks(self, cache_config: CacheConfig) -> int:

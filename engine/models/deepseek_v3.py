@@ -1,0 +1,134 @@
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`; also the architecture of Kimi K2 and other
+DeepSeek-V3-shaped models): multi-head latent attention in every layer
+(engine/layers/mla.py, a latent KV cache: engine/attention/kv_cache_spec.py), a dense gated
+MLP in the first `first_k_dense_replace` layers and DeepSeek's mixture of experts in the
+rest (engine/layers/deepseek_moe.py: shared plus routed experts, sigmoid scores with a
+correction bias, group-limited top-k, `routed_scaling_factor`). Rope (yarn as configured)
+acts on the qk_rope_head_dim dims only; the model's rotary is built for them (transformers'
+config sets head_dim = qk_rope_head_dim).
+
+Weights load from safetensors under the Hub's names (per-expert ``mlp.experts.{e}.*`` or
+transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``). The multi-token
+prediction layers some checkpoints carry (``model.layers.{num_hidden_layers}.*`` and on,
+`num_nextn_predict_layers`) are not used and skipped. Refused, with the reason: a quantized
+checkpoint (DeepSeek's fp8 block-quantized release: dequantize it to bf16 first), tensor
+and pipeline parallelism, and (elsewhere) llama.cpp's ``deepseek2`` GGUF files.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.kv_cache_spec import KVCacheSpec, LatentKVSpec
+from engine.layers.decoder_layers import DecoderSpec, GatedMLP
+from engine.layers.deepseek_moe import DeepseekMoE, GroupedTopK
+from engine.layers.mla import MLAAttention
+from engine.layers.ops import OpImpl, RMSNorm
+from engine.layers.rope import RotaryEmbedding
+from engine.models.decoder import DecoderForCausalLM, DecoderModel
+from engine.models.mixtral import STACKED_EXPERT_NAMES
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    """Pre-norm layer: MLA, then the dense MLP or the MoE; residual adds fused into the next
+    norm, as `DecoderLayer` does (same call signature, so `DecoderModel` drives it)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: DecoderSpec,
+        attn_backend: AttentionBackend,
+        impl: OpImpl,
+        sliding_window: int | None = None,
+        layer_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.self_attn = MLAAttention(hf_config, attn_backend, impl)
+        self.mlp: nn.Module
+        if layer_idx >= int(hf_config.first_k_dense_replace or 0):
+            self.mlp = DeepseekMoE(hf_config, impl)
+        else:
+            self.mlp = GatedMLP(hf_config, spec, impl)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden_size]
+        residual: torch.Tensor | None,  # None before the first layer
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,  # [T, 1, qk_rope_head_dim]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, cos, sin, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3Model(DecoderModel):
+    layer_class = DeepseekV3DecoderLayer
+
+
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    model_class = DeepseekV3Model
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gate_up_proj": ("gate_proj", "up_proj"),  # dense layers and shared experts
+    }
+    expert_weights_mapping: ClassVar[dict[str, tuple[str, int | None]] | None] = {
+        "gate_proj": ("w13_weight", 0),
+        "up_proj": ("w13_weight", 1),
+        "down_proj": ("w2_weight", None),
+    }
+    weight_name_substitutions: ClassVar[tuple[tuple[str, str], ...]] = STACKED_EXPERT_NAMES
+    supports_tensor_parallel = False  # heads and experts are not split over ranks (yet)
+    supports_pipeline_parallel = False  # untested: the latent cache has not run over stages
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        return DecoderSpec()  # the dense layers' gated MLP: no biases
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise NotImplementedError(
+                f"DeepseekV3ForCausalLM: the checkpoint is quantized (quant_method="
+                f"{method!r}); only bf16/fp16/fp32 weights load. Dequantize it first "
+                "(DeepSeek's fp8_cast_bf16.py writes the bf16 checkpoint)."
+            )
+        first_dense = int(config.first_k_dense_replace or 0)
+        if first_dense < config.num_hidden_layers:
+            GroupedTopK.from_config(config)  # the routing settings, checked before building
+        super().check_config(config)
+
+    @classmethod
+    def kv_cache_sliding_window(cls, config: Any) -> int | None:
+        return None
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        config = self.config
+        return LatentKVSpec(int(config.kv_lora_rank), int(config.qk_rope_head_dim))
+
+    def weights_on_other_stages(self) -> tuple[str, ...]:
+        """The multi-token prediction layers past the model's are never loaded."""
+        num_layers = int(self.config.num_hidden_layers)
+        num_mtp = int(getattr(self.config, "num_nextn_predict_layers", None) or 0)
+        mtp = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + num_mtp))
+        return super().weights_on_other_stages() + mtp
+
+    def decode_layer_weights(self) -> list[dict[str, Any]] | None:
+        return None  # MLA layers: not what the fused CPU decode step computes
