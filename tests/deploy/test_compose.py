@@ -279,6 +279,8 @@ def test_gpu_override() -> None:
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
     assert engine["image"] != services["tokenizer"]["image"]
     assert services["tokenizer"]["build"]["dockerfile"].endswith("Dockerfile.cpu")
+    assert services["gateway"]["build"]["dockerfile"].endswith("Dockerfile.cpu")
+    assert services["gateway"]["command"] == _config(COMPOSE_FILE)["services"]["gateway"]["command"]
 
 
 def test_scale_override_puts_a_load_balancer_in_front() -> None:
