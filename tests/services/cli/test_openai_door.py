@@ -19,7 +19,13 @@ import grpc
 import pytest
 
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.cli.openai_gateway import INSTALL_HINT, find_smg, wait_until_ready
+from services.cli.openai_gateway import (
+    INSTALL_HINT,
+    engine_addresses,
+    find_smg,
+    wait_until_ready,
+    write_manifest,
+)
 from services.cli.supervisor import wait_until_serving
 from tests.services.helpers import gather, request
 from tests.services.processes import ROOT, child_env, free_port
@@ -120,6 +126,20 @@ def test_without_smg_serve_says_how_to_get_it_and_starts_nothing(tmp_path):
     assert done.returncode == 2
     assert INSTALL_HINT in done.stderr
     assert "ready" not in done.stderr and "engine" not in done.stdout
+
+
+def test_the_manifest_lists_every_address_behind_each_name(tmp_path):
+    """What `pagedserve gateway` hands smg: fixed addresses as given, each `dns:///` name's
+    addresses as resolved now (a name that does not resolve yet: none, no error)."""
+    spec = "10.0.0.7:50052,dns:///localhost:50053,dns:///no-such-engine.invalid:50052"
+    addresses = engine_addresses(spec)
+    assert addresses[0] == "10.0.0.7:50052" and "127.0.0.1:50053" in addresses
+    assert all(a.endswith(":50053") for a in addresses[1:])
+    manifest = tmp_path / "workers.json"
+    write_manifest(manifest, addresses)
+    body = json.loads(manifest.read_text())
+    assert body["version"] == 1
+    assert [w["url"] for w in body["workers"]] == [f"grpc://{a}" for a in addresses]
 
 
 # ---- through the door -----------------------------------------------------------------------
