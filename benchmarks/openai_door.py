@@ -134,14 +134,14 @@ def run_aiperf(
 
 def report(grpc: list[dict[str, float]], door: list[dict[str, float]]) -> None:
     print(
-        f"\n{'metric':<16}{'gRPC (bench serve)':>24}{'OpenAI door (AIPerf)':>26}{'door/gRPC':>22}"
+        f"\n{'metric':<16}{'gRPC (bench serve)':>30}{'OpenAI door (AIPerf)':>30}{'door/gRPC':>20}"
     )
     for label, key, _, _ in ROWS:
         g = [r[key] for r in grpc]
         d = [r[key] for r in door]
         ratios = [b / a for a, b in zip(g, d) if a]
         spread = lambda xs: f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"  # noqa: E731
-        print(f"{label:<16}{spread(g):>24}{spread(d):>26}{spread(ratios):>22}")
+        print(f"{label:<16}{spread(g):>30}{spread(d):>30}{spread(ratios):>20}")
     print("(median of the runs, range in brackets; ratios are per run)")
 
 
