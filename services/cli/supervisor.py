@@ -189,7 +189,13 @@ def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         logger.info("stopping")
         return 0
     finally:
+        # A second SIGTERM or Ctrl-C (a process-group kill, an impatient user) must not cut
+        # the stopping short: that would leave the children running. `_stop` is bounded
+        # anyway (SIGKILL after the grace).
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             _stop(children, ns.shutdown_grace)
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)

@@ -8,7 +8,6 @@ and validates. One server for the module (the tiny model); it must leave no proc
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from services.cli.openai_gateway import (
     write_manifest,
 )
 from services.cli.supervisor import wait_until_serving
-from tests.services.helpers import gather, request
+from tests.services.helpers import gather, request, wait_for
 from tests.services.processes import ROOT, child_env, free_port
 
 openai = pytest.importorskip("openai")
@@ -268,13 +267,24 @@ def test_response_format_json_schema(door):
 
 @needs_smg
 def test_stopping_serve_stops_the_gateway(door):
-    """SIGTERM to `serve` ends every process it started, smg included. Runs last in this
+    """SIGTERM to `serve` ends every process it started, smg included, even with a second
+    SIGTERM arriving while it stops them (as a process-group kill sends). Runs last in this
     module: it stops the module's server."""
     below = _descendants(door.proc.pid)
-    names = {Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") for pid in below}
-    assert any(b"smg" in name for name in names) and len(below) >= 4, names
+    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in below}
+    assert any(b"smg" in line for line in cmdlines.values()) and len(below) >= 4, cmdlines
+    (gateway,) = [pid for pid, line in cmdlines.items() if b"\0gateway\0" in line]
+    door.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: not _running(gateway), timeout=120)  # stopped first
+    door.proc.send_signal(signal.SIGTERM)  # while the services are being stopped
     door.close()
     assert door.proc.returncode == 0
-    alive = [pid for pid in below if os.path.exists(f"/proc/{pid}")]
-    zombie = [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] for p in alive]
-    assert set(zombie) <= {"Z"}, alive
+    assert [pid for pid in below if _running(pid)] == []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
