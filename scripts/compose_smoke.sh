@@ -5,8 +5,9 @@
 #
 #   scripts/compose_smoke.sh [repo]        # default: this script's repository
 #
-# Phases: build pagedserve:cpu; the default stack (`up --wait`, health, a --chat answer);
-# `--scale engine=2` (two replicas behind the tokenizer); the secure stack
+# Phases: build pagedserve:cpu; the default stack (`up --wait`, health, a --chat answer, and
+# one chat completion from the OpenAI door, the `gateway` service, with curl);
+# `--scale engine=2` (two replicas behind the tokenizer and the gateway); the secure stack
 # (docker/compose.secure.yml with certificates from scripts/dev_ca.py and an API key).
 # Prints the build time, the image size and the time to healthy of each stack.
 #
@@ -66,6 +67,8 @@ services:
     build: {network: host}
   tokenizer:
     build: {network: host}
+  gateway:
+    build: {network: host}
 YML
   FILES+=(-f compose.local.yml)
 fi
@@ -79,6 +82,16 @@ up() {  # up [ARGS...]: starts the stack, waits until healthy; prints the second
   local start; start=$(date +%s)
   C up -d --pull never --wait --wait-timeout 900 "$@"
   echo "healthy after $(( $(date +%s) - start )) s"
+}
+openai_chat() {  # one chat completion through the OpenAI door (published on host loopback)
+  local model
+  model=$(curl -sf localhost:8000/v1/models | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  curl -sf localhost:8000/v1/chat/completions -H 'content-type: application/json' \
+    -d '{"model": "'"$model"'", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 32}' \
+    | python3 -c 'import json, sys; c = json.load(sys.stdin)["choices"][0]["message"]["content"]; assert c.strip(), c; print("OpenAI door:", c)'
+}
+gateway_workers() {  # healthy engine workers the gateway routes to
+  curl -sf localhost:8000/readiness | python3 -c 'import json, sys; print(json.load(sys.stdin)["healthy_workers"])'
 }
 mkdir -p certs
 
@@ -94,12 +107,17 @@ docker run --rm pagedserve:cpu sh -c \
 log "default stack"
 up
 ask 'pagedserve health && pagedserve generate "Why is the sky blue?" --chat --max-tokens 32'
+openai_chat
 
 log "--scale engine=2"
 up --scale engine=2 --no-recreate
 # The tokenizer re-resolves dns:///engine:50052 every few seconds: wait for both replicas.
 ask 'for i in $(seq 60); do n=$(pagedserve health | grep -c "replica.*: up"); [ "$n" = 2 ] && break; sleep 2; done;
      pagedserve health | grep replica; [ "$n" = 2 ] && pagedserve generate "Name three colours." --chat --max-tokens 32'
+# The gateway re-resolves dns:///engine:50052 too: both replicas become smg workers.
+for _ in $(seq 60); do [ "$(gateway_workers)" = 2 ] && break; sleep 2; done
+echo "gateway workers: $(gateway_workers)"; [ "$(gateway_workers)" = 2 ]
+openai_chat
 C down
 
 log "secure stack"

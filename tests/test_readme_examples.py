@@ -6,6 +6,9 @@ live server (the default model, as written), every other `pagedserve` line of it
 through bash exactly as written, and the Python client example runs with only its address
 changed. The server's port comes from the variables the commands read (`PAGEDSERVE_PORT`,
 `PAGEDSERVE_ENGINE_ADDR`, `PAGEDSERVE_ADDRESS`), so the test need not take port 50051.
+With smg installed (the `gateway` extra; dev has it) `PAGEDSERVE_OPENAI_PORT` also starts the
+OpenAI door, and the README's OpenAI examples (`openai` client and curl) run against it with
+only their port changed.
 
 "Sensible" is checked per command, because an example can run and still mislead: a question
 sent as a raw prompt to the default (instruct) model ends after a token or two, so an answer
@@ -15,6 +18,7 @@ expectation is written for it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.openai_gateway import find_smg, wait_until_ready
 from services.cli.supervisor import wait_until_serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +128,8 @@ def shell_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         PAGEDSERVE_ENGINE_ADDR=f"127.0.0.1:{_free_port()}",
         PAGEDSERVE_ADDRESS=f"127.0.0.1:{port}",
     )
+    if find_smg() is not None:  # the README's server line then starts the OpenAI door too
+        env["PAGEDSERVE_OPENAI_PORT"] = str(_free_port())
     return env
 
 
@@ -194,3 +201,38 @@ def test_python_client_example_runs_as_written(server, shell_env, tmp_path) -> N
     assert "Paris" in lines[0], done.stdout
     assert re.search(r"\['(stop|length)'\] \d+$", done.stdout, re.M), done.stdout
     assert lines[-1].endswith("SERVING") and lines[-1].startswith("["), done.stdout
+
+
+def _openai_examples() -> tuple[str, str]:
+    (python,) = [block for block in _fenced("python") if "OpenAI(" in block]
+    (shell,) = [block for block in _fenced("bash") if "/v1/chat/completions" in block]
+    return python, shell
+
+
+@pytest.mark.slow
+def test_openai_examples_run_as_written(server, shell_env, tmp_path) -> None:
+    if "PAGEDSERVE_OPENAI_PORT" not in shell_env:
+        pytest.skip("smg (the gateway extra) is not installed")
+    door = f"127.0.0.1:{shell_env['PAGEDSERVE_OPENAI_PORT']}"
+    assert wait_until_ready(f"http://{door}", [], timeout=300), "no OpenAI door"
+    python, shell = _openai_examples()
+    assert python.count("localhost:8000") == 1, "the example's address changed"
+    script = tmp_path / "openai_example.py"
+    script.write_text(python.replace("localhost:8000", door))
+    done = subprocess.run(
+        [sys.executable, str(script)], env=shell_env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    # The greedy completion names the capital (and may go on for lines); then the chat answer.
+    assert "Paris" in lines[0] and len(lines) >= 2 and lines[-1].strip(), done.stdout
+    done = subprocess.run(
+        ["bash", "-c", shell.replace("localhost:8000", door)],
+        env=shell_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout)
+    assert answer["choices"][0]["message"]["content"].strip(), answer

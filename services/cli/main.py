@@ -5,6 +5,9 @@
                           API, then serves until Ctrl-C (`--demo`: exits after the answer)
     pagedserve engine     the engine service alone   (default 127.0.0.1:50052)
     pagedserve tokenizer  the tokenizer service alone (default 0.0.0.0:50051, the public API)
+    pagedserve gateway    the OpenAI-compatible HTTP API (the smg gateway) in front of engine
+                          replicas (`serve --openai-port N` starts it too; services/cli/
+                          openai_gateway.py)
     pagedserve generate | chat | tokenize | health | bench serve | bench plot
                           client commands against a running server (clients/cli.py; they
                           never import the engine, so they start fast and need no torch)
@@ -30,6 +33,7 @@ from typing import Any
 
 from clients.cli import CLIENT_COMMANDS, add_client_commands
 from clients.cli import main as client_main
+from services.cli.openai_gateway import add_gateway_command, add_serve_openai_args
 from services.cli.secure_flags import (
     add_security_args,
     engine_link_tls_from,
@@ -253,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for health (900)"
     )
+    add_serve_openai_args(serve)
+    add_gateway_command(commands)
     add_client_commands(commands)
     return parser
 
@@ -414,6 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.cli.supervisor import serve
 
         return serve(ns, parser)
+    if ns.command == "gateway":
+        from services.cli.openai_gateway import run_gateway
+
+        return run_gateway(ns)
     from services.common.errors import ConfigError
 
     runner = run_engine if ns.command == "engine" else run_tokenizer

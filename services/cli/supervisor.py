@@ -5,6 +5,10 @@ decides when they stop), waits until the public API reports SERVING, streams a d
 answer through it, then serves until Ctrl-C / SIGTERM, which it forwards as SIGTERM: the
 tokenizer service first (its streams finish or abort within the grace period), then the
 engine service. If either child dies, the other is stopped and the command fails.
+
+With `--openai-port`, a third child, `pagedserve gateway` (services/cli/openai_gateway.py:
+the smg gateway, OpenAI's HTTP API), starts once the engine is SERVING, is ready before
+`serve` says so, and is stopped first. Without smg installed, nothing starts at all.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.channel import ChannelConfig
 from clients.chat import stream_chat
+from services.cli import openai_gateway
 from services.cli.main import flags_from, subparser
 
 logger = logging.getLogger("services.serve")
@@ -129,7 +134,25 @@ def _stop(children: list[subprocess.Popen], grace: float) -> None:
                 child.wait()
 
 
+def _start_gateway(
+    ns: argparse.Namespace, parser: argparse.ArgumentParser, children: list[subprocess.Popen]
+) -> str | None:
+    """The OpenAI API's base URL once smg is ready; None if it failed to get there."""
+    ns.openai_host = ns.openai_host or ns.host
+    children.append(_spawn("gateway", ns, parser))
+    host = _client_address(ns.openai_host, ns.openai_port).rpartition(":")[0]
+    if not openai_gateway.wait_until_ready(
+        f"http://{host}:{ns.openai_port}", children, ns.startup_timeout
+    ):
+        logger.error("the OpenAI API gateway did not become ready", extra={"port": ns.openai_port})
+        return None
+    return f"http://{ns.openai_host}:{ns.openai_port}/v1"
+
+
 def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if ns.openai_port and (refusal := openai_gateway.serve_refusal(ns)):
+        logger.error(refusal)
+        return 2
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     children: list[subprocess.Popen] = []
     address = _client_address(ns.host, ns.port)
@@ -141,8 +164,13 @@ def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not wait_until_serving(address, children, ns.startup_timeout, client):
             logger.error("the services did not become healthy", extra={"address": address})
             return 1
+        openai = ""
+        if ns.openai_port:
+            if (url := _start_gateway(ns, parser, children)) is None:
+                return 1
+            openai = f", OpenAI API on {url}"
         print(
-            f"[ready: public API on {ns.host}:{ns.port}, engine API on {ns.engine_addr}]",
+            f"[ready: public API on {ns.host}:{ns.port}, engine API on {ns.engine_addr}{openai}]",
             file=sys.stderr,
             flush=True,
         )
@@ -161,7 +189,13 @@ def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         logger.info("stopping")
         return 0
     finally:
+        # A second SIGTERM or Ctrl-C (a process-group kill, an impatient user) must not cut
+        # the stopping short: that would leave the children running. `_stop` is bounded
+        # anyway (SIGKILL after the grace).
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             _stop(children, ns.shutdown_grace)
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)

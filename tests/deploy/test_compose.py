@@ -145,7 +145,23 @@ def _flag(command: list[str], flag: str) -> str:
 
 
 def test_services(services: dict[str, Any]) -> None:
-    assert set(services) == {"engine", "tokenizer", "jaeger"}
+    assert set(services) == {"engine", "tokenizer", "gateway", "jaeger"}
+
+
+def test_gateway_fronts_every_engine_replica(services: dict[str, Any]) -> None:
+    """OpenAI's HTTP API: `pagedserve gateway` (smg) on one published port, every engine
+    replica behind the `engine` name, cache_aware routing, ready only with an engine."""
+    gateway = services["gateway"]
+    command = gateway["command"]
+    assert command[:2] == ["pagedserve", "gateway"]
+    ns = build_parser().parse_args(command[1:])
+    assert ns.engine_addr == "dns:///engine:50052" and ns.policy == "cache_aware"
+    assert parse_engine_addresses(ns.engine_addr) == ([], [("engine", 50052)])
+    assert _published(gateway) == {(str(ns.openai_port), ns.openai_port)}
+    assert gateway["ports"][0]["host_ip"] == "127.0.0.1"  # no authentication on it
+    assert gateway["image"] == services["engine"]["image"]  # the image's gateway extra
+    assert gateway["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert f":{ns.openai_port}/readiness" in " ".join(gateway["healthcheck"]["test"])
 
 
 def test_tokenizer_publishes_the_public_api(services: dict[str, Any]) -> None:
@@ -220,15 +236,16 @@ def test_health_checks_run_the_grpc_probe(
 
 def test_build_contexts_and_dockerfiles_exist(services: dict[str, Any]) -> None:
     built = {name: service["build"] for name, service in services.items() if "build" in service}
-    assert set(built) == set(APP_SERVICES)
+    assert set(built) == {*APP_SERVICES, "gateway"}
     for name, build in built.items():
         context = Path(build["context"])
         assert context == ROOT, name
         assert (context / build["dockerfile"]).is_file(), (name, build["dockerfile"])
         # No package-index URL in the repository: the CPU wheel index is the user's to give.
         assert build["args"] == {"TORCH_INDEX_URL": ""}, name
-    # One image for both services.
+    # One image for every service.
     assert services["engine"]["image"] == services["tokenizer"]["image"]
+    assert services["gateway"]["image"] == services["tokenizer"]["image"]
 
 
 def test_tracing(services: dict[str, Any]) -> None:
@@ -262,6 +279,8 @@ def test_gpu_override() -> None:
     assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
     assert engine["image"] != services["tokenizer"]["image"]
     assert services["tokenizer"]["build"]["dockerfile"].endswith("Dockerfile.cpu")
+    assert services["gateway"]["build"]["dockerfile"].endswith("Dockerfile.cpu")
+    assert services["gateway"]["command"] == _config(COMPOSE_FILE)["services"]["gateway"]["command"]
 
 
 def test_scale_override_puts_a_load_balancer_in_front() -> None:

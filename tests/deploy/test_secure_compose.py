@@ -52,6 +52,12 @@ def test_every_hop_has_tls_and_the_engine_is_internal(services: dict) -> None:
         assert service["environment"]["HEALTHCHECK_CA_FILE"] == "/certs/ca.pem"
 
 
+def test_the_unchecked_openai_gateway_is_off(services: dict) -> None:
+    """smg checks neither the API keys nor the engine's mTLS: not started in this stack."""
+    assert "gateway" not in services  # compose leaves out a service whose profile is off
+    assert "gateway" in _config(COMPOSE_FILE)["services"]  # the base stack has it
+
+
 def test_api_keys_come_from_a_docker_secret(services: dict) -> None:
     tokenizer = services["tokenizer"]
     (secret,) = tokenizer["secrets"]
