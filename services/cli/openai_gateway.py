@@ -10,8 +10,9 @@ this module only starts it and tells it where the engines are.
 `--engine-addr` takes the tokenizer service's syntax (comma-separated `host:port` and
 `dns:///name:port`). smg has no DNS discovery of its own, only a JSON manifest it rereads
 when it changes, so this process resolves every `dns:///` name every few seconds and rewrites
-the manifest: each address behind the name is one smg worker, which is what
-`--scale engine=N` needs for `cache_aware` routing to see N replicas. smg is a child process
+the manifest: each address behind the name whose engine reports SERVING is one smg worker,
+which is what `--scale engine=N` needs for `cache_aware` routing to see N replicas (a
+replica joins once it has loaded and leaves when it drains). smg is a child process
 that dies with this one (PR_SET_PDEATHSIG on Linux) and gets SIGTERM when this one does.
 
 What the gateway does not do (docs/deployment.md, "The OpenAI-compatible API"): pagedserve's
@@ -152,6 +153,33 @@ def engine_addresses(spec: str) -> list[str]:
     return found
 
 
+def serving_addresses(
+    addresses: list[str], previous: list[str], *, timeout: float = 2.0
+) -> list[str]:
+    """The addresses whose engine reports SERVING on gRPC health. smg registers a worker
+    once, asking it for its model and tokenizer at that moment: a replica still loading (a
+    new `--scale` replica, a restarted one) would stay registered as model "unknown" that
+    answers 503, and a draining one must stop receiving work. So only serving replicas go in
+    the manifest. A health check that times out (a busy replica) keeps the address's previous
+    state rather than making the worker flap."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout
+                )
+                ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError as exc:
+                ok = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and address in previous
+        if ok:
+            serving.append(address)
+    return serving
+
+
 def write_manifest(path: Path, addresses: list[str]) -> None:
     """smg's file discovery manifest, replaced atomically (smg rereads it when it changes)."""
     body = {"version": 1, "workers": [{"url": f"grpc://{a}"} for a in addresses]}
@@ -200,13 +228,13 @@ def run_gateway(ns: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     with tempfile.TemporaryDirectory(prefix="pagedserve-gateway-") as tmp:
         manifest = Path(tmp) / "workers.json"
-        addresses = engine_addresses(ns.engine_addr)
+        addresses = serving_addresses(engine_addresses(ns.engine_addr), [])
         write_manifest(manifest, addresses)
         argv = smg_argv(smg, ns, manifest)
         proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)
         logger.info("smg started", extra={"pid": proc.pid, "workers": addresses})
         while not stop.wait(ns.dns_refresh) and proc.poll() is None:
-            now = engine_addresses(ns.engine_addr)
+            now = serving_addresses(engine_addresses(ns.engine_addr), addresses)
             if now != addresses:
                 logger.info("engine replicas changed", extra={"workers": now})
                 write_manifest(manifest, now)

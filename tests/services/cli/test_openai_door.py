@@ -22,6 +22,7 @@ from services.cli.openai_gateway import (
     INSTALL_HINT,
     engine_addresses,
     find_smg,
+    serving_addresses,
     wait_until_ready,
     write_manifest,
 )
@@ -139,6 +140,38 @@ def test_the_manifest_lists_every_address_behind_each_name(tmp_path):
     body = json.loads(manifest.read_text())
     assert body["version"] == 1
     assert [w["url"] for w in body["workers"]] == [f"grpc://{a}" for a in addresses]
+
+
+def test_only_serving_replicas_become_gateway_workers():
+    """A replica still loading or draining (NOT_SERVING) and an address nobody answers stay
+    out of smg's manifest: smg would register a loading replica as model "unknown" for good."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servers, addresses = [], []
+    for status in (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    ):
+        servicer = health.HealthServicer()
+        servicer.set("", status)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append((server, servicer))
+    nobody = f"127.0.0.1:{free_port()}"
+    try:
+        serving, draining = addresses
+        assert serving_addresses([serving, draining, nobody], []) == [serving]
+        servers[1][1].set("", health_pb2.HealthCheckResponse.SERVING)  # it finished loading
+        assert serving_addresses([serving, draining, nobody], [serving]) == [serving, draining]
+        servers[0][1].set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # it drains
+        assert serving_addresses([serving, draining], [serving, draining]) == [draining]
+    finally:
+        for server, _ in servers:
+            server.stop(None)
 
 
 # ---- through the door -----------------------------------------------------------------------
