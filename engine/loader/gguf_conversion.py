@@ -21,10 +21,33 @@ from engine.loader.model_files import gguf_cache_path
 logger = logging.getLogger(__name__)
 
 
+# GGUF architectures whose llama.cpp tensor names our loader does not read, and why.
+UNSUPPORTED_GGUF_ARCHITECTURES = {
+    "gpt-oss": (
+        "its expert tensors (ffn_*_exps, MXFP4 blocks) do not convert to GptOssForCausalLM's "
+        "stacked experts; use the Hugging Face safetensors checkpoint (MXFP4 experts are "
+        "dequantized at load)"
+    ),
+}
+
+
+def check_gguf_supported(gguf_path: Path) -> None:
+    """NotImplementedError naming the file where its architecture is one we cannot convert."""
+    from engine.loader.gguf_blocks import gguf_architecture
+
+    architecture = gguf_architecture(gguf_path)
+    reason = UNSUPPORTED_GGUF_ARCHITECTURES.get(architecture)
+    if reason is not None:
+        raise NotImplementedError(
+            f"{gguf_path}: GGUF architecture {architecture!r} is not supported: {reason}."
+        )
+
+
 def cached_gguf_conversion(gguf_path: Path, cache_dir: Path | None) -> Path:
     target = gguf_cache_path(gguf_path, cache_dir)
     if (target / "config.json").is_file():
         return target
+    check_gguf_supported(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("Converting %s to safetensors once (about 30 s); cache: %s", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

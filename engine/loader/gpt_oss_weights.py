@@ -84,7 +84,9 @@ def gpt_oss_weights(
                 yield _ours(prefix, proj, "weight", weight)
     if pending:
         lone = sorted(
-            f"{key.replace('|', '.experts.')}{part}" for key, parts in pending.items() for part in parts
+            f"{key.replace('|', '.experts.')}{part}"
+            for key, parts in pending.items()
+            for part in parts
         )
         raise ValueError(
             f"MXFP4 tensors without their pair (_blocks needs _scales): {', '.join(lone[:4])}."

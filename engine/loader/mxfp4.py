@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 # E2M1: sign bit, two exponent bits, one mantissa bit; codes 0-7 positive, 8-15 negative.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES += tuple(-v for v in FP4_VALUES)
 GROUP_SIZE = 32
 SCALE_BIAS = 127
 
@@ -29,7 +30,9 @@ def dequantize_mxfp4(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # [..., rows, groups * 32] of `dtype`
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype}/{scales.dtype}.")
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype}/{scales.dtype}."
+        )
     if blocks.dim() < 2 or blocks.shape[-1] != GROUP_SIZE // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: need "

@@ -101,7 +101,9 @@ def _sinks(sinks: torch.Tensor | None, num_heads: int, caller: str) -> torch.Ten
     if sinks is None:
         return None
     if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
-        raise ValueError(f"{caller}: sinks {tuple(sinks.shape)} on {sinks.device}, need [{num_heads}] on the CPU")
+        raise ValueError(
+            f"{caller}: sinks {tuple(sinks.shape)} on {sinks.device}, need [{num_heads}] on the CPU"
+        )
     return sinks.to(torch.float32).contiguous()
 
 
