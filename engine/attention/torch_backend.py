@@ -24,6 +24,9 @@ back to the query's dtype before the matmuls, so all arithmetic stays in the mod
 A prefill chunk without cached context attends to its own keys rounded the same way, so its
 output does not depend on whether they were read back from the cache (a prefix-cache hit
 gives the same tokens as a miss).
+
+Soft-capping and attention sinks (AttentionParams) apply to the decode scores; a prefill
+chunk with either computes its scores by hand instead of through SDPA, which has neither.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks `top_k` experts per token,
-each expert is a gated MLP, and the token's output is their weighted sum.
+each expert is a gated MLP, and the token's output is their weighted sum. (GPT-OSS's router
+and biased experts build on the same grouped path: engine/layers/gpt_oss_moe.py.)
 
 Weights are stacked per layer, one tensor per projection (a fused MoE path needs them so):
 

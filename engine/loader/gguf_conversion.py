@@ -47,7 +47,6 @@ def cached_gguf_conversion(gguf_path: Path, cache_dir: Path | None) -> Path:
     target = gguf_cache_path(gguf_path, cache_dir)
     if (target / "config.json").is_file():
         return target
-    check_gguf_supported(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("Converting %s to safetensors once (about 30 s); cache: %s", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -79,6 +78,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Writes `gguf_path` as a Hugging Face directory (safetensors, fp32) into `out_dir`."""
     from safetensors.torch import save_file
 
+    check_gguf_supported(gguf_path)
     model, tokenizer = _load_gguf_with_transformers(gguf_path)
     # save_pretrained refuses a GGUF-loaded model, so the parts are written one by one and
     # the config is rebuilt without the quantization entry (the weights are dequantized).

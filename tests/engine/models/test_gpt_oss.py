@@ -152,3 +152,17 @@ def test_mismatched_mxfp4_pair_is_reported() -> None:
     weights = [("model.layers.0.mlp.experts.down_proj_blocks", blocks)]
     with pytest.raises(ValueError, match="down_proj_blocks"):
         list(gpt_oss_weights(weights, torch.float32))
+
+
+def test_bf16_checkpoint(gpt_oss_dir, tmp_path) -> None:
+    """The released non-MXFP4 tensors are bf16: a bf16 checkpoint loads (widened to the fp32
+    engine) as transformers reads it."""
+    state = load_file(str(gpt_oss_dir / "model.safetensors"))
+    save_file(
+        {n: t.to(torch.bfloat16) for n, t in state.items()}, str(tmp_path / "model.safetensors")
+    )
+    config = json.loads((gpt_oss_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    prompts = make_prompts(128)[2:4]
+    _, outputs = run(tmp_path, prompts, dtype="float32")
+    assert_close_to_reference(hf_greedy(tmp_path, prompts, MAX_TOKENS), ours_greedy(outputs))
