@@ -81,6 +81,12 @@ class GptOssMoE(nn.Module):
         self._gemm = grouped_gemm_impl(impl)
         self.act_fn = ClampedSwiGLU(moe.alpha, moe.limit)
 
+    @property
+    def expert_param_shards(self) -> dict[str, tuple[int, ...] | None]:
+        """Stacked expert parameters (the weight loader's and quantization's test for
+        experts); the checkpoint always gives them whole, never per expert."""
+        return {"w13_weight": None, "w13_bias": None, "w2_weight": None, "w2_bias": None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = select_experts_topk_softmax(self.router(x), self.moe.top_k)
         return moe_experts(

@@ -131,6 +131,11 @@ def test_other_quantization_is_refused(gpt_oss_dir, tmp_path) -> None:
         LLM(model=str(tmp_path), max_model_len=64)
 
 
+def test_int8_is_refused(gpt_oss_dir) -> None:
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        LLM(model=str(gpt_oss_dir), max_model_len=64, quantization="int8")
+
+
 def test_gguf_file_is_refused_naming_it(tmp_path) -> None:
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "tiny-gpt-oss.gguf"
