@@ -50,6 +50,16 @@ SHAPE = dict(
     num_experts_per_tok=4,
     sliding_window=128,
     max_position_embeddings=1024,
+    # GPT-OSS's YaRN (factor 32), over a trained length that fits max_position_embeddings.
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 150000.0,
+    },
 )
 
 
