@@ -116,6 +116,7 @@ def _paged_attention_kernel(
     partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain (split-KV)
     scale_log2,  # softmax scale * log2(e)
     soft_cap_log2,  # attention logit soft-cap * log2(e) (read when HAS_SOFT_CAP)
+    sinks_log2_ptr,  # [num_heads] fp32 attention sinks * log2(e) (read when HAS_SINKS)
     num_reqs,
     stride_q_token,
     stride_q_head,
@@ -136,6 +137,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,  # int, 1 = no split-KV
     SLIDING_WINDOW: tl.constexpr,  # int, each row sees its last SLIDING_WINDOW keys; 0 = all
     HAS_SOFT_CAP: tl.constexpr,  # bool, scores -> cap * tanh(scores / cap) (Gemma 2)
+    HAS_SINKS: tl.constexpr,  # bool, a per-head logit joins the softmax's sum (GPT-OSS)
     UPCAST: tl.constexpr,  # bool, compute the dots in fp32 (interpreter + bf16)
     DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
 ):
@@ -187,6 +189,13 @@ def _paged_attention_kernel(
     # seen only masked keys so far (their p is exp2(-inf) = 0 either way).
     m_i = tl.full([BLOCK_Q * GROUP], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
+    if HAS_SINKS:
+        # The sink is one more key of score `sink` whose value is zero: the walk starts as if
+        # it had seen it (max = sink, sum = 1, acc = 0). Under split-KV only split 0 counts it.
+        sink = tl.load(sinks_log2_ptr + head, mask=row_valid, other=0.0)
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_PADDED], tl.float32)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
@@ -318,6 +327,7 @@ def paged_attention(
     num_splits: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's query rows over its paged context.
 
@@ -334,7 +344,9 @@ def paged_attention(
     `sliding_window`: each query row sees only the keys at its last `sliding_window`
     positions (its own included), as transformers' sliding-window mask; split-KV is not used
     with a window (the window already bounds the walk). `logits_soft_cap`: each score
-    (after the scale) becomes cap * tanh(score / cap), as Gemma 2 does.
+    (after the scale) becomes cap * tanh(score / cap), as Gemma 2 does. `sinks`
+    ([num_heads], any float dtype; converted to fp32 here): GPT-OSS's attention sinks, a
+    learned logit per head added to each row's softmax sum, attending to no value.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -353,6 +365,11 @@ def paged_attention(
         num_splits = 1
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
+        check_same_device(query=query, sinks=sinks)
+        sinks = sinks.to(torch.float32) * LOG2_E  # [num_heads], the kernel's log2 domain
     if num_splits is None:
         num_splits = choose_num_splits(
             query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len
@@ -383,6 +400,7 @@ def paged_attention(
         partial_lse_ptr=partial_lse,
         scale_log2=scale * LOG2_E,
         soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
+        sinks_log2_ptr=out if sinks is None else sinks,  # never read without sinks
         num_reqs=num_reqs,
         stride_q_token=query.stride(0),
         stride_q_head=query.stride(1),
@@ -403,6 +421,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         SLIDING_WINDOW=sliding_window or 0,
         HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,

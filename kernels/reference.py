@@ -16,12 +16,15 @@ def ref_paged_attention(
     scale: float,
     logits_soft_cap: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows of no request are zero
     """Causal attention per request: gather its keys/values position by position, then
     softmax(q k^T * scale) v in fp32 with query token i at position seq_len - q_len + i
     (scores soft-capped to cap * tanh(s / cap) where `logits_soft_cap` is given; with
     `sliding_window`, each query sees only its last `sliding_window` positions, its own
-    included). A bf16/fp16 cache is read as stored, widened to fp32."""
+    included; with `sinks` [num_heads], each head's sink logit is one more column of the
+    softmax, dropped after it, as transformers' GPT-OSS eager attention does). A bf16/fp16
+    cache is read as stored, widened to fp32."""
     out = torch.zeros_like(query)
     block_size = kv_cache.shape[2]
     num_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -47,7 +50,11 @@ def ref_paged_attention(
         if sliding_window is not None:
             visible &= positions[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        probs = scores.softmax(dim=-1)
+        if sinks is not None:
+            column = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)
     return out
 

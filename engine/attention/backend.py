@@ -70,6 +70,10 @@ class AttentionParams:
     sliding_window: int | None = None
     # Gemma 2: each score (after the scale) becomes cap * tanh(score / cap); None = as is.
     logits_soft_cap: float | None = None
+    # GPT-OSS: [num_heads] fp32, one learned logit per query head that joins the softmax's
+    # denominator (exp(sink) added to the sum of exp(scores)) and attends to no value, so a
+    # head can put weight "nowhere"; None = no sinks (and no cost).
+    sinks: torch.Tensor | None = None
 
     def window_start(self, position: int) -> int:
         """The first key position a query at `position` sees."""
@@ -160,6 +164,7 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32 (AttentionParams.sinks)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each request's query tokens over its cached context."""
 
@@ -174,6 +179,7 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes this step's keys/values, then attends (the order every backend needs)."""
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
@@ -184,6 +190,7 @@ class AttentionBackend(ABC):
             scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
 
     def whole_step_decode(self, model: Any) -> WholeStepDecode | None:
@@ -236,9 +243,10 @@ class SplitAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.writer(key, value, kv_cache, metadata.slot_mapping)
-        params = AttentionParams(scale, sliding_window, logits_soft_cap)
+        params = AttentionParams(scale, sliding_window, logits_soft_cap, sinks)
         return self._attend(query, kv_cache, metadata, params, key, value)
 
     def attend(
@@ -250,8 +258,9 @@ class SplitAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        params = AttentionParams(scale, sliding_window, logits_soft_cap)
+        params = AttentionParams(scale, sliding_window, logits_soft_cap, sinks)
         return self._attend(query, kv_cache, metadata, params, None, None)
 
     def _attend(

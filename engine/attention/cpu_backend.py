@@ -5,10 +5,11 @@ which reads keys and values from the paged cache in place instead of gathering e
 request's context into a padded copy first; all prefill chunks of a step go to one
 `engine.native.paged_prefill_attention` call (causal, flash-style online softmax over the
 paged cache) instead of one SDPA call per request; the KV write is one native call. Both
-kernels take the layer's sliding window. The kernels compute in fp32: built for another
-model dtype, the backend composes the torch implementations instead (decided once, at
-construction). The cache may be fp32, bf16 or fp16 (`kv_cache_dtype`): the kernels round
-keys/values into it when writing and widen them back to fp32 when reading.
+kernels take the layer's sliding window, soft-cap and attention sinks. The kernels compute
+in fp32: built for another model dtype, the backend composes the torch implementations
+instead (decided once, at construction). The cache may be fp32, bf16 or fp16
+(`kv_cache_dtype`): the kernels round keys/values into it when writing and widen them back
+to fp32 when reading.
 It also owns the batch-1 whole-step decode (cpu_decode_step.py). See engine/native/build.py
 for how the kernels are built.
 """
@@ -61,6 +62,7 @@ def native_decode(
         params.scale,
         sliding_window=params.sliding_window,
         logits_soft_cap=params.logits_soft_cap,
+        sinks=params.sinks,
     )
 
 
@@ -86,6 +88,7 @@ def native_prefill(
         params.scale,
         sliding_window=params.sliding_window,
         logits_soft_cap=params.logits_soft_cap,
+        sinks=params.sinks,
     )
 
 

@@ -24,6 +24,9 @@ back to the query's dtype before the matmuls, so all arithmetic stays in the mod
 A prefill chunk without cached context attends to its own keys rounded the same way, so its
 output does not depend on whether they were read back from the cache (a prefix-cache hit
 gives the same tokens as a miss).
+
+Soft-capping and attention sinks (AttentionParams) apply to the decode scores; a prefill
+chunk with either computes its scores by hand instead of through SDPA, which has neither.
 """
 
 from __future__ import annotations
@@ -228,13 +231,17 @@ def _decode_group(
         for h in range(num_kv_heads):
             scores = torch.bmm(q[:, h], key[:, :, h].transpose(1, 2))  # [R, G, max_len]
             scores = _soft_cap(scores, params.logits_soft_cap)
-            probs = _softmax(scores, None if pad is None else pad[:, None, :])
+            sinks = None
+            if params.sinks is not None:  # this KV head's query heads: [1, G, 1]
+                sinks = params.sinks[h * group_size : (h + 1) * group_size].view(1, -1, 1)
+            probs = _softmax(scores, None if pad is None else pad[:, None, :], sinks)
             out[:, h] = torch.bmm(probs, value[:, :, h])  # [R, G, D]
     else:
         # One grouped matmul; it copies the keys into head-major order first.
         scores = torch.matmul(q, key.permute(0, 2, 3, 1))  # [R, Hkv, G, max_len]
         scores = _soft_cap(scores, params.logits_soft_cap)
-        probs = _softmax(scores, None if pad is None else pad[:, None, None, :])
+        sinks = None if params.sinks is None else params.sinks.view(1, num_kv_heads, group_size, 1)
+        probs = _softmax(scores, None if pad is None else pad[:, None, None, :], sinks)
         out = torch.matmul(probs, value.transpose(1, 2))  # [R, Hkv, G, D]
     return out.view(num_reqs, num_heads, head_dim)
 
@@ -244,10 +251,19 @@ def _soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
-def _softmax(scores: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last dim in fp32 (as transformers does), padded keys masked out."""
+def _softmax(
+    scores: torch.Tensor, pad: torch.Tensor | None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Softmax over the last dim in fp32 (as transformers does), padded keys masked out.
+
+    `sinks` (broadcast against scores[..., :1]): each row's sink logit joins the
+    denominator as one more column, dropped after the softmax (GPT-OSS's attention sinks)."""
     if pad is not None:
         scores = scores.masked_fill(pad, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(torch.float32).expand(*scores.shape[:-1], 1)
+        combined = torch.cat((scores.float(), column), dim=-1)
+        return combined.softmax(-1)[..., :-1].to(scores.dtype)
     if scores.dtype == torch.float32:
         return scores.softmax(-1)
     return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
@@ -294,12 +310,14 @@ def _prefill_one(
         # the unfused math path on CPU, about twice as slow for a 128-token chunk.
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, H, D]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    if params.logits_soft_cap is not None:  # SDPA has no soft-capping: the matmuls by hand
+    if params.logits_soft_cap is not None or params.sinks is not None:
+        # SDPA has neither soft-capping nor sinks: the matmuls by hand.
         if mask is None:
             mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril_()
         scores = torch.einsum("qhd,khd->hqk", query, k) * params.scale  # [H, query_len, seq_len]
         scores = _soft_cap(scores, params.logits_soft_cap)
-        probs = _softmax(scores, ~mask).to(v.dtype)  # [H, query_len, seq_len]
+        sinks = None if params.sinks is None else params.sinks.view(num_heads, 1, 1)
+        probs = _softmax(scores, ~mask, sinks).to(v.dtype)  # [H, query_len, seq_len]
         return torch.einsum("hqk,khd->qhd", probs, v)  # [query_len, H, D]
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None],  # [1, H, query_len, D]: 4-D takes the fused kernel

@@ -9,7 +9,8 @@ that suits it::
              split-KV when
              the GPU is idle
 
-Both launches write into one output tensor. A layer's sliding window goes to both.
+Both launches write into one output tensor. A layer's sliding window, soft-cap and
+attention sinks go to both.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] attention sinks (GPT-OSS)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
@@ -79,6 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:num_decodes],
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                sinks=sinks,
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
@@ -94,5 +97,6 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                sinks=sinks,
             )
         return out

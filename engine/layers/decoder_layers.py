@@ -28,7 +28,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.distributed.sharding import RowSlice, partition_heads, split_evenly
-from engine.layers.moe import FusedMoE, MoESpec
+from engine.layers.moe import MoESpec
 from engine.layers.ops import (
     GeluTanhAndMul,
     GemmaRMSNorm,
@@ -71,7 +71,8 @@ class DecoderSpec:
     gemma_norm: bool = False  # Gemma: x / rms(x) * (1 + w), in fp32
     query_pre_attn_scalar: float | None = None  # Gemma: scale = this ** -0.5, not head_dim's
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
-    moe: MoESpec | None = None  # Mixtral, Qwen3-MoE: experts instead of the gated MLP
+    moe: MoESpec | None = None  # Mixtral, Qwen3-MoE, GPT-OSS: experts instead of the gated MLP
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head in the softmax's sum
 
 
 def make_norm(hidden_size: int, eps: float, spec: DecoderSpec, impl: OpImpl) -> nn.Module:
@@ -153,6 +154,10 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = make_norm(self.head_dim, hf_config.rms_norm_eps, spec, impl)
             self.k_norm = make_norm(self.head_dim, hf_config.rms_norm_eps, spec, impl)
+        # [num_heads] (this rank's heads), named as the checkpoint's `self_attn.sinks`.
+        self.sinks: nn.Parameter | None = None
+        if spec.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
     def forward(
         self,
@@ -187,6 +192,7 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            sinks=self.sinks,
         )
         return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
@@ -233,7 +239,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(hf_config, spec, attn_backend, impl, sliding_window)
         self.mlp: nn.Module
         if spec.moe is not None and layer_idx not in spec.moe.dense_layers:
-            self.mlp = FusedMoE(hf_config, spec.moe, impl)
+            self.mlp = spec.moe.build(hf_config, impl)  # the spec's own MoE layer
         else:
             self.mlp = GatedMLP(hf_config, spec, impl)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)

@@ -1,5 +1,6 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks `top_k` experts per token,
-each expert is a gated MLP, and the token's output is their weighted sum.
+each expert is a gated MLP, and the token's output is their weighted sum. (GPT-OSS's router
+and biased experts build on the same grouped path: engine/layers/gpt_oss_moe.py.)
 
 Weights are stacked per layer, one tensor per projection (a fused MoE path needs them so):
 
@@ -52,6 +53,11 @@ class MoESpec:
             raise ValueError(
                 f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]."
             )
+
+    def build(self, hf_config: Any, impl: OpImpl) -> nn.Module:
+        """The MoE layer this spec describes (a family with other routing or experts
+        subclasses the spec and builds its own layer: engine/layers/gpt_oss_moe.py)."""
+        return FusedMoE(hf_config, self, impl)
 
 
 def select_experts(
@@ -132,11 +138,23 @@ def moe_experts(
     ids: torch.Tensor,  # [T, top_k]
     gemm: GroupedGemm,
     act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]
+    w2_bias: torch.Tensor | None = None,  # [E, hidden]
 ) -> torch.Tensor:  # [T, hidden]
-    """sum_k weights[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]."""
+    """sum_k weights[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; each
+    projection plus its expert's bias where given (GPT-OSS)."""
     rows = sort_rows(weights, ids, w13.shape[0])
     h = gemm(x, rows.token, w13, rows.offsets)  # [T * top_k, 2 * inter]
+    expert = None
+    if w13_bias is not None or w2_bias is not None:  # each sorted row's expert
+        counts = torch.tensor(rows.offsets, device=x.device).diff()  # [E]
+        expert = torch.repeat_interleave(torch.arange(w13.shape[0], device=x.device), counts)
+    if w13_bias is not None:
+        h += w13_bias[expert]
     y = gemm(act_and_mul(h), None, w2, rows.offsets)  # [T * top_k, hidden]
+    if w2_bias is not None:
+        y += w2_bias[expert]
     y.mul_(rows.weight[:, None].to(y.dtype))
     return torch.zeros_like(x).index_add_(0, rows.token, y)
 

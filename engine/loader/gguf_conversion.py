@@ -21,10 +21,20 @@ from engine.loader.model_files import gguf_cache_path
 logger = logging.getLogger(__name__)
 
 
-# llama.cpp architectures of families we serve from safetensors only: transformers' GGUF
-# loader (the conversion) does not map their tensor names, so they are refused up front,
+# llama.cpp architectures of families we serve from safetensors only: our GGUF conversion
+# (transformers' GGUF loader) does not map their tensor names, so they are refused up front,
 # naming the file, rather than failing inside the conversion.
-REFUSED_GGUF_ARCHITECTURES = {"deepseek2": "DeepseekV3ForCausalLM (DeepSeek-V2/V3, Kimi K2)"}
+REFUSED_GGUF_ARCHITECTURES = {
+    "deepseek2": (
+        "DeepseekV3ForCausalLM (DeepSeek-V2/V3, Kimi K2): llama.cpp's tensor names for it are "
+        "not mapped; serve the model's safetensors directory instead"
+    ),
+    "gpt-oss": (
+        "GptOssForCausalLM: its expert tensors (ffn_*_exps, MXFP4 blocks) do not convert to "
+        "the stacked experts; use the Hugging Face safetensors checkpoint (MXFP4 experts are "
+        "dequantized at load)"
+    ),
+}
 
 
 def check_gguf_architecture(gguf_path: Path) -> None:
@@ -36,12 +46,10 @@ def check_gguf_architecture(gguf_path: Path) -> None:
         architecture = read_gguf(gguf_path).architecture
     except ValueError:
         return
-    family = REFUSED_GGUF_ARCHITECTURES.get(architecture)
-    if family is not None:
+    reason = REFUSED_GGUF_ARCHITECTURES.get(architecture)
+    if reason is not None:
         raise NotImplementedError(
-            f"{gguf_path}: GGUF architecture {architecture!r} ({family}) cannot be loaded "
-            "from GGUF (llama.cpp's tensor names for it are not mapped); serve the model's "
-            "safetensors directory instead."
+            f"{gguf_path}: GGUF architecture {architecture!r} cannot be loaded from GGUF: {reason}."
         )
 
 

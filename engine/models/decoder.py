@@ -305,8 +305,8 @@ class DecoderForCausalLM(nn.Module):
         layers = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or not isinstance(mlp, GatedMLP):
-                return None  # q/k norms or experts: not what the whole-step path computes
+            if attn.q_norm is not None or attn.sinks is not None or not isinstance(mlp, GatedMLP):
+                return None  # q/k norms, sinks or experts: not what the whole-step path computes
             layers.append(
                 {
                     "input_norm": layer.input_layernorm.weight,

@@ -53,6 +53,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
     logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [num_heads]: attention sinks (GPT-OSS)
 ) -> torch.Tensor:  # [num_reqs, num_heads, head_dim]
     """Attention of one query token per request over its paged context."""
     num_reqs, num_heads, head_dim = query.shape
@@ -63,6 +64,7 @@ def paged_decode_attention(
             f"query [{num_reqs}, {num_heads}, {head_dim}] does not fit the cache "
             f"{tuple(kv_cache.shape)}"
         )
+    sinks = _sinks(sinks, num_heads, "paged_decode_attention")
     if num_reqs == 0:
         return query.new_empty(0, num_heads, head_dim)
     scores = query.new_empty(num_reqs, num_heads, max_len)  # [R, H, max_len] scratch
@@ -86,10 +88,23 @@ def paged_decode_attention(
         sliding_window or 0,
         scale,
         logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         torch.get_num_threads(),
         kv_dtype_code(kv_cache),
     )
     return out
+
+
+def _sinks(sinks: torch.Tensor | None, num_heads: int, caller: str) -> torch.Tensor | None:
+    """The sinks as the C code reads them: a contiguous fp32 CPU vector of num_heads (a
+    bf16 parameter is widened here; fp32 passes as it is)."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,) or sinks.device.type != "cpu":
+        raise ValueError(
+            f"{caller}: sinks {tuple(sinks.shape)} on {sinks.device}, need [{num_heads}] on the CPU"
+        )
+    return sinks.to(torch.float32).contiguous()
 
 
 def _check(
@@ -135,6 +150,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
     logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [num_heads]: attention sinks (GPT-OSS)
 ) -> None:
     """Causal attention of requests first_req.. (prefill chunks, any cached context) over
     their paged keys/values, which must already hold this step's tokens."""
@@ -160,6 +176,7 @@ def paged_prefill_attention(
         problems.append(f"first_req {first_req} of {num_reqs}")
     if problems:
         raise ValueError("paged_prefill_attention: " + "; ".join(problems))
+    sinks = _sinks(sinks, num_heads, "paged_prefill_attention")
     if first_req == num_reqs:
         return
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -183,6 +200,7 @@ def paged_prefill_attention(
         sliding_window or 0,
         scale,
         logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         torch.get_num_threads(),
         kv_dtype_code(kv_cache),
     )

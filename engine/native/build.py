@@ -88,12 +88,12 @@ _ptr = ctypes.c_void_p
 _SIGNATURES = {
     # out, query, query_stride, scores, key_cache, value_cache, block_tables,
     # block_table_stride, seq_lens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-    # max_len, window, scale, cap, num_threads, kv_dtype (window: sliding-window size, 0 =
-    # none; cap: attention logit soft-capping, 0 = none; kv_dtype: the cache's element type,
-    # attention.KV_DTYPE_CODES)
+    # max_len, window, scale, cap, sinks, num_threads, kv_dtype (window: sliding-window size,
+    # 0 = none; cap: attention logit soft-capping, 0 = none; sinks: [num_heads] fp32 attention
+    # sinks, NULL = none; kv_dtype: the cache's element type, attention.KV_DTYPE_CODES)
     "paged_decode_attention_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr]
     + [_i64] * 7
-    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, _i64],
+    + [ctypes.c_float, ctypes.c_float, _ptr, ctypes.c_int, _i64],
     # out, residual_out, x, x_stride, residual, weight, rows, cols, eps, num_threads
     "rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int],
     # x, x_stride, cos, sin, rows, num_heads, head_dim, num_threads
@@ -104,10 +104,10 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_ptr, _ptr, _i64, _i64, _i64, ctypes.c_int],
     # out, out_stride, query, query_stride, key_cache, value_cache, block_tables,
     # block_table_stride, query_start_loc, seq_lens, first_req, num_reqs, num_heads,
-    # num_kv_heads, head_dim, block_size, window, scale, cap, num_threads, kv_dtype
+    # num_kv_heads, head_dim, block_size, window, scale, cap, sinks, num_threads, kv_dtype
     "paged_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
     + [_i64] * 7
-    + [ctypes.c_float, ctypes.c_float, ctypes.c_int, _i64],
+    + [ctypes.c_float, ctypes.c_float, _ptr, ctypes.c_int, _i64],
     # hidden, residual, layers, num_layers, scratch, cos, sin, table, seq_len, slot,
     # hidden_size, num_heads, num_kv_heads, head_dim, inter, block_size, window, eps, scale,
     # threads, kv_dtype

@@ -304,7 +304,9 @@ void write_kv_f32(void *key_cache, void *value_cache, const float *key, const fl
  * blocks front to back (a block's rows hold all KV heads, read as one run when the range is
  * all of them): scores, softmax (max, vectorised exp, sum), then out = probs . values.
  * With `stats`, stats[2h] and stats[2h + 1] get the softmax's max and sum, so that the
- * outputs of several key ranges of one query can be merged (merge_parts). */
+ * outputs of several key ranges of one query can be merged (merge_parts). `sinks` (NULL:
+ * none) holds a logit per query head that joins the softmax's sum and attends to no value
+ * (GPT-OSS); a caller merging ranges passes it to merge_parts instead, so it counts once. */
 
 /* Soft-capping of one attention logit (cap 0: none). */
 INLINE float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
@@ -330,7 +332,7 @@ INLINE void decode_item(float *restrict out, const float *restrict q, float *res
                         const int32_t *table, int64_t seq_len, int64_t first, int64_t kvh0,
                         int64_t kvh1, int64_t g0, int64_t g1, int64_t group, int64_t head_dim,
                         int64_t block_size, int64_t token_stride, float scale, float cap,
-                        float *restrict stats, int kv) {
+                        const float *restrict sinks, float *restrict stats, int kv) {
     const int64_t first_block = first / block_size * block_size;
     for (int64_t start = first_block; start < seq_len; start += block_size) {
         const int64_t end = start + block_size < seq_len ? start + block_size : seq_len;
@@ -356,6 +358,9 @@ INLINE void decode_item(float *restrict out, const float *restrict q, float *res
             float *row = scores + (kvh * group + g) * scores_stride;
             float best = -INFINITY;
             for (int64_t t = first; t < seq_len; ++t) best = row[t] > best ? row[t] : best;
+            /* An attention sink: one more logit in the denominator, attending to nothing. */
+            const float sink = sinks != NULL ? sinks[kvh * group + g] : -INFINITY;
+            best = sink > best ? sink : best;
             vfloat sum = (vfloat){0};
             int64_t t = first;
             for (; t + LANES <= seq_len; t += LANES) {
@@ -363,7 +368,7 @@ INLINE void decode_item(float *restrict out, const float *restrict q, float *res
                 vstore(row + t, p);
                 sum += p;
             }
-            float total = vsum_lanes(sum);
+            float total = vsum_lanes(sum) + (sinks != NULL ? expf(sink - best) : 0.0f);
             for (; t < seq_len; ++t) {
                 row[t] = expf(row[t] - best);
                 total += row[t];
@@ -435,15 +440,17 @@ INLINE void part_range(int64_t first, int64_t seq_len, int64_t p, int64_t parts,
 }
 
 /* out[h] = the softmax-weighted mean of the parts' outputs out_p[h], each normalised over its
- * own range: weights sum_p * exp(max_p - max) (empty parts: sum 0). */
+ * own range: weights sum_p * exp(max_p - max) (empty parts: sum 0); a sink (sinks != NULL)
+ * adds exp(sink - max) to the total only. */
 INLINE void merge_parts(float *restrict out, const float *restrict part_out,
                         const float *restrict part_stats, int64_t parts, int64_t num_heads,
-                        int64_t h, int64_t head_dim) {
-    float best = -INFINITY, weight[ATTENTION_MAX_PARTS], total = 0.0f;
+                        int64_t h, int64_t head_dim, const float *restrict sinks) {
+    float best = sinks != NULL ? sinks[h] : -INFINITY, weight[ATTENTION_MAX_PARTS], total = 0.0f;
     for (int64_t p = 0; p < parts; ++p) {
         const float m = part_stats[(p * num_heads + h) * 2];
         best = m > best ? m : best;
     }
+    if (sinks != NULL) total = expf(sinks[h] - best); /* the sink: a part with no value */
     for (int64_t p = 0; p < parts; ++p) {
         const float *st = part_stats + (p * num_heads + h) * 2;
         weight[p] = st[1] > 0.0f ? st[1] * expf(st[0] - best) : 0.0f;
@@ -457,7 +464,8 @@ INLINE void merge_parts(float *restrict out, const float *restrict part_out,
     }
 }
 
-/* out[r, h] = softmax(cap(scale * q[r, h] . k[r, t])) . v[r, t] over t in request r's window;
+/* out[r, h] = softmax(cap(scale * q[r, h] . k[r, t])) . v[r, t] over t in request r's window
+ * (with `sinks`, NULL or [num_heads], sinks[h] one more logit of the softmax's sum);
  * scores is scratch of [num_reqs, num_heads, max_len] floats (max_len >= every seq_len).
  * The query, scores and out are fp32; the cache is of type kv_dtype (kv_dtype.h).
  * `partials` (NULL: none), scratch of num_reqs * ATTENTION_MAX_PARTS * num_heads *
@@ -472,8 +480,9 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
                                      int64_t block_table_stride, const int32_t *seq_lens,
                                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t block_size, int64_t max_len,
-                                     int64_t window, float scale, float cap, int64_t threads,
-                                     float *partials, int64_t kv_dtype) {
+                                     int64_t window, float scale, float cap,
+                                     const float *sinks, int64_t threads, float *partials,
+                                     int64_t kv_dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t chunk = heads_per_item(num_reqs, num_kv_heads, threads);
@@ -500,7 +509,7 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
                                     max_len, key_cache, value_cache,
                                     block_tables + r * block_table_stride, hi, lo, c * chunk,
                                     (c + 1) * chunk, 0, group, group, D, block_size, token_stride,
-                                    scale, cap, stats, KV),
+                                    scale, cap, parts > 1 ? NULL : sinks, stats, KV),
                         head_dim),
                     kv_dtype)
             }
@@ -512,7 +521,8 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
             for (int64_t h = 0; h < num_heads; ++h) {
                 const float *base = partials + r * part_floats;
                 merge_parts(out + r * num_heads * head_dim, base,
-                            base + parts * num_heads * head_dim, parts, num_heads, h, head_dim);
+                            base + parts * num_heads * head_dim, parts, num_heads, h, head_dim,
+                            sinks);
             }
     }
 }
@@ -524,12 +534,12 @@ void paged_decode_attention_f32(float *out, const float *query, int64_t query_st
                                 const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                 int64_t max_len, int64_t window, float scale, float cap,
-                                int num_threads, int64_t kv_dtype) {
+                                const float *sinks, int num_threads, int64_t kv_dtype) {
 #pragma omp parallel num_threads(num_threads)
     paged_decode_attention_team_f32(out, query, query_stride, scores, key_cache, value_cache,
                                     block_tables, block_table_stride, seq_lens, num_reqs,
                                     num_heads, num_kv_heads, head_dim, block_size, max_len,
-                                    window, scale, cap, omp_threads(), NULL, kv_dtype);
+                                    window, scale, cap, sinks, omp_threads(), NULL, kv_dtype);
 }
 
 /* ---- Paged prefill attention --------------------------------------------------------------
@@ -642,7 +652,7 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                          const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
                          int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
                          int64_t token_stride, float scale, float cap, int64_t window,
-                         float *scratch, int kv) {
+                         const float *sinks, float *scratch, int kv) {
     const int64_t num_rows = (row1 - row0) * group;
     float *keys = scratch;                          /* [PREFILL_SEGMENT / LANES][head_dim][LANES] */
     float *probs = keys + PREFILL_SEGMENT * head_dim; /* [SCORE_ROWS][PREFILL_SEGMENT] */
@@ -752,7 +762,13 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
     for (int64_t i = row0; i < row1; ++i)
         for (int64_t g = 0; g < group; ++g) {
             const int64_t row = (i - row0) * group + g;
-            const float inv = 1.0f / run_sum[row];
+            float inv = 1.0f / run_sum[row];
+            if (sinks != NULL) { /* the sink joins the sum (at a common max), no value */
+                const float sink = sinks[kvh * group + g];
+                const float best = fmaxf(run_max[row], sink);
+                const float rescale = expf(run_max[row] - best);
+                inv = rescale / (run_sum[row] * rescale + expf(sink - best));
+            }
             float *o = out + i * out_stride + (kvh * group + g) * head_dim;
             const float *a = acc + row * head_dim;
 #pragma omp simd
@@ -760,7 +776,8 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
         }
 }
 
-/* Requests [first_req, num_reqs) of the batch; their query rows are
+/* Requests [first_req, num_reqs) of the batch (`sinks`: NULL, or [num_heads] logits that
+ * join each row's softmax sum, as in decode_item); their query rows are
  * query_start_loc[r] .. query_start_loc[r + 1] of query/out (row strides query_stride and
  * out_stride, heads contiguous within a row). Other rows of out are not touched. */
 void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
@@ -770,7 +787,7 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
                              const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t block_size, int64_t window, float scale, float cap,
-                             int num_threads, int64_t kv_dtype) {
+                             const float *sinks, int num_threads, int64_t kv_dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     /* Items are numbered request by request: item_start[r - first_req] is r's first. */
@@ -810,7 +827,8 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
                     prefill_item(out + start * out_stride, out_stride,
                                  query + start * query_stride, query_stride, key_cache,
                                  value_cache, table, seq_lens[r] - q_len, row0, row1, kvh, group,
-                                 D, block_size, token_stride, scale, cap, window, scratch, KV),
+                                 D, block_size, token_stride, scale, cap, window, sinks, scratch,
+                                 KV),
                     head_dim),
                 kv_dtype)
         }
@@ -926,7 +944,7 @@ void decode_token_f32(float *hidden, float *residual, const int64_t *layers, int
                 decode_item(attn, qkv, scores, seq_len, key_cache, value_cache, table, seq_len,
                             window_first(seq_len - 1, window), h / group, h / group + 1,
                             h % group, h % group + 1, group, head_dim, block_size, token_stride,
-                            scale, 0.0f, NULL, KV),
+                            scale, 0.0f, NULL, NULL, KV),
                 kv_dtype)
         gemv_rows(hidden, FIELD(F_O_WEIGHT), FIELD(F_O_BIAS), attn, hidden_size, q_size);
 #pragma omp single

@@ -50,8 +50,9 @@ void paged_decode_attention_team_f32(float *out, const float *query, int64_t que
                                      int64_t block_table_stride, const int32_t *seq_lens,
                                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                                      int64_t head_dim, int64_t block_size, int64_t max_len,
-                                     int64_t window, float scale, float cap, int64_t threads,
-                                     float *partials, int64_t kv_dtype);
+                                     int64_t window, float scale, float cap,
+                                     const float *sinks, int64_t threads, float *partials,
+                                     int64_t kv_dtype);
 
 #define MAX_PARTS 3
 #define PART_FIELDS 5
@@ -156,7 +157,7 @@ int decode_step_f32(float *hidden, float *residual, const int64_t *layers, int64
         paged_decode_attention_team_f32(attn, qkv, qkv_size, scores, key_cache, value_cache,
                                         block_tables, block_table_stride, seq_lens, rows,
                                         num_heads, num_kv_heads, head_dim, block_size, max_len,
-                                        window, scale, 0.0f, omp_threads(), partials,
+                                        window, scale, 0.0f, NULL, omp_threads(), partials,
                                         kv_dtype);
         linear_step(hidden, H, attn, q_size, rows, lin + L_O * LINEAR_FIELDS, q_size, wbufs,
                     wbuf_floats);

@@ -79,17 +79,21 @@ class CompileCase:
 def _attention_cases() -> list[CompileCase]:
     attention = importlib.import_module("kernels.paged_attention")
     cases = []
-    # (dtype, head_dim, queries per KV head, max query len, splits, sliding window, soft cap)
-    for dtype, head_dim, queries_per_kv, max_query_len, num_splits, window, soft_cap in [
-        (torch.bfloat16, 128, 4, 1, 1, 0, False),  # Llama-3-8B decode
-        (torch.bfloat16, 128, 4, 1, 4, 0, False),  # split-KV decode
-        (torch.bfloat16, 128, 4, 512, 1, 0, False),  # prefill
-        (torch.float16, 64, 3, 512, 1, 0, False),  # SmolLM2-135M prefill
-        (torch.float32, 128, 4, 512, 1, 0, False),
-        (torch.bfloat16, 256, 8, 1, 1, 0, False),
-        (torch.bfloat16, 96, 1, 512, 1, 0, False),
-        (torch.bfloat16, 256, 2, 1, 1, 4096, True),  # Gemma-2-9B local layer, decode
-        (torch.bfloat16, 256, 2, 512, 1, 4096, True),  # ... prefill
+    # (dtype, head_dim, queries per KV head, max query len, splits, sliding window, soft cap,
+    # attention sinks)
+    for dtype, head_dim, queries_per_kv, max_query_len, num_splits, window, soft_cap, sinks in [
+        (torch.bfloat16, 128, 4, 1, 1, 0, False, False),  # Llama-3-8B decode
+        (torch.bfloat16, 128, 4, 1, 4, 0, False, False),  # split-KV decode
+        (torch.bfloat16, 128, 4, 512, 1, 0, False, False),  # prefill
+        (torch.float16, 64, 3, 512, 1, 0, False, False),  # SmolLM2-135M prefill
+        (torch.float32, 128, 4, 512, 1, 0, False, False),
+        (torch.bfloat16, 256, 8, 1, 1, 0, False, False),
+        (torch.bfloat16, 96, 1, 512, 1, 0, False, False),
+        (torch.bfloat16, 256, 2, 1, 1, 4096, True, False),  # Gemma-2-9B local layer, decode
+        (torch.bfloat16, 256, 2, 512, 1, 4096, True, False),  # ... prefill
+        (torch.bfloat16, 64, 8, 1, 1, 128, False, True),  # GPT-OSS-120B sliding layer, decode
+        (torch.bfloat16, 64, 8, 1, 4, 0, False, True),  # ... full layer, split-KV decode
+        (torch.bfloat16, 64, 8, 512, 1, 0, False, True),  # ... full layer, prefill
     ]:
         tiles = attention._tile_config(queries_per_kv, head_dim, max_query_len, dtype)
         name = TRITON_TYPES[dtype]
@@ -105,6 +109,7 @@ def _attention_cases() -> list[CompileCase]:
             "partial_lse_ptr": "*fp32",
             "scale_log2": "fp32",
             "soft_cap_log2": "fp32",
+            "sinks_log2_ptr": "*fp32",
         }
         constexprs = {
             "NUM_HEADS": 32,
@@ -118,11 +123,12 @@ def _attention_cases() -> list[CompileCase]:
             "NUM_SPLITS": num_splits,
             "SLIDING_WINDOW": window,
             "HAS_SOFT_CAP": soft_cap,
+            "HAS_SINKS": sinks,
             "UPCAST": False,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
         }
         label = f"paged_attention {name} d={head_dim} qpk={queries_per_kv} q={max_query_len}"
-        label += f" splits={num_splits} window={window} soft_cap={soft_cap}"
+        label += f" splits={num_splits} window={window} soft_cap={soft_cap} sinks={sinks}"
         cases.append(
             CompileCase(
                 label,

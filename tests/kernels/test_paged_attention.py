@@ -31,7 +31,9 @@ def _batch_lens(kind: str) -> tuple[list[int], list[int]]:
     return mixed_batch_lens()
 
 
-def _check(batch: PagedBatch, num_splits: int | None = None) -> None:
+def _check(
+    batch: PagedBatch, num_splits: int | None = None, sinks: torch.Tensor | None = None
+) -> None:
     scale = batch.query.shape[-1] ** -0.5
     out = paged_attention(
         batch.query,
@@ -43,6 +45,7 @@ def _check(batch: PagedBatch, num_splits: int | None = None) -> None:
         max_seq_len=batch.max_seq_len,
         scale=scale,
         num_splits=num_splits,
+        sinks=sinks,
     )
     expected = ref_paged_attention(
         batch.query,
@@ -51,6 +54,7 @@ def _check(batch: PagedBatch, num_splits: int | None = None) -> None:
         batch.seq_lens,
         batch.query_start_loc,
         scale,
+        sinks=sinks,
     )
     torch.testing.assert_close(out, expected, **TOLERANCES[batch.query.dtype])
 
@@ -102,6 +106,27 @@ def test_split_kv_matches_single_pass(num_splits: int) -> None:
         dtype=torch.float32,
     )
     _check(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kind", "num_splits"), [("mixed", None), ("decode", 3)])
+def test_attention_sinks(kind: str, num_splits: int | None, dtype: torch.dtype) -> None:
+    """GPT-OSS's sinks (a per-head logit in the softmax's sum): single pass and split-KV,
+    where only the first split may count the sink."""
+    query_lens, seq_lens = _batch_lens(kind)
+    num_heads = pick(6, 32)
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=pick(2, 8),
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+    )
+    sinks = torch.randn(num_heads, device=batch.query.device).to(dtype)
+    sinks[0] = 5.0  # a head whose sink takes most of the weight
+    _check(batch, num_splits=num_splits, sinks=sinks)
 
 
 def test_split_ranges_do_not_depend_on_max_seq_len() -> None:

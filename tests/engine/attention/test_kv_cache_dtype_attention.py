@@ -254,7 +254,7 @@ def test_portable_conversions_without_f16c(tmp_path):
     library.paged_decode_attention_f32(
         out.data_ptr(), query.data_ptr(), 32, scores.data_ptr(), cache[0].data_ptr(),
         cache[1].data_ptr(), tables.data_ptr(), 16, seq_lens.data_ptr(), 1, 2, 1, 16, 4, 64, 0,
-        0.25, 0.0, 1, 2,
+        0.25, 0.0, None, 1, 2,
     )  # fmt: skip
     expected = ref_paged_attention(
         query, cache, tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32), 0.25
