@@ -101,6 +101,7 @@ class EngineBackend:
         self._open(credentials)
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
+        self.joins = 0  # how often it became available (a request's TriedReplicas reads it)
         self.load = ReplicaLoad()
         self.watch = StreamWatch(stall_timeout_s)  # the Generate streams it holds
         self.num_inflight = 0  # this service's calls open on the replica
@@ -218,6 +219,7 @@ class EngineBackend:
         if available == self.available:
             return
         self.available = available
+        self.joins += available
         log = logger.warning if "another model" in reason else logger.info
         log(
             "engine backend %s",

@@ -211,6 +211,7 @@ def test_a_rolling_restart_under_load_loses_no_stream(fleet):
                 held = to
             engine.start()
             engine.wait_serving()
+            wait_for(lambda e=engine: fleet.replica(e).available, timeout=120)
             restarted.append(engine)
             # Routed to again: a stream it owns starts there and makes tokens.
             index = fleet.engines.index(engine)
