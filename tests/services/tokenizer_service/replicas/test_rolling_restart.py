@@ -5,10 +5,10 @@ seeded requests. No client sees an error, every stream completes with all its to
 equals the same request run without restarts, and afterwards every replica is idle with
 every KV block free.
 
-    clients ──▶ tokenizer service ──▶ A  B  C       restart A, then B, then C:
-    (4 loops + the marathon)                          each SIGTERM hands back ≥ 1 stream
-                                                      mid-way (counted), each restarted
-                                                      replica serves a stream again
+    clients ──▶ tokenizer service ──▶ A  B  C     restart A, then B, then C; at each SIGTERM
+    (3 loops, and the test's                       a stream is mid-way there and is handed
+     own streams)                                  back (counted); each restarted replica
+                                                   serves a stream it owns again
 
 The marathon is the stream a long generation is in a real rolling upgrade: it outlives
 every restart. Its owner A is restarted first, which moves it to B; B is restarted next,
@@ -45,11 +45,11 @@ from tests.services.tokenizer_service.replicas.fleet import (
     assert_greedy_match,
 )
 
-LONG = 240  # mid-way through one of these when its replica is restarted
+LONG = 200  # mid-way through one of these when its replica is restarted
 SHORT = 24
 MARATHON = "marathon"
-MARATHON_TOKENS = 400
-NUM_CLIENTS = 4
+MARATHON_TOKENS = 300
+NUM_CLIENTS = 3
 GREEDY = {"temperature": 0.0, "logprobs": 5}  # the top-5 check needs the logprobs
 SEEDED = {"temperature": 1.0, "seed": 7, "top_k": 5}
 SEEDED_N2 = {"temperature": 0.8, "seed": 99, "n": 2, "top_k": 5}
@@ -120,35 +120,76 @@ class Client(threading.Thread):
             self.done.append((spec, request_id, *reader.result()))
 
 
-def _mid_way_on(fleet: Fleet, clients: list[Client], engine: EngineProcess) -> bool:
-    """A long stream has started on `engine` and has at least two thirds of its tokens to
-    go: far more than the short drain lets it make."""
-    for client in clients:
-        if client.current is None:
-            continue
-        spec, request_id, reader = client.current
-        num = reader.num_tokens()
-        long_way_to_go = spec.max_tokens == LONG and 4 <= num <= spec.num_tokens // 3
-        if long_way_to_go and fleet.holder(request_id) is engine:
-            return True
-    return False
+class Restarts:
+    """The rolling restart, one replica after the other, and the streams it starts itself:
+    the marathon, a stream mid-way on each replica restarted while the marathon is not
+    there, and a stream on each restarted replica to see it routed to again."""
 
+    def __init__(self, fleet: Fleet, specs: list[Spec], marathon: Spec) -> None:
+        self.fleet, self.specs = fleet, specs
+        self.streams: list[tuple[Spec, str, Reader]] = []
+        self.marathon = self.stream(marathon, MARATHON)
+        self.moved: list[str] = []  # where each restart sent the marathon
+        self.restarted: list[EngineProcess] = []
+        self.held: EngineProcess | None = None  # SIGSTOPped, holding the marathon
 
-def _restart(fleet: Fleet, engine: EngineProcess, moved: list[str]) -> EngineProcess | None:
-    """SIGTERM `engine` and check that it drains: exit status 0, and at least one stream
-    handed back and moved on. Returns where the marathon went, when it was on `engine`."""
-    before = fleet.migrations("drained")
-    had_marathon = fleet.holder(MARATHON) is engine
-    engine.proc.terminate()
-    assert engine.proc.wait(120) == 0, "a drain is a clean exit"
-    wait_for(lambda: fleet.migrations("drained") > before, timeout=60)
-    if not had_marathon:
-        return None
-    wait_for(lambda: fleet.holder(MARATHON) is not engine, timeout=60)
-    to = fleet.holder(MARATHON)  # None: it ended (an error, which the comparison shows)
-    if to is not None:
-        moved.append(to.address)
-    return to
+    def stream(self, spec: Spec, request_id: str) -> Reader:
+        reader = Reader(self.fleet.public.Generate(spec.request(request_id), timeout=600))
+        self.streams.append((spec, request_id, reader))
+        return reader
+
+    def on(self, engine: EngineProcess, request_id: str, reader: Reader, num: int) -> None:
+        """Until the stream has more than `num` tokens and runs on `engine`."""
+        wait_for(lambda: self.fleet.holder(request_id) is engine, timeout=120, interval=0.001)
+        wait_for(lambda: reader.num_tokens() > num, timeout=120)
+
+    def next(self) -> EngineProcess:
+        """The replica to restart, with a stream mid-way on it: the marathon's while that
+        one has not been restarted, else the next one, with a long stream of its own."""
+        on = self.fleet.holder(MARATHON)
+        if on is not None and on not in self.restarted:
+            if self.held is on:  # continued: the marathon runs there again
+                num = self.marathon.num_tokens()
+                os.kill(on.proc.pid, signal.SIGCONT)
+                self.held = None
+                self.on(on, MARATHON, self.marathon, num)
+            return on
+        engine = next(e for e in self.fleet.engines if e not in self.restarted)
+        index = self.fleet.engines.index(engine)
+        request_id = f"mid-way-{index}"
+        spec = self.specs[len(self.fleet.engines) + index]  # its seeded long stream
+        self.on(engine, request_id, self.stream(spec, request_id), 4)
+        return engine
+
+    def restart(self, engine: EngineProcess) -> None:
+        """SIGTERM: exit status 0, a stream handed back and moved on (the marathon, when it
+        was there, held still where it went); started again on the same port, and routed
+        to again."""
+        before = self.fleet.migrations("drained")
+        had_marathon = self.fleet.holder(MARATHON) is engine
+        engine.proc.terminate()
+        assert engine.proc.wait(120) == 0, "a drain is a clean exit"
+        wait_for(lambda: self.fleet.migrations("drained") > before, timeout=60)
+        if had_marathon:
+            wait_for(lambda: self.fleet.holder(MARATHON) is not engine, timeout=60)
+            to = self.fleet.holder(MARATHON)  # None: it ended (the comparison says how)
+            if to is not None:
+                self.moved.append(to.address)
+            if to is not None and to not in self.restarted:
+                os.kill(to.proc.pid, signal.SIGSTOP)  # the marathon waits there
+                self.held = to
+        engine.start()
+        engine.wait_serving()
+        wait_for(lambda: self.fleet.replica(engine).available, timeout=120)
+        self.restarted.append(engine)
+        index = self.fleet.engines.index(engine)
+        request_id = f"back-{index}"
+        spec = self.specs[index]  # its greedy long stream
+        self.on(engine, request_id, self.stream(spec, request_id), 0)
+
+    def close(self) -> None:
+        if self.held is not None:
+            os.kill(self.held.proc.pid, signal.SIGCONT)
 
 
 def _assert_equal(fleet: Fleet, spec: Spec, request_id: str, error, got, want) -> None:
@@ -186,58 +227,26 @@ def test_a_rolling_restart_under_load_loses_no_stream(fleet):
     clients = [Client(fleet, specs, offset=2 * i, stop=stop) for i in range(NUM_CLIENTS)]
     for client in clients:
         client.start()
-    marathon_reader = Reader(fleet.public.Generate(marathon.request(MARATHON), timeout=600))
-    probes: list[tuple[Spec, str, Reader]] = []
-    moved: list[str] = []  # where each restart sent the marathon
-    restarted: list[EngineProcess] = []
-    held: EngineProcess | None = None  # the SIGSTOPped replica holding the marathon
+    restarts = Restarts(fleet, specs, marathon)
     try:
-        wait_for(lambda: marathon_reader.num_tokens() >= 8, timeout=120, interval=0.001)
-        while len(restarted) < len(fleet.engines):
-            on = fleet.holder(MARATHON)
-            if on is not None and on not in restarted:
-                engine = on
-                if held is engine:  # continued: the marathon runs there again
-                    num = marathon_reader.num_tokens()
-                    os.kill(engine.proc.pid, signal.SIGCONT)
-                    held = None
-                    wait_for(lambda n=num: marathon_reader.num_tokens() > n, timeout=120)
-            else:
-                engine = next(e for e in fleet.engines if e not in restarted)
-                wait_for(lambda e=engine: _mid_way_on(fleet, clients, e), timeout=300)
-            to = _restart(fleet, engine, moved)
-            if to is not None and to not in restarted:
-                os.kill(to.proc.pid, signal.SIGSTOP)  # the marathon waits there
-                held = to
-            engine.start()
-            engine.wait_serving()
-            wait_for(lambda e=engine: fleet.replica(e).available, timeout=120)
-            restarted.append(engine)
-            # Routed to again: a stream it owns starts there and makes tokens.
-            index = fleet.engines.index(engine)
-            spec = specs[index]  # its greedy long stream
-            probe_id = f"probe-{index}"
-            probe = Reader(fleet.public.Generate(spec.request(probe_id), timeout=300))
-            probes.append((spec, probe_id, probe))
-            wait_for(lambda p=probe_id, e=engine: fleet.holder(p) is e, timeout=120, interval=0.001)
-            wait_for(lambda p=probe: p.num_tokens() > 0, timeout=120)
+        wait_for(lambda: restarts.marathon.num_tokens() >= 8, timeout=120, interval=0.001)
+        while len(restarts.restarted) < len(fleet.engines):
+            restarts.restart(restarts.next())
     finally:
-        if held is not None:
-            os.kill(held.proc.pid, signal.SIGCONT)
+        restarts.close()
         stop.set()
     for client in clients:
         client.join(600)
         assert not client.is_alive(), "a client's stream hangs"
 
     # Every stream complete and unchanged, the marathon included.
-    finished = [entry for client in clients for entry in client.done]
-    finished += [(spec, rid, *reader.result()) for spec, rid, reader in probes]
-    finished.append((marathon, MARATHON, *marathon_reader.result()))
     assert all(client.done for client in clients)
+    finished = [entry for client in clients for entry in client.done]
+    finished += [(spec, rid, *reader.result()) for spec, rid, reader in restarts.streams]
     for spec, request_id, error, outputs in finished:
         _assert_equal(fleet, spec, request_id, error, outputs, reference[id(spec)])
     # The marathon moved at A's and B's restarts, the second time back to A, restarted.
-    assert len(moved) >= 2 and moved[1] == a.address, moved
+    assert len(restarts.moved) >= 2 and restarts.moved[1] == a.address, restarts.moved
     fleet.wait_all_up()
     for engine in fleet.engines:
         wait_for(lambda engine=engine: fleet.idle(engine), timeout=60)
