@@ -11,7 +11,7 @@ after its first token (issue 34, docs/deployment.md "What survives what").
 
 The relay (relay.py) raises `Moved`; its replica loop asks `RequestMigrations` whether the
 request may move (at most --migration-limit times, to a replica that is up and that it has
-not left, unless that one has rejoined since: `TriedReplicas`), records the move (metric,
+not left, unless that one has restarted since: `TriedReplicas`), records the move (metric,
 span event, log line) and sends `resume_request(...)`: the same request with every
 unfinished output's tokens so far in `resumed_output_token_ids`, so the engine continues
 each output where it was (same seed, same position) and the client's `TextStream` simply
@@ -138,21 +138,22 @@ class StreamWatch:
 
 
 class TriedReplicas:
-    """The replicas one request was sent to, each left out of its next choices until it has
-    rejoined the pool (`EngineBackend.joins` grew: it went down and came back). A replica
-    that failed the request or handed it back is not tried again as it was; restarted, it
-    is a new replica. In a rolling restart a long stream visits every replica in turn and
-    must then go back to one that has come back, or it would end UNAVAILABLE with every
-    replica serving."""
+    """The replicas one request was sent to, each left out of its next choices while it is
+    the same process (`EngineBackend.instance`, from the engine's Health details). A replica
+    that failed the request or gave it up is not tried again: one that recovered (a stall
+    that ended) may still hold the old copy, whose cancellation it applies only at its next
+    step. Restarted at the same address it is a new replica: in a rolling restart a long
+    stream visits every replica in turn and then goes back to one restarted meanwhile,
+    rather than ending UNAVAILABLE with every replica serving."""
 
     def __init__(self) -> None:
-        self._tried: list[tuple[Any, int]] = []  # (replica, its joins when tried)
+        self._tried: list[tuple[Any, str | None]] = []  # (replica, its instance then)
 
     def add(self, replica: Any) -> None:
-        self._tried.append((replica, replica.joins))
+        self._tried.append((replica, replica.instance))
 
     def excluded(self) -> list[Any]:
-        return [replica for replica, joins in self._tried if replica.joins == joins]
+        return [r for r, instance in self._tried if instance is None or r.instance == instance]
 
 
 class RequestMigrations:

@@ -175,7 +175,7 @@ class EngineRelay:
         replica that fails before anything came back (`FailedBeforeFirstToken`) is marked
         down and the attempt made once more on another, invisibly to the client. A stream
         whose replica is lost later (`Moved`) goes on elsewhere while `migrations` allows.
-        `choose` is not offered the replicas tried before unless they have rejoined since
+        `choose` is not offered the replicas tried before unless they have restarted since
         (`TriedReplicas`)."""
         client_span = tracing.start_client_span(span_name)
         try:
