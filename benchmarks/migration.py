@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=80)
+    parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="threads per engine")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
     parser.add_argument(
