@@ -5,7 +5,7 @@ invocation (issue 34; docs/deployment.md "What survives what").
     python benchmarks/migration.py                       # default model, 3 runs
     python benchmarks/migration.py --model DIR --max-tokens 64 --runs 1
 
-Three engine processes and one tokenizer service process on loopback, all real. Each run
+Three engine processes and tokenizer service processes on loopback, all real. Each run
 has four phases of `--streams` greedy streams (random token-id prompts, so prefix affinity
 spreads them over the replicas, `--max-tokens` each):
 
@@ -19,10 +19,11 @@ A stream is "migrated" when the tokenizer service logged a migration for it (its
 log line per migration), else "undisturbed". Printed per run and phase: p50 / p99 of that
 gap for both groups, and the migrated p50 as a ratio to the baseline phase's p50 of the same
 run; then the spread (min..max) over the runs. A stall is noticed after the tokenizer
-service's `--engine-stall-timeout` seconds of silence (5 here, shorter than its default 10 s,
-and printed; the engines keep their own watchdog at the default 10 s: on a loaded CPU a
-first prefill of the default model can run over 2 s, which a shorter watchdog reports as a
-stall), a drain hands the streams back after `--shutdown-grace`: both are in the pause.
+service's stall timeout: the stall phase goes through a second tokenizer service with
+`--engine-stall-timeout` (5 s here, printed), the other phases through one with the default
+10 s, and the engines keep their watchdog's default 10 s (on a loaded CPU a prefill of the
+default model can run for seconds, which a short timeout takes for a stall). A drain hands
+the streams back after `--shutdown-grace`. Both are in the pause.
 Every stream must end with all its tokens; errors are counted and printed.
 """
 
@@ -51,6 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
 
+DEFAULT_STALL_TIMEOUT_S = 10.0  # the tokenizer service's own default
 FAULTS = {"kill": signal.SIGKILL, "stall": signal.SIGSTOP, "drain": signal.SIGTERM}
 MIGRATED_MSG = "stream migrated to another engine replica"
 
@@ -97,12 +99,12 @@ class Engine:
 class Tokenizer:
     """The tokenizer service, its JSON log read for the migration lines."""
 
-    def __init__(self, args: argparse.Namespace, engines: list[Engine]) -> None:
+    def __init__(self, args: argparse.Namespace, engines: list[Engine], stall_s: float) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         host, port = self.address.split(":")
         argv = [sys.executable, "-m", "services", "tokenizer", "--host", host, "--port", port]
         argv += ["--engine-addr", ",".join(e.address for e in engines)]
-        argv += ["--engine-stall-timeout", str(args.engine_stall_timeout)]
+        argv += ["--engine-stall-timeout", str(stall_s)]
         argv += ["--log-format", "json", "--log-level", "INFO"]
         argv += ["--model", args.model] if args.model else []
         self.proc = subprocess.Popen(
@@ -156,11 +158,14 @@ class Stream:
         return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
 
 
-async def run_phase(args, tokenizer: Tokenizer, engines: list[Engine], name: str) -> list[Stream]:
-    """`args.streams` streams; the fault `name` (or none) midway; every stream to its end."""
+async def run_phase(
+    args, tokenizer: Tokenizer, engines: list[Engine], name: str, run: int
+) -> list[Stream]:
+    """`args.streams` streams; the fault `name` (or none) midway; every stream to its end.
+    The prompts are the same in every run (so is where they go); the request ids differ."""
     rng = random.Random(f"{args.seed}-{name}")
     params = common_pb2.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    streams = [Stream(f"{name}-{rng.getrandbits(48):012x}-{i}") for i in range(args.streams)]
+    streams = [Stream(f"{name}-run{run}-{i}") for i in range(args.streams)]
 
     async def one(stub, stream: Stream) -> None:
         request = generation_pb2.GenerateRequest(
@@ -249,14 +254,15 @@ def main() -> None:
         "--engine-stall-timeout",
         type=float,
         default=5.0,
-        help="the tokenizer service's (5; the engines keep their watchdog's default, 10)",
+        help="the tokenizer service's in the stall phase (5; elsewhere and in the engines: 10)",
     )
     parser.add_argument("--shutdown-grace", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(
         f"3 engine replicas, {args.streams} greedy streams x {args.max_tokens} tokens, "
-        f"tokenizer --engine-stall-timeout {args.engine_stall_timeout} s, engine "
+        f"tokenizer --engine-stall-timeout {args.engine_stall_timeout} s in the stall phase "
+        f"({DEFAULT_STALL_TIMEOUT_S} s in the others), engine "
         f"--shutdown-grace "
         f"{args.shutdown_grace} s, {args.threads} thread(s) per engine, model "
         f"{args.model or 'default'}",
@@ -266,30 +272,36 @@ def main() -> None:
     engines = [Engine(args) for _ in range(3)]
     for engine in engines:
         engine.start()
-    tokenizer = Tokenizer(args, engines)
+    # Two tokenizer services in front of the same engines: the stall phase's with the short
+    # stall timeout, the others' with the default (a long CPU prefill is not a stall).
+    default = Tokenizer(args, engines, DEFAULT_STALL_TIMEOUT_S)
+    short = Tokenizer(args, engines, args.engine_stall_timeout)
     results: list[dict[str, dict[str, list[float]]]] = []
     errors = 0
     try:
-        procs = [e.proc for e in engines] + [tokenizer.proc]
-        for engine in engines:
-            assert wait_until_serving(engine.address, procs, timeout=900), engine.address
-        assert wait_until_serving(tokenizer.address, procs, timeout=900), "tokenizer"
-        tokenizer.wait_all_up(engines)
-        asyncio.run(run_phase(args, tokenizer, engines, "warmup"))
+        procs = [e.proc for e in engines] + [default.proc, short.proc]
+        for address in [e.address for e in engines] + [default.address, short.address]:
+            assert wait_until_serving(address, procs, timeout=900), address
+        for tokenizer in (default, short):
+            tokenizer.wait_all_up(engines)
+        asyncio.run(run_phase(args, default, engines, "warmup", 0))
         for run in range(args.runs):
             figures: dict[str, dict[str, list[float]]] = {}
             for name in ("baseline", *FAULTS):
-                streams = asyncio.run(run_phase(args, tokenizer, engines, name))
+                tokenizer = short if name == "stall" else default
+                streams = asyncio.run(run_phase(args, tokenizer, engines, name, run))
                 for s in streams:
                     if s.error or s.num_tokens != args.max_tokens:
                         errors += 1
                         print(f"  {s.request_id}: {s.num_tokens} tokens, {s.error}", flush=True)
                 figures[name] = summarize(streams, set(tokenizer.migrated))
                 recover(tokenizer, engines, name)
+                (short if tokenizer is default else default).wait_all_up(engines)
             results.append(figures)
             report_run(run, figures)
     finally:
-        tokenizer.stop()
+        for tokenizer in (default, short):
+            tokenizer.stop()
         for engine in engines:
             engine.stop()
     report_spread(results)
