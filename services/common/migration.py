@@ -23,6 +23,9 @@ from typing import Any
 import grpc
 
 MIGRATE_METADATA_KEY = "pagedserve-migrate"
+# The engine service's Health details entry naming its process (a random id per start): a
+# stream does not go back to a replica it left unless the replica is a new process since.
+INSTANCE_DETAIL = "instance_id"
 REASON_DRAINED = "drained"
 REASON_STALLED = "stalled"  # decided by the tokenizer service (health, or silence)
 REASON_KILLED = "killed"  # decided by the tokenizer service (a broken call)

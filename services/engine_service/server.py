@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,7 @@ from services.common.grpc_server import (
 )
 from services.common.limits import RequestRegistry
 from services.common.metrics import EngineServiceMetrics, MetricsEndpoint
-from services.common.migration import REASON_DRAINED, migrate_metadata
+from services.common.migration import INSTANCE_DETAIL, REASON_DRAINED, migrate_metadata
 from services.common.wire import WireGuard
 from services.engine_service import convert
 from services.engine_service.admin import EngineAdminRpcs
@@ -85,6 +86,7 @@ from services.security.tls import ServerTLS, ServerTLSConfig, is_loopback
 logger = logging.getLogger("services.engine")
 
 _ENGINE_WATCH_INTERVAL_S = 0.5
+INSTANCE_ID = uuid.uuid4().hex  # this process's (Health details: INSTANCE_DETAIL)
 # After the grace period, how long handed-back streams get to end with their status before
 # the server cancels what is left.
 _HAND_BACK_MARGIN_S = 2.0
@@ -282,7 +284,9 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
 
     @rpc_method
     async def Health(self, request: common_pb2.HealthRequest, context: Any) -> Any:
-        details = {"num_inflight_streams": str(len(self.requests))}
+        # The process's id: a router tells a replica restarted at the same address (a new
+        # one) from one that recovered (which may still hold requests that moved away).
+        details = {"num_inflight_streams": str(len(self.requests)), INSTANCE_DETAIL: INSTANCE_ID}
         if self.engine is None:
             return common_pb2.HealthResponse(healthy=False, status="NOT_SERVING", details=details)
         try:

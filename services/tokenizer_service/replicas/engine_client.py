@@ -31,6 +31,7 @@ from pagedserve.v1 import common_pb2, engine_pb2_grpc
 from services.common.errors import ServiceError, engine_call_error, engine_unreachable
 from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, ENGINE_SERVICE
 from services.common.migration import (
+    INSTANCE_DETAIL,
     REASON_DRAINED,
     REASON_KILLED,
     REASON_STALLED,
@@ -101,6 +102,7 @@ class EngineBackend:
         self._open(credentials)
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
+        self.instance: str | None = None  # its process (INSTANCE_DETAIL): TriedReplicas
         self.load = ReplicaLoad()
         self.watch = StreamWatch(stall_timeout_s)  # the Generate streams it holds
         self.num_inflight = 0  # this service's calls open on the replica
@@ -206,6 +208,7 @@ class EngineBackend:
             metadata=(("traceparent", unsampled),),
         )
         details = reply.details
+        self.instance = details.get(INSTANCE_DETAIL, self.instance)
         with contextlib.suppress(KeyError, ValueError):
             self.load = ReplicaLoad(
                 num_waiting=int(details["num_waiting_requests"]),

@@ -11,10 +11,11 @@ after its first token (issue 34, docs/deployment.md "What survives what").
 
 The relay (relay.py) raises `Moved`; its replica loop asks `RequestMigrations` whether the
 request may move (at most --migration-limit times, to a replica that is up and that it has
-not left before), records the move (metric, span event, log line) and sends
-`resume_request(...)`: the same request with every unfinished output's tokens so far in
-`resumed_output_token_ids`, so the engine continues each output where it was (same seed,
-same position) and the client's `TextStream` simply carries on. The replica left has its
+not left, unless that one has restarted since: `TriedReplicas`), records the move (metric,
+span event, log line) and sends `resume_request(...)`: the same request with every
+unfinished output's tokens so far in `resumed_output_token_ids`, so the engine continues
+each output where it was (same seed, same position) and the client's `TextStream` simply
+carries on. The replica left has its
 call cancelled: if it recovers it aborts the request and frees its blocks.
 
 Both the state a replica keeps about its streams (`StreamWatch`, one per `EngineBackend`)
@@ -136,8 +137,27 @@ class StreamWatch:
 # ---- a request's moves ---------------------------------------------------------------------
 
 
+class TriedReplicas:
+    """The replicas one request was sent to, each left out of its next choices while it is
+    the same process (`EngineBackend.instance`, from the engine's Health details). A replica
+    that failed the request or gave it up is not tried again: one that recovered (a stall
+    that ended) may still hold the old copy, whose cancellation it applies only at its next
+    step. Restarted at the same address it is a new replica: in a rolling restart a long
+    stream visits every replica in turn and then goes back to one restarted meanwhile,
+    rather than ending UNAVAILABLE with every replica serving."""
+
+    def __init__(self) -> None:
+        self._tried: list[tuple[Any, str | None]] = []  # (replica, its instance then)
+
+    def add(self, replica: Any) -> None:
+        self._tried.append((replica, replica.instance))
+
+    def excluded(self) -> list[Any]:
+        return [r for r, instance in self._tried if instance is None or r.instance == instance]
+
+
 class RequestMigrations:
-    """How often one request has moved, and the replicas it left (never gone back to)."""
+    """How often one request has moved."""
 
     def __init__(self, limit: int, metrics: TokenizerMetrics, request_id: str) -> None:
         self.limit = limit

@@ -29,7 +29,12 @@ from services.common.grpc_server import ENGINE_SERVICE, trace_headers, trace_met
 from services.common.metrics import TokenizerMetrics
 from services.tokenizer_service.replicas import migration
 from services.tokenizer_service.replicas.engine_client import EngineBackend
-from services.tokenizer_service.replicas.migration import HeldStream, Moved, RequestMigrations
+from services.tokenizer_service.replicas.migration import (
+    HeldStream,
+    Moved,
+    RequestMigrations,
+    TriedReplicas,
+)
 from services.tokenizer_service.replicas.pool import EnginePool, TrackedCall, tracked
 from services.tokenizer_service.text_stream import TextStream
 
@@ -169,16 +174,18 @@ class EngineRelay:
         """`attempt` on the replica `choose` picks, under the CLIENT span `span_name`; a
         replica that fails before anything came back (`FailedBeforeFirstToken`) is marked
         down and the attempt made once more on another, invisibly to the client. A stream
-        whose replica is lost later (`Moved`) goes on elsewhere while `migrations` allows."""
+        whose replica is lost later (`Moved`) goes on elsewhere while `migrations` allows.
+        `choose` is not offered the replicas tried before unless they have restarted since
+        (`TriedReplicas`)."""
         client_span = tracing.start_client_span(span_name)
         try:
             headers = tracing.outgoing_trace_headers(incoming_trace_headers, client_span)
-            tried: list[EngineBackend] = []
+            tried = TriedReplicas()
             failed_over = False
             moving: tuple[str, EngineBackend] | None = None  # (reason, replica left)
             while True:
-                replica = choose(tried)
-                tried.append(replica)
+                replica = choose(tried.excluded())
+                tried.add(replica)
                 live.replica = replica
                 if moving is not None and migrations is not None:
                     migrations.record(moving[0], moving[1], replica, num_tokens())
@@ -186,7 +193,7 @@ class EngineRelay:
                 try:
                     return await attempt(replica, headers)
                 except FailedBeforeFirstToken as failed:
-                    if failed_over or not self.pool.up(exclude=tried):
+                    if failed_over or not self.pool.up(exclude=tried.excluded()):
                         raise await replica.translate(failed.error) from None
                     failed_over = True
                     await replica.mark_down(failed.error)
@@ -198,7 +205,8 @@ class EngineRelay:
                 except Moved as moved:
                     if moved.reason != migration.REASON_DRAINED:
                         await replica.lose(moved.reason, f"a stream of {request_id} broke")
-                    if migrations is None or not migrations.may_move(self.pool.up(exclude=tried)):
+                    elsewhere = self.pool.up(exclude=tried.excluded())
+                    if migrations is None or not migrations.may_move(elsewhere):
                         raise moved.client_error(replica.address) from None
                     moving = (moved.reason, replica)
         except (Exception, asyncio.CancelledError) as exc:
