@@ -18,6 +18,7 @@ from engine import (
     RequestOutputKind,
     SamplingParams,
 )
+from engine.config.cpu_dtype import cpu_auto_dtype, cpu_flags
 from tests.model_utils import make_tiny_llama
 
 
@@ -389,7 +390,8 @@ def test_same_seed_same_tokens_whatever_the_batch(model_dir) -> None:
 def test_config_getters_stats_and_prefix_cache_reset(model_dir, caplog) -> None:
     engine = make_engine(model_dir, block_size=8, max_num_seqs=4, kv_cache_memory_bytes=2**20)
     model_config = engine.get_model_config()
-    assert model_config.dtype == "float32" and model_config.vocab_size == 128
+    # dtype "auto" on a CPU: bf16 where it is native, else fp32 (engine/config/cpu_dtype.py).
+    assert model_config.dtype == cpu_auto_dtype(cpu_flags()) and model_config.vocab_size == 128
     cache = engine.get_cache_config()
     per_block = 2 * 8 * model_config.num_kv_heads * model_config.head_dim * 4 * 2
     assert cache.num_blocks == min(2**20 // per_block, 4 * math.ceil(128 / 8))
