@@ -81,6 +81,12 @@ _BUCKET_OF = [0] + [
     for r in range(1, 130)
 ]
 
+
+def bucket_of(rows: int) -> int:
+    """The `ROW_BUCKETS` index of a step with `rows` activation rows (rows >= 1)."""
+    return _BUCKET_OF[min(rows, 129)]
+
+
 Prepared = Any  # a method's copy of the weight (None when it uses the weight itself)
 RunFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", Prepared], torch.Tensor]
 
