@@ -18,7 +18,6 @@ from engine import (
     RequestOutputKind,
     SamplingParams,
 )
-from engine.config.cpu_dtype import cpu_auto_dtype, cpu_flags
 from tests.model_utils import make_tiny_llama
 
 
@@ -35,6 +34,9 @@ def text_model_dir(tmp_path_factory):
 
 
 def make_engine(model_dir, **kwargs) -> LLMEngine:
+    """fp32 unless asked: the tests compare with transformers in fp32 and count fp32 bytes
+    ("auto" is bf16 on CPUs where bf16 is native)."""
+    kwargs.setdefault("dtype", "float32")
     return LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), **kwargs))
 
 
@@ -390,8 +392,7 @@ def test_same_seed_same_tokens_whatever_the_batch(model_dir) -> None:
 def test_config_getters_stats_and_prefix_cache_reset(model_dir, caplog) -> None:
     engine = make_engine(model_dir, block_size=8, max_num_seqs=4, kv_cache_memory_bytes=2**20)
     model_config = engine.get_model_config()
-    # dtype "auto" on a CPU: bf16 where it is native, else fp32 (engine/config/cpu_dtype.py).
-    assert model_config.dtype == cpu_auto_dtype(cpu_flags()) and model_config.vocab_size == 128
+    assert model_config.dtype == "float32" and model_config.vocab_size == 128
     cache = engine.get_cache_config()
     per_block = 2 * 8 * model_config.num_kv_heads * model_config.head_dim * 4 * 2
     assert cache.num_blocks == min(2**20 // per_block, 4 * math.ceil(128 / 8))
