@@ -30,7 +30,8 @@ prompt ids and output length, one stream at a time (benchmarks/llamacpp_baseline
 `--emulate-isa avx2` runs the whole benchmark (transformers included) as an AVX2-only CPU
 would: it re-executes itself with torch's, MKL's and oneDNN's ISA capped at AVX2 and our
 kernels built for x86-64-v3 with their AVX2 paths (`EMULATED_ISA_ENV`). llama.cpp's own
-dispatch is not capped.
+dispatch is not capped. `--emulate-isa avx512` caps oneDNN at AVX512_CORE_VNNI: a CPU with
+AMX or AVX512-BF16 then runs (and resolves `dtype="auto"`) as an AVX-512 one without bf16.
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ EMULATED_ISA_ENV = {
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3",
         "PAGEDSERVE_QUANT_ISA": "avx2",
-    }
+    },
+    # An AVX-512 machine without bf16 (Skylake-SP / Cascade Lake) on a Sapphire Rapids or
+    # Zen 4 one: oneDNN below AVX512-BF16 and AMX, so `dtype="auto"` resolves to fp32 too
+    # (engine/config/cpu_dtype.py).
+    "avx512": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "PAGEDSERVE_QUANT_ISA": "avx512",
+    },
 }
 
 

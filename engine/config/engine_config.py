@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.config.cpu_dtype import cpu_auto_dtype, cpu_flags
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from engine.config.parallel import ExecutorBackend, ParallelConfig
@@ -239,7 +240,8 @@ class EngineArgs:
     model: str | None = None  # HF directory, .gguf file, or None for the default model
     tokenizer: str | None = None  # defaults to the model directory
     skip_tokenizer_init: bool = False
-    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's dtype (bf16/fp16) on GPU
+    # auto: on CPU bf16 where native, else fp32 (cpu_dtype.py); on GPU the checkpoint's bf16/fp16
+    dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -320,7 +322,16 @@ class EngineArgs:
             from engine.distributed.sharding import verify_parallel_config
 
             verify_parallel_config(hf_config, parallel_config, self)
+        gguf_file = gguf_source(self.model)
         dtype = _resolve_dtype(self.dtype, hf_config, device)
+        if self.dtype == "auto" and dtype == "bfloat16" and device == "cpu":
+            # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
+            # greedy screen): where they will run, "auto" stays fp32 (cpu_dtype.py).
+            kept = resolve_quantization(
+                self.quantization, gguf_file, device, "float32", parallel_config.world_size
+            )
+            if kept is not None:
+                dtype = "float32"
         max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
         max_len = rope_max_length(hf_config)  # max_pos, or stretched by the rope's scaling
         max_model_len = self.max_model_len or max_pos
@@ -332,7 +343,6 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
-        gguf_file = gguf_source(self.model)
         quantization = resolve_quantization(
             self.quantization, gguf_file, device, dtype, parallel_config.world_size
         )
@@ -423,8 +433,8 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
     if dtype != "auto":
         return aliases.get(dtype, dtype)
     if device == "cpu":
-        # Without AVX-512 bf16 (most CPUs), fp32 is faster than bf16 on CPU.
-        return "float32"
+        # bf16 where the CPU computes it natively (AMX-BF16, AVX512-BF16), else fp32.
+        return cpu_auto_dtype(cpu_flags())
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(ckpt).replace("torch.", "") if ckpt is not None else "bfloat16"
     return name if name in ("bfloat16", "float16") else "bfloat16"

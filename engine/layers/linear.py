@@ -85,28 +85,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """An fp32 CPU matrix: what the measured methods run on."""
+    """An fp32 or bf16 CPU matrix: what the measured methods run on."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and weight.dtype in (torch.float32, torch.bfloat16)
         and weight.dim() == 2
         and weight.numel() > 0
     )
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Gives every fp32 CPU `Linear` of `model` its measured `LinearPlan` (and the weight
-    copy it needs); returns how many layers got one. Does nothing off CPU or for other
-    dtypes (quantized layers have no fp32 weight left)."""
+    """Gives every fp32 or bf16 CPU `Linear` of `model` its measured `LinearPlan` (and the
+    weight copy it needs); returns how many layers got one. Does nothing off CPU or for
+    other dtypes (quantized layers have no weight left)."""
     layers = [
         m
         for m in model.modules()
         if isinstance(m, Linear) and m.quant_method is None and can_pack(m.weight)
     ]
-    if not layers:
-        return 0
-    methods = select_methods([layer.weight for layer in layers])
-    for layer in layers:
-        layer.plan = make_plan(layer.weight, methods[tuple(layer.weight.shape)])
-        layer.packed_weight = layer.plan.prepared.get("mkl_packed")
+    for dtype in {layer.weight.dtype for layer in layers}:
+        group = [layer for layer in layers if layer.weight.dtype == dtype]
+        methods = select_methods([layer.weight for layer in group])
+        for layer in group:
+            layer.plan = make_plan(layer.weight, methods[tuple(layer.weight.shape)])
+            layer.packed_weight = layer.plan.prepared.get("mkl_packed")
     return len(layers)

@@ -13,7 +13,11 @@ So for each distinct weight shape and each row-count bucket (`ROW_BUCKETS`) the 
                   engine/native/quant_gemm.c from 33 rows (not in between, where 16-row
                   tiles would be half padding),
 
-are timed once on the real weight at start-up and the fastest is kept. Every candidate is
+are timed once on the real weight at start-up and the fastest is kept. bf16 weights (a bf16
+engine: `dtype="auto"` on a CPU with AMX-BF16 or AVX512-BF16, or asked for) have their own
+trial among the methods that take bf16 (`BF16_METHODS`: oneDNN's reordered weight, which
+runs on AMX where the CPU has it, and torch's bf16 matmul, oneDNN underneath too), keyed
+apart from the fp32 shapes. Every candidate is
 first checked against `F.linear` on that weight (one that disagrees is dropped). Only methods
 that won somewhere get a prepared copy of the weight (the packed/reordered copies are as
 large as the weight, and the default model should fit under 1 GB).
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 LINEAR_METHOD_ENV = "PAGEDSERVE_LINEAR_METHOD"
 METHODS = ("mkl_packed", "onednn", "torch", "native")
+BF16_METHODS = ("onednn", "torch")  # MKL's packed GEMM and our kernels take fp32 only
 # Inclusive row-count ranges; the last is open. Each is timed at its `_BUCKET_ROWS` size.
 # 33..64 and 65..128 are apart because a batch of 64 decode rows is common and its winner
 # can differ from 128's (our GEMM vs oneDNN on a 2-core Zen 4).
@@ -80,6 +85,12 @@ _BUCKET_OF = [0] + [
     next(i for i, (lo, hi) in enumerate(ROW_BUCKETS) if lo <= r and (hi is None or r <= hi))
     for r in range(1, 130)
 ]
+
+
+def bucket_of(rows: int) -> int:
+    """The `ROW_BUCKETS` index of a step with `rows` activation rows (rows >= 1)."""
+    return _BUCKET_OF[min(rows, 129)]
+
 
 Prepared = Any  # a method's copy of the weight (None when it uses the weight itself)
 RunFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", Prepared], torch.Tensor]
@@ -191,8 +202,11 @@ def forced_method() -> str | None:
     return value
 
 
-def forced_methods(method: str) -> tuple[str, ...]:
-    """`method` wherever it applies, `torch` elsewhere (native at 9..32 rows)."""
+def forced_methods(method: str, *, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """`method` wherever it applies, `torch` elsewhere (native at 9..32 rows; every bucket
+    of a bf16 weight where `method` takes no bf16)."""
+    if dtype != torch.float32 and method not in BF16_METHODS:
+        method = "torch"
     return tuple(method if applies(method, b) else "torch" for b in range(len(ROW_BUCKETS)))
 
 
@@ -209,10 +223,16 @@ def time_methods(
     """Per row bucket, seconds per call of each candidate that applies and matches
     `F.linear` on this weight."""
     generator = torch.Generator().manual_seed(0)
-    prepared = {m: _prepare(m, weight) for m in candidates}
+    prepared = {}
+    for method in candidates:
+        try:
+            prepared[method] = _prepare(method, weight)
+        except RuntimeError as error:  # e.g. no bf16 reorder on this CPU
+            logger.warning("linear method %s cannot prepare the weight (%s).", method, error)
+    candidates = tuple(m for m in candidates if m in prepared)
     table = []
     for bucket, rows in enumerate(_BUCKET_ROWS):
-        x = torch.randn(rows, weight.shape[1], generator=generator)  # [rows, K]
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
         calls = {
             m: functools.partial(_RUN[m], x, weight, None, prepared[m])
             for m in candidates
@@ -230,7 +250,10 @@ def _is_exact(method: str, x: torch.Tensor, weight: torch.Tensor, prepared: Prep
     except RuntimeError as error:  # a limited build: not a candidate here
         logger.warning("linear method %s failed (%s); skipped.", method, error)
         return False
-    if (actual - expected).abs().max().item() > 1e-4 * (expected.abs().max().item() + 1.0):
+    # fp32: rounding only; bf16: the output's own rounding (2^-8) dominates
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    difference = (actual.float() - expected.float()).abs().max().item()
+    if not difference <= tolerance * (expected.float().abs().max().item() + 1.0):
         logger.warning("linear method %s disagrees with F.linear; skipped.", method)
         return False
     return True
@@ -339,20 +362,27 @@ def write_cache(path: Path, key: dict[str, Any], decisions: dict[str, tuple[str,
 
 
 def select_methods(weights: list[torch.Tensor]) -> dict[tuple[int, int], tuple[str, ...]]:
-    """The method per row bucket for each distinct shape among `weights` (fp32 CPU [N, K]):
-    forced, else cached, else measured (and the cache updated)."""
+    """The method per row bucket for each distinct shape among `weights` (fp32 or bf16 CPU
+    [N, K]; one dtype per call): forced, else cached, else measured (and the cache
+    updated)."""
     shapes = {tuple(w.shape): w for w in weights}
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) > 1:
+        raise ValueError(f"select_methods takes weights of one dtype, got {dtypes}.")
+    dtype = next(iter(dtypes), torch.float32)
     forced = forced_method()
     if forced is not None:
-        return {shape: forced_methods(forced) for shape in shapes}
+        return {shape: forced_methods(forced, dtype=dtype) for shape in shapes}
     key = cache_key()
     path = cache_file(key)
     cached = read_cache(path, key)
-    candidates = tuple(m for m in METHODS if method_available(m))
+    usable = METHODS if dtype == torch.float32 else BF16_METHODS
+    candidates = tuple(m for m in usable if method_available(m))
+    suffix = "" if dtype == torch.float32 else f":{str(dtype).removeprefix('torch.')}"
     result, measured = {}, False
     start = time.perf_counter()
     for shape, weight in shapes.items():
-        name = f"{shape[0]}x{shape[1]}"
+        name = f"{shape[0]}x{shape[1]}{suffix}"
         if name not in cached:
             cached[name] = measure_methods(weight, candidates)
             measured = True
@@ -360,7 +390,8 @@ def select_methods(weights: list[torch.Tensor]) -> dict[tuple[int, int], tuple[s
     if measured:
         write_cache(path, key, cached)
         logger.info(
-            "Timed fp32 linear methods for %d shapes in %.1f s (cache: %s).",
+            "Timed %s linear methods for %d shapes in %.1f s (cache: %s).",
+            dtype,
             len(shapes),
             time.perf_counter() - start,
             path,

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear
+from engine.layers.linear_select import bucket_of
 from engine.native.quant import QuantizedWeight, quant_linear, quantize_int8
+from engine.native.quant_int8 import quant_linear_int8
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,23 @@ class CPUQuantizedLinearMethod:
     def __init__(self, parts: list[QuantizedWeight]) -> None:
         self.parts = parts
         self.out_features = sum(part.out_features for part in parts)
+        # Per part, the route per row bucket (engine/layers/quant_select.py), or None: fp32.
+        self.routes: list[tuple[str, ...] | None] = [None] * len(parts)
+
+    def set_routes(self, routes: list[tuple[str, ...] | None]) -> None:
+        """Each part's route per row bucket ("fp32" or "int8"; None: fp32 everywhere)."""
+        if len(routes) != len(self.parts):
+            raise ValueError(f"one route tuple per part ({len(self.parts)}), got {len(routes)}.")
+        self.routes = [r if r is not None and "int8" in r else None for r in routes]
+
+    def _linear(self, x: torch.Tensor, index: int, bias: torch.Tensor | None) -> torch.Tensor:
+        routes, part = self.routes[index], self.parts[index]
+        if routes is not None:
+            x2 = x.reshape(-1, part.in_features)
+            if x2.shape[0] and routes[bucket_of(x2.shape[0])] == "int8":
+                out = quant_linear_int8(x2, part, bias)
+                return out.reshape(*x.shape[:-1], part.out_features)
+        return quant_linear(x, part, bias)
 
     def apply(
         self,
@@ -56,8 +75,8 @@ class CPUQuantizedLinearMethod:
         bias: torch.Tensor | None,  # [out_features]
     ) -> torch.Tensor:  # [..., out_features]
         if len(self.parts) == 1:
-            return quant_linear(x, self.parts[0], bias)
-        out = torch.cat([quant_linear(x, part) for part in self.parts], dim=-1)
+            return self._linear(x, 0, bias)
+        out = torch.cat([self._linear(x, i, None) for i in range(len(self.parts))], dim=-1)
         return out if bias is None else out + bias
 
     @property

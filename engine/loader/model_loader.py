@@ -109,6 +109,12 @@ def load_model(
         num_planned = model.pack_weights()  # fp32 weights only: quantized layers have none
         if num_planned:
             logger.info("Chose the fp32 GEMM method of %d weight matrices.", num_planned)
+        if quantization is not None:
+            from engine.layers.quant_select import plan_quantized_routes
+
+            num_int8 = plan_quantized_routes(model)
+            if num_int8:
+                logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)
     return model.eval()
 
 

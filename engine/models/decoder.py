@@ -196,7 +196,7 @@ class DecoderForCausalLM(nn.Module):
         if self.quantized_logits is not None:  # LM head kept quantized (models/quantization.py)
             return self.quantized_logits.apply(hidden, None)
         if self._logits_plan is not None and hidden.dim() == 2 and hidden.shape[0] > 0:
-            logits = self._logits_plan(hidden, self._logits_weight, None)
+            logits = self._logits_plan(hidden, self._logits_weight, None).float()  # bf16 too
         else:
             logits = linear(hidden, self._logits_weight, None, None).float()
         if self.tp_size == 1:

@@ -45,6 +45,7 @@ _EXTRA_SOURCES = tuple(
         "moe_kernels.c",
         "decode_step_kernels.c",
         "greedy_screen.c",
+        "quant_int8.c",
     )
 )
 _HEADERS = tuple(

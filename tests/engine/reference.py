@@ -23,12 +23,17 @@ class Greedy:
     top_ids: list[set[int]]  # per generated position: the top-5 token ids
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[Greedy]:
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[Greedy]:
     """Runs transformers `generate` greedily on each prompt alone (no padding), never
-    stopping at EOS, and keeps each position's top-5."""
+    stopping at EOS, in `dtype`, and keeps each position's top-5."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     results = []
     for prompt in prompts:

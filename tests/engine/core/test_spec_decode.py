@@ -257,7 +257,7 @@ def tiny_prompts(seed: int = 0, vocab_size: int = 128) -> list[list[int]]:
 def generate(model, prompts, params, **engine_kwargs):
     from engine import LLM
 
-    llm = LLM(model=str(model), max_model_len=256, **engine_kwargs)
+    llm = LLM(model=str(model), dtype="float32", max_model_len=256, **engine_kwargs)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     engine = llm.llm_engine
     assert engine.kv_cache_manager.get_num_free_blocks() == engine.get_cache_config().num_blocks

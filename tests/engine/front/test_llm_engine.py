@@ -34,6 +34,9 @@ def text_model_dir(tmp_path_factory):
 
 
 def make_engine(model_dir, **kwargs) -> LLMEngine:
+    """fp32 unless asked: the tests compare with transformers in fp32 and count fp32 bytes
+    ("auto" is bf16 on CPUs where bf16 is native)."""
+    kwargs.setdefault("dtype", "float32")
     return LLMEngine.from_engine_args(EngineArgs(model=str(model_dir), **kwargs))
 
 

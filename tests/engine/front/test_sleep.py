@@ -58,7 +58,8 @@ def test_sleep_levels_give_memory_back_and_wake_up_gives_the_same_tokens(model_d
     """vLLM's example: `llm.sleep(level=1)` ... `llm.wake_up()` ... `llm.generate(...)`.
     Measured by the process's RSS, so on the CPU whatever device the machine has (the CUDA
     engine's device memory: test_cuda_sleep_gives_device_memory_back)."""
-    llm = LLM(model=str(model_dir), device="cpu", **ENGINE_KWARGS)
+    # fp32: the byte counts below are fp32's ("auto" is bf16 where bf16 is native)
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", **ENGINE_KWARGS)
     engine = llm.llm_engine
     runner = engine.runner
     kv_bytes = runner.num_blocks * runner.kv_bytes_per_block

@@ -182,3 +182,31 @@ def test_isa_limits_key_their_own_cache(monkeypatch):
     capped = cache_key()
     assert capped["isa_limits"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert cache_file(capped) != cache_file(plain)
+
+
+def test_bf16_weights_get_a_bf16_trial_of_their_own(tmp_path, monkeypatch):
+    """A bf16 engine's layers (dtype auto on AMX / AVX512-BF16 CPUs) are timed among the
+    methods that take bf16, keyed apart from fp32 shapes, and compute bf16 like F.linear."""
+    from engine.layers.linear_select import BF16_METHODS
+
+    path = make_tiny_llama(tmp_path / "m", num_layers=1, tie_word_embeddings=False)
+    model = load_model(
+        path, load_hf_config(path), torch.bfloat16, torch.device("cpu"), TorchAttentionBackend()
+    )
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.plan is not None for m in linears)
+    assert all(set(m.plan.methods) <= set(BF16_METHODS) for m in linears)
+    cached = json.loads(cache_file(cache_key()).read_text())["decisions"]
+    assert cached and all(name.endswith(":bfloat16") for name in cached)
+    for layer in linears:
+        for rows in (1, 40):
+            x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16)
+            expected = F.linear(x, layer.weight, layer.bias).float()
+            got = layer(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    hidden = torch.randn(5, model.config.hidden_size, dtype=torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32  # fp32 logits whatever the engine dtype
+    monkeypatch.setenv(LINEAR_METHOD_ENV, "mkl_packed")  # fp32 only: bf16 falls back
+    assert set(select_methods([linears[0].weight])[tuple(linears[0].weight.shape)]) == {"torch"}

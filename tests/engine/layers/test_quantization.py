@@ -169,6 +169,7 @@ def test_gguf_file_matches_transformers(tmp_path, tokenizer_fields):
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf", tokenizer_fields, _SCALES)
     llm = LLM(
         model=str(path),
+        dtype="float32",
         kv_cache_memory_bytes=8 * 2**20,
         max_num_batched_tokens=8,  # the long prompt is prefilled in chunks
     )

@@ -31,7 +31,7 @@ def test_default_model_with_a_random_adapter(tmp_path) -> None:
     )
     merged = peft_model.merge_and_unload().eval()  # the reference, kept in memory
     merged.generation_config.eos_token_id = None
-    llm = LLM(kv_cache_memory_bytes=64 * 2**20, enable_lora=True, max_lora_rank=8)
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 * 2**20, enable_lora=True, max_lora_rank=8)
     prompt = llm.get_tokenizer()("The capital of France is").input_ids
     lora = LoRARequest("random", 1, str(tmp_path / "adapter"))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)

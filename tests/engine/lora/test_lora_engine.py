@@ -45,7 +45,7 @@ def lora_request(lora_dirs, name: str, lora_id: int) -> LoRARequest:
 
 
 def make_llm(lora_dirs, **kwargs) -> LLM:
-    args = dict(max_model_len=128, kv_cache_memory_bytes=1 << 22, enable_lora=True)
+    args = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22, enable_lora=True)
     return LLM(model=str(lora_dirs["base"][0]), **{**args, **kwargs})
 
 

@@ -14,7 +14,10 @@ pytestmark = pytest.mark.slow
 def llm(request: pytest.FixtureRequest) -> LLM:
     """The GGUF file's blocks kept quantized (the default, "auto") and fp32 (None)."""
     return LLM(
-        kv_cache_memory_bytes=512 * 2**20, max_num_batched_tokens=64, quantization=request.param
+        dtype="float32",
+        kv_cache_memory_bytes=512 * 2**20,
+        max_num_batched_tokens=64,
+        quantization=request.param,
     )
 
 

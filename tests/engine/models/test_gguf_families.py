@@ -30,6 +30,7 @@ def test_family_gguf_matches_transformers(tmp_path, tokenizer_fields, architectu
     path = write_tiny_family_gguf(tmp_path / f"{architecture}.gguf", architecture, tokenizer_fields)
     llm = LLM(
         model=str(path),
+        dtype="float32",  # the reference is transformers in fp32
         kv_cache_memory_bytes=8 * 2**20,
         max_num_batched_tokens=8,
         quantization=quantization,

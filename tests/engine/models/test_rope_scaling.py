@@ -93,7 +93,7 @@ def reference(model_dir, prompts):
 
 
 def run(model_dir, prompts, max_model_len, **engine_kwargs):
-    llm = LLM(model=str(model_dir), max_model_len=max_model_len, **engine_kwargs)
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=max_model_len, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return llm, outputs
@@ -132,7 +132,7 @@ def test_prefix_cache_never_crosses_scaling_regimes(name, tmp_path) -> None:
     short = [*shared[:15], 7]  # within, generation included: block 0 cached under it
     long_a = [*shared, *(rng.randrange(3, VOCAB) for _ in range(threshold - 16))]
     long_b = [*long_a[:-3], 9, 10, 11, 12]  # past it too, other length
-    llm = LLM(model=str(model_dir), max_model_len=max_model_len, block_size=8)
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=max_model_len, block_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = {}
     for label, prompt in (("short", short), ("long_a", long_a), ("long_b", long_b)):

@@ -193,7 +193,9 @@ def test_gguf_engine_batches_match_transformers(tmp_path, tokenizer_fields):
     from tests.engine.gguf_files import write_tiny_llama_gguf
 
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf", tokenizer_fields, _SCALES)
-    llm = LLM(model=str(path), kv_cache_memory_bytes=8 * 2**20, quantization="gguf")
+    llm = LLM(
+        model=str(path), dtype="float32", kv_cache_memory_bytes=8 * 2**20, quantization="gguf"
+    )
     runner = llm.llm_engine.runner
     assert runner._decode_step is not None and not runner._decode_step.fp32
     model_dir = llm.llm_engine.get_model_config().model_dir

@@ -306,7 +306,7 @@ def test_engine_tokens_same_with_and_without_native_kernels(tmp_path, monkeypatc
     path = make_tiny_llama(tmp_path / "m", hidden_size=96, num_heads=6, num_kv_heads=2)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30, 2)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    common = dict(model=str(path), block_size=4, kv_cache_memory_bytes=1 << 22)
+    common = dict(model=str(path), dtype="float32", block_size=4, kv_cache_memory_bytes=1 << 22)
     fast = LLM(**common)
     assert fast.llm_engine.runner.attn_backend.name == "cpu"
     fast_tokens = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
@@ -405,7 +405,7 @@ def test_native_decode_engine_matches_transformers(tmp_path):
     )
     prompts = [[5, 9, 2, 33, 17, 4, 8], [3]]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(path), block_size=4)
+    llm = LLM(model=str(path), dtype="float32", block_size=4)
     ours = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
     assert_close_to_reference(hf_greedy(path, prompts, 20), ours_greedy(ours))
 

@@ -58,7 +58,7 @@ def tiny(tmp_path_factory):
 
     path = make_tiny_llama(tmp_path_factory.mktemp("beam"), vocab_size=128, seed=3)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return LLM(str(path), kv_cache_memory_bytes=8 * 2**20), hf
+    return LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 * 2**20), hf
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_default_model_matches_transformers() -> None:
 
     path = resolve_model(None)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(kv_cache_memory_bytes=64 * 2**20)
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 * 2**20)
     prompt = list(llm.get_tokenizer()("The three primary colors are").input_ids)
     for k in (2, 4):
         (ours,) = _ours(llm, [prompt], k, 8, 1.0, False)

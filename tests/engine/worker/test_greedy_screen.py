@@ -105,7 +105,12 @@ def _compare_with_and_without(llm: LLM, prompts, params) -> int:
 @needs_screen
 def test_fp32_engine_mixed_batch_matches_the_fp32_head(tmp_path):
     model_dir = make_tiny_llama(tmp_path / "model", hidden_size=96, vocab_size=1000)
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, kv_cache_memory_bytes=8 * 2**20)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",  # the screen computes in fp32
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=8 * 2**20,
+    )
     prompts = [[5 + i, 17, 33 + 7 * i, 9, 400 + i] for i in range(6)]
     served = _compare_with_and_without(llm, prompts, _mixed_params())
     # Plain greedy rows (0 and 5) every step, the min_tokens row once it may stop: at least
@@ -119,7 +124,7 @@ def test_gguf_engine_screens_its_q8_0_head(tmp_path, tokenizer_fields):
     from tests.engine.layers.test_quantization import _SCALES
 
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf", tokenizer_fields, _SCALES)
-    llm = LLM(model=str(path), kv_cache_memory_bytes=8 * 2**20)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 * 2**20)
     model = llm.llm_engine.runner.model
     assert model.quantized_logits is not None and model.greedy_screen is not None
     prompts = [[5, 17, 33, 9], [40, 2, 77, 101, 12, 64, 3, 90, 11], [7], [300, 301, 302]]

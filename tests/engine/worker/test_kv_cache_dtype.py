@@ -49,7 +49,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ],
 )
 def test_values_and_aliases_resolve_once(tiny, value, expected):
-    config = EngineArgs(model=str(tiny), kv_cache_dtype=value).create_engine_config()
+    config = EngineArgs(
+        model=str(tiny), dtype="float32", kv_cache_dtype=value
+    ).create_engine_config()
     assert config.cache_config.cache_dtype == expected
     assert resolve_kv_cache_dtype(value, "bfloat16") == (
         "bfloat16" if value == "auto" else expected
@@ -68,7 +70,12 @@ def test_cache_allocated_in_the_dtype_holds_twice_the_blocks(tiny):
     budget = 1 << 22  # bytes: small enough that max_num_seqs x max_model_len is not the cap
     runners = {
         dtype: LLMEngine.from_engine_args(
-            EngineArgs(model=str(tiny), kv_cache_memory_bytes=budget, kv_cache_dtype=dtype)
+            EngineArgs(
+                model=str(tiny),
+                dtype="float32",  # "auto" is bf16 on CPUs where bf16 is native
+                kv_cache_memory_bytes=budget,
+                kv_cache_dtype=dtype,
+            )
         ).runner
         for dtype in ("auto", "bfloat16", "float16")
     }

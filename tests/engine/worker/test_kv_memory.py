@@ -66,7 +66,12 @@ def test_engine_kv_cache_is_not_resident_at_start(tmp_path: Path) -> None:
     num_blocks = 8192  # 2 layers x [2, 8192, 16, 2 KV heads, 16] fp32 = 64 MiB in all
     before = _rss()
     engine = LLMEngine.from_engine_args(
-        EngineArgs(model=str(model_dir), num_gpu_blocks_override=num_blocks, max_num_seqs=4)
+        EngineArgs(
+            model=str(model_dir),
+            dtype="float32",  # the resident bytes below are an fp32 cache's
+            num_gpu_blocks_override=num_blocks,
+            max_num_seqs=4,
+        )
     )
     kv_bytes = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
     assert kv_bytes >= 64 * MiB

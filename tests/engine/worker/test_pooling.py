@@ -50,7 +50,7 @@ def hf_last_hidden(model_dir, prompts) -> list[torch.Tensor]:
 
 
 def make_llm(model_dir, **kwargs) -> LLM:
-    return LLM(model=str(model_dir), max_model_len=256, max_num_seqs=16, **kwargs)
+    return LLM(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=16, **kwargs)
 
 
 def encode(llm: LLM, prompts, params=None) -> list[torch.Tensor]:
@@ -194,7 +194,12 @@ def test_last_pooling_takes_prefix_cache_hits(model_dir, prompts, hf_last_hidden
 
 def test_llm_engine_pooling_requests_and_aborts(model_dir, prompts) -> None:
     engine = LLMEngine.from_engine_args(
-        EngineArgs(model=str(model_dir), max_model_len=256, max_num_batched_tokens=16)
+        EngineArgs(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=256,
+            max_num_batched_tokens=16,
+        )
     )
     with pytest.raises(TypeError, match="SamplingParams or PoolingParams"):
         engine.add_request("x", {"prompt_token_ids": [3]}, {"normalize": True})  # type: ignore[arg-type]

@@ -67,6 +67,7 @@ def reference(hf_hidden, prompt, pooling_type, dimensions=None, normalize=True):
 def make_llm(model_dir, pooling_type, **kwargs) -> LLM:
     return LLM(
         model=str(model_dir),
+        dtype="float32",  # the reference is transformers in fp32
         max_model_len=256,
         max_num_seqs=16,
         pooler_config={"pooling_type": pooling_type},
@@ -169,6 +170,7 @@ def test_aborts_free_accumulators_and_blocks(model_dir, prompts, hf_hidden):
     engine = LLMEngine.from_engine_args(
         EngineArgs(
             model=str(model_dir),
+            dtype="float32",
             max_model_len=256,
             max_num_batched_tokens=16,
             pooler_config={"pooling_type": "MEAN"},
