@@ -133,7 +133,13 @@ def test_kv_cache_holds_the_latent(small_model) -> None:
     prompts = make_prompts(128)[:4]
     reference = hf_greedy(small_model, prompts, 8)
     for dtype, size in (("auto", 4), ("bfloat16", 2)):
-        llm = LLM(model=str(small_model), max_model_len=128, block_size=8, kv_cache_dtype=dtype)
+        llm = LLM(
+            model=str(small_model),
+            dtype="float32",
+            max_model_len=128,
+            block_size=8,
+            kv_cache_dtype=dtype,
+        )
         runner = llm.llm_engine.runner
         entry = KV_LORA_RANK + ROPE_DIM
         assert [tuple(c.shape[1:]) for c in runner.kv_caches] == [(8, entry)] * 2

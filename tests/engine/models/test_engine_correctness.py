@@ -180,8 +180,8 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def run(model_dir, prompts, **engine_kwargs):
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=256, **engine_kwargs)
+def run(model_dir, prompts, *, dtype="float32", **engine_kwargs):
+    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=256, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     free = llm.llm_engine.kv_cache_manager.get_num_free_blocks()
