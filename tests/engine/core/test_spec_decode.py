@@ -382,7 +382,13 @@ def count_cut_runs(monkeypatch) -> list[int]:
 @pytest.mark.slow
 def test_default_model_outputs_equal_without_speculation(monkeypatch) -> None:
     from engine import LLM
+    from engine.layers.quant_select import QUANT_ROUTE_ENV
 
+    # Exact equality needs numerics that do not depend on a step's row count: the int8 route
+    # of the quantized layers (chosen for batched steps, like llama.cpp's) rounds a verify
+    # step's rows differently from a one-row decode step, so the route is held at fp32 here
+    # (tests/engine/models/test_int8_route.py checks the int8 route by the top-5 criterion).
+    monkeypatch.setenv(QUANT_ROUTE_ENV, "fp32")
     kwargs = dict(kv_cache_memory_bytes=256 * 2**20, max_num_batched_tokens=256)
     plain = LLM(**kwargs)
     spec = LLM(speculative_config=NGRAM, **kwargs)
