@@ -324,6 +324,9 @@ def report_run(run: int, figures: dict[str, dict[str, list[float]]]) -> None:
 
 def report_spread(results: list[dict[str, dict[str, list[float]]]]) -> None:
     def spread(values: list[float], unit: str = "") -> str:
+        values = [v for v in values if v == v]  # a run without such streams: nan
+        if not values:
+            return "-"
         return f"{statistics.median(values):.3f}{unit} ({min(values):.3f}..{max(values):.3f})"
 
     print(f"\nover {len(results)} run(s): median (min..max)")

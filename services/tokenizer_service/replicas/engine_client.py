@@ -9,9 +9,11 @@ Its `ModelInfo` is read again whenever it (re)joins or its KV cache size changes
 restarted with another configuration between two polls).
 
 The replica also watches the Generate streams it holds (`migration.StreamWatch`): silence on
-all of them for the stall timeout, or a NOT_SERVING health with `engine_stalled_s`, gives
-them up as "stalled"; a call that finds the replica gone gives them up as "killed". Given-up
-streams have their calls cancelled and move to another replica (replicas/migration.py).
+all of them for the stall timeout while it does not answer its health check either (a live
+replica prefilling moved streams can be silent that long), or a NOT_SERVING health with
+`engine_stalled_s`, gives them up as "stalled"; a call that finds the replica gone gives
+them up as "killed". Given-up streams have their calls cancelled and move to another
+replica (replicas/migration.py).
 `services/tokenizer_service/replicas/pool.py` holds the replicas and routes among them.
 """
 
@@ -160,8 +162,12 @@ class EngineBackend:
 
     async def _poll_loop(self) -> None:
         while True:
-            await self._check()
-            if self.watch.stalled():
+            answered = await self._check()
+            # Silence alone is not a stall: a live replica prefilling streams moved to it can
+            # send nothing for longer than the timeout (losing them with nowhere left to go).
+            # A stopped or partitioned process cannot answer its health check either; a live
+            # one whose engine is wedged reports that itself (engine_stalled_s, in _check).
+            if self.watch.stalled() and not answered:
                 silent_s = self.watch.silent_s()
                 await self.lose(REASON_STALLED, f"sent nothing for {silent_s:.1f} s")
             self._poke.clear()
@@ -169,12 +175,14 @@ class EngineBackend:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._poke.wait(), self._poll_interval_s)
 
-    async def _check(self) -> None:
+    async def _check(self) -> bool:
+        """Polls health and load; whether the replica answered SERVING."""
+        answered = False
         try:
             reply = await self._health_stub.Check(
                 health_pb2.HealthCheckRequest(service=ENGINE_SERVICE), timeout=_CHECK_TIMEOUT_S
             )
-            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            serving = answered = reply.status == health_pb2.HealthCheckResponse.SERVING
             reason = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             details = await self._read_load()
             if not serving and "engine_stalled_s" in details and self.watch.streams:
@@ -197,6 +205,7 @@ class EngineBackend:
         except grpc.aio.AioRpcError as exc:
             serving, reason = False, f"{exc.code().name}: {exc.details()}"
         await self._set_available(serving, reason)
+        return answered
 
     async def _read_load(self) -> dict[str, str]:
         # A not-sampled trace context: with the usual parent-based sampler the engine records

@@ -6,7 +6,8 @@ after its first token (issue 34, docs/deployment.md "What survives what").
     ─ is marked down because a call found it gone        killed    `StreamWatch.lose`
     ─ hands the stream back (pagedserve-migrate trailer) drained   `reason_for_error`
     ─ sends nothing on any of its streams for
-      --engine-stall-timeout s while holding some, or
+      --engine-stall-timeout s while holding some and
+      does not answer its health check, or
       reports NOT_SERVING with engine_stalled_s          stalled   `StreamWatch` + the poll
 
 The relay (relay.py) raises `Moved`; its replica loop asks `RequestMigrations` whether the
