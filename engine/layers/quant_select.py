@@ -18,7 +18,9 @@ The int8 route changes the numbers (not only their summation order): its effect 
 default model is tested end to end by DESIGN.md's top-5 criterion
 (tests/engine/models/test_int8_route.py). The decisions are cached beside the fp32 ones,
 under the same key (CPU, ISA flags and limits, torch, threads). ``$PAGEDSERVE_QUANT_ROUTE``
-(`fp32`, `int8`, `auto`) forces one route wherever it applies (tests, benchmarks).
+(`fp32`, `int8`, `auto`) forces one route wherever it applies, or (`auto`) lets the trial
+choose; unset, it is fp32 (`DEFAULT_ROUTE`: the int8 route is opt-in until its effect on
+small models' answers is understood).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ from engine.native.quant import QuantizedWeight, quant_linear
 logger = logging.getLogger(__name__)
 
 QUANT_ROUTE_ENV = "PAGEDSERVE_QUANT_ROUTE"
+# Off by default for now: on the default model (SmolLM2-135M, Q4_1) the int8 route flips the
+# first token of the README's greedy chat answer (a top-5 neighbour: "L'Étoile" for "Paris"),
+# which the top-5 criterion allows but a user would not. `auto` runs the trial below.
+DEFAULT_ROUTE = "fp32"
 ROUTES = ("fp32", "int8")
 INT8_MIN_ROWS = 2  # batch-1 steps: the fp32 GEMV (and the whole-step decode) stay
 # The int8 route's largest error against the fp32 route, relative to the largest output, on
@@ -57,9 +63,10 @@ _MARGIN = 0.97
 
 
 def forced_route() -> str | None:
-    """$PAGEDSERVE_QUANT_ROUTE, or None for `auto`; ValueError on an unknown name."""
-    value = os.environ.get(QUANT_ROUTE_ENV, "").strip().lower()
-    if value in ("", "auto"):
+    """$PAGEDSERVE_QUANT_ROUTE (unset: fp32), or None for `auto` (the timed trial);
+    ValueError on an unknown name."""
+    value = os.environ.get(QUANT_ROUTE_ENV, "").strip().lower() or DEFAULT_ROUTE
+    if value == "auto":
         return None
     if value not in ROUTES:
         raise ValueError(f"${QUANT_ROUTE_ENV} must be auto, fp32 or int8: {value!r}")

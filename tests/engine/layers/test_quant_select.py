@@ -38,7 +38,7 @@ needs_route = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(QUANT_ROUTE_ENV, raising=False)
+    monkeypatch.setenv(QUANT_ROUTE_ENV, "auto")  # the trial (the default is fp32)
 
 
 def _weight(qtype=QType.Q4_1, n=48, k=128) -> QuantizedWeight:
@@ -96,6 +96,8 @@ def test_forced_route(monkeypatch):
     (routes,) = select_routes([_weight()]).values()
     assert routes == ("fp32",) + ("int8",) * (len(ROW_BUCKETS) - 1)
     monkeypatch.setenv(QUANT_ROUTE_ENV, "fp32")
+    assert set(*select_routes([_weight()]).values()) == {"fp32"}
+    monkeypatch.delenv(QUANT_ROUTE_ENV)  # unset: fp32, the int8 route is opt-in
     assert set(*select_routes([_weight()]).values()) == {"fp32"}
     monkeypatch.setenv(QUANT_ROUTE_ENV, "int4")
     with pytest.raises(ValueError, match=QUANT_ROUTE_ENV):
