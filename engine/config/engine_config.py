@@ -250,7 +250,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    # The KV cache's dtype (vLLM's name): "auto" = the model dtype, "bfloat16" / "float16"
+    # The KV cache's dtype (vLLM's name): "auto" = the model dtype (float16 for GGUF blocks
+    # kept quantized on the CPU, as llama.cpp: kv_cache_dtype.py), "bfloat16" / "float16"
     # (aliases "bf16", "fp16", "half") halve the cache's memory and the bytes attention
     # reads; keys and values are rounded once when written. fp8 is not supported.
     kv_cache_dtype: str = "auto"
@@ -380,7 +381,11 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
-            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype),
+            cache_dtype=resolve_kv_cache_dtype(
+                self.kv_cache_dtype,
+                dtype,
+                gguf_blocks_on_cpu=quantization == "gguf" and device == "cpu",
+            ),
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

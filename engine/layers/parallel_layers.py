@@ -75,6 +75,14 @@ class VocabParallelEmbedding(nn.Embedding):
             rows = RowSlice(start, num_real, vocab_size)
             self.checkpoint_slices = {"weight": (0, (rows,))}
 
+    def reset_parameters(self) -> None:
+        """No random draw on the meta device, where the loader builds every model before its
+        weights are read: `nn.init.normal_` on a meta tensor goes through torch's reference
+        ops, whose first use imports torch._dynamo (and with it triton, where installed):
+        about 150 MB of peak RSS for nothing (docs/engine.md, "Memory")."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def post_load(self) -> None:
         """Padding rows (past the vocabulary) hold zeros: their logits are dropped and no
         id looks them up, but uninitialised memory could hold NaNs."""

@@ -29,6 +29,7 @@ from engine.layers.decoder_layers import (
     layer_sliding_windows,
 )
 from engine.layers.ops import GemmaRMSNorm, OpImpl
+from engine.layers.parallel_layers import VocabParallelEmbedding
 from engine.layers.rope import RotaryEmbedding, rope_parameters
 from engine.models.decoder import DecoderForCausalLM
 
@@ -74,7 +75,7 @@ class GemmaModel(nn.Module):
         self, hf_config: Any, spec: DecoderSpec, attn_backend: AttentionBackend, impl: OpImpl
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # One stage holds every layer (Gemma does not split over ranks yet).
         self.start_layer, self.end_layer = 0, hf_config.num_hidden_layers
         self.is_first_stage = self.is_last_stage = True

@@ -46,6 +46,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("float16", "float16"),
         ("fp16", "float16"),
         ("half", "float16"),
+        ("float32", "float32"),
+        ("fp32", "float32"),
     ],
 )
 def test_values_and_aliases_resolve_once(tiny, value, expected):
@@ -53,17 +55,38 @@ def test_values_and_aliases_resolve_once(tiny, value, expected):
         model=str(tiny), dtype="float32", kv_cache_dtype=value
     ).create_engine_config()
     assert config.cache_config.cache_dtype == expected
-    assert resolve_kv_cache_dtype(value, "bfloat16") == (
-        "bfloat16" if value == "auto" else expected
-    )
+    if expected != "float32":
+        assert resolve_kv_cache_dtype(value, "bfloat16") == (
+            "bfloat16" if value == "auto" else expected
+        )
 
 
-@pytest.mark.parametrize(
-    "value", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8", "bfloat", "", 16, "float32"]
-)
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8", "bfloat", "", 16])
 def test_bad_values_are_refused_naming_the_field(tiny, value):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(model=str(tiny), kv_cache_dtype=value).create_engine_config()
+
+
+def test_a_cache_wider_than_the_model_is_refused(tiny):
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' is wider"):
+        EngineArgs(
+            model=str(tiny), dtype="bfloat16", kv_cache_dtype="float32"
+        ).create_engine_config()
+
+
+def test_gguf_blocks_kept_on_the_cpu_get_a_float16_cache_by_default():
+    """As llama.cpp runs the same file: "auto" is float16 where the GGUF blocks stay
+    quantized (the fp32 activations would double the cache), the model dtype elsewhere."""
+    assert resolve_kv_cache_dtype("auto", "float32", gguf_blocks_on_cpu=True) == "float16"
+    assert resolve_kv_cache_dtype("auto", "bfloat16", gguf_blocks_on_cpu=True) == "bfloat16"
+    assert resolve_kv_cache_dtype("float32", "float32", gguf_blocks_on_cpu=True) == "float32"
+    default = EngineArgs(device="cpu").create_engine_config()  # the default model's GGUF file
+    assert default.model_config.quantization == "gguf"
+    assert default.cache_config.cache_dtype == "float16"
+    wide = EngineArgs(device="cpu", kv_cache_dtype="float32").create_engine_config()
+    assert wide.cache_config.cache_dtype == "float32"
+    dequantized = EngineArgs(device="cpu", quantization=None, dtype="float32")
+    assert dequantized.create_engine_config().cache_config.cache_dtype == "float32"
 
 
 def test_cache_allocated_in_the_dtype_holds_twice_the_blocks(tiny):
