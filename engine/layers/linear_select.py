@@ -330,8 +330,17 @@ def cache_file(key: dict[str, Any]) -> Path:
     return cache_root() / "linear_methods" / f"{digest}.json"
 
 
-def read_cache(path: Path, key: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """The cached decisions {"NxK": methods}; {} (with a warning) for a corrupt file."""
+def read_cache(
+    path: Path,
+    key: dict[str, Any],
+    *,
+    names: tuple[str, ...] = METHODS,
+    label: str = "linear-method",
+) -> dict[str, tuple[str, ...]]:
+    """The cached decisions {shape name: one of `names` per row bucket}; {} (with a warning
+    naming the `label` cache) for a corrupt file or one written under another key. The
+    quantized-route trial (engine/layers/quant_select.py) reads its file here too, with its
+    route names."""
     if not path.is_file():
         return {}
     try:
@@ -340,12 +349,12 @@ def read_cache(path: Path, key: dict[str, Any]) -> dict[str, tuple[str, ...]]:
             raise ValueError("written for another CPU/torch/thread count")
         decisions = {}
         for shape, methods in data["decisions"].items():
-            if len(methods) != len(ROW_BUCKETS) or not set(methods) <= set(METHODS):
+            if len(methods) != len(ROW_BUCKETS) or not set(methods) <= set(names):
                 raise ValueError(f"bad entry for {shape}: {methods}")
             decisions[shape] = tuple(methods)
         return decisions
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.warning("Ignoring the linear-method cache %s (%s); it is rewritten.", path, error)
+        logger.warning("Ignoring the %s cache %s (%s); it is rewritten.", label, path, error)
         return {}
 
 

@@ -26,12 +26,9 @@ small models' answers is understood).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +39,7 @@ from engine.layers.linear_select import (
     _time_round_robin,
     cache_file,
     cache_key,
+    read_cache,
     write_cache,
 )
 from engine.native.quant import QuantizedWeight, quant_linear
@@ -137,11 +135,7 @@ def select_routes(weights: list[QuantizedWeight]) -> dict[str, tuple[str, ...]]:
         return {name: forced_routes(forced) for name in shapes}
     key = {**cache_key(), "quantized_routes": list(ROUTES)}
     path = cache_file(key)
-    cached = {
-        name: routes
-        for name, routes in _read_routes(path, key).items()
-        if len(routes) == len(ROW_BUCKETS)
-    }
+    cached = read_cache(path, key, names=ROUTES, label="quantized-route")
     result, measured = {}, False
     start = time.perf_counter()
     for name, weight in shapes.items():
@@ -158,23 +152,6 @@ def select_routes(weights: list[QuantizedWeight]) -> dict[str, tuple[str, ...]]:
             path,
         )
     return result
-
-
-def _read_routes(path: Path, key: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """The cached routes {"TYPE:NxK": routes}; {} (with a warning) for a corrupt file."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            raise ValueError("written for another CPU/torch/thread count")
-        decisions = {name: tuple(routes) for name, routes in data["decisions"].items()}
-        if any(not set(routes) <= set(ROUTES) for routes in decisions.values()):
-            raise ValueError("unknown route names")
-        return decisions
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.warning("Ignoring the quantized-route cache %s (%s); it is rewritten.", path, error)
-        return {}
 
 
 def plan_quantized_routes(model: nn.Module) -> int:
