@@ -33,15 +33,9 @@ import time
 import torch
 from torch import nn
 
-from engine.layers.linear_select import (
-    _BUCKET_ROWS,
-    ROW_BUCKETS,
-    _time_round_robin,
-    cache_file,
-    cache_key,
-    read_cache,
-    write_cache,
-)
+from engine.layers.linear_select import _time_round_robin
+from engine.layers.method_cache import cache_file, cache_key, read_cache, write_cache
+from engine.layers.row_buckets import BUCKET_ROWS, ROW_BUCKETS
 from engine.native.quant import QuantizedWeight, quant_linear
 
 logger = logging.getLogger(__name__)
@@ -101,7 +95,7 @@ def time_routes(weight: QuantizedWeight) -> list[dict[str, float]]:
 
     generator = torch.Generator().manual_seed(0)
     table = []
-    for bucket, rows in enumerate(_BUCKET_ROWS):
+    for bucket, rows in enumerate(BUCKET_ROWS):
         x = torch.randn(rows, weight.in_features, generator=generator)
         calls = {"fp32": functools.partial(quant_linear, x, weight)}
         if route_applies(bucket) and _int8_agrees(x, weight):
