@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.layers import linear_select
+from engine.layers.method_cache import cache_key
+from engine.layers.row_buckets import BUCKET_ROWS
 from engine.loader.model_files import default_model_path, load_hf_config, resolve_model
 from engine.loader.model_loader import load_model
 from engine.native import quant
@@ -95,7 +97,7 @@ def bench_linear_methods() -> None:
         table = linear_select.time_methods(weight, methods)
         chosen = linear_select.choose_methods(table)
         print(f"{shape[0]}x{shape[1]}")
-        for rows, times, pick in zip(linear_select._BUCKET_ROWS, table, chosen, strict=True):
+        for rows, times, pick in zip(BUCKET_ROWS, table, chosen, strict=True):
             cells = "  ".join(f"{m}={t * 1e6:8.1f}" for m, t in times.items())
             print(f"  rows {rows:>4}: {cells}  -> {pick}")
 
@@ -211,7 +213,7 @@ def bench_gemv(repeats: int) -> None:
 
 
 def _cpu_flags() -> str:
-    key = linear_select.cache_key()  # the CPU model and its ISA flags
+    key = cache_key()  # the CPU model and its ISA flags
     return f"{key['cpu']} ({', '.join(key['isa']) or 'no AVX2'})"
 
 
@@ -243,7 +245,7 @@ def main() -> None:
         print(f"quantized kernels' ISA path: {quant.active_isa().name}")
         bench_quant_gemm(args.repeats, args.stat)
         return
-    key = linear_select.cache_key()
+    key = cache_key()
     print(
         f"CPU: {key['cpu']}  ISA: {' '.join(key['isa'])}  torch {key['torch']}  "
         f"threads {key['threads']}"

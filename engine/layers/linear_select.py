@@ -24,7 +24,8 @@ large as the weight, and the default model should fit under 1 GB).
 
 The decisions are cached as JSON under the model cache root (`linear_methods/`), keyed by
 CPU model, ISA flags (and any ISA limit set in the environment), torch version and thread
-count, so later starts read them and time nothing. ``$PAGEDSERVE_LINEAR_METHOD``
+count, so later starts read them and time nothing (engine/layers/method_cache.py; the row
+buckets: engine/layers/row_buckets.py). ``$PAGEDSERVE_LINEAR_METHOD``
 (`mkl_packed`, `onednn`, `torch`, `native`, `auto`) forces one method for every bucket it
 can run (tests, benchmarks).
 """
@@ -32,31 +33,24 @@ can run (tests, benchmarks).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
-import platform
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from engine.layers.method_cache import cache_file, cache_key, read_cache, write_cache
+from engine.layers.row_buckets import BUCKET_OF, BUCKET_ROWS, ROW_BUCKETS
 
 logger = logging.getLogger(__name__)
 
 LINEAR_METHOD_ENV = "PAGEDSERVE_LINEAR_METHOD"
 METHODS = ("mkl_packed", "onednn", "torch", "native")
 BF16_METHODS = ("onednn", "torch")  # MKL's packed GEMM and our kernels take fp32 only
-# Inclusive row-count ranges; the last is open. Each is timed at its `_BUCKET_ROWS` size.
-# 33..64 and 65..128 are apart because a batch of 64 decode rows is common and its winner
-# can differ from 128's (our GEMM vs oneDNN on a 2-core Zen 4).
-ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 32), (33, 64), (65, 128), (129, None))
-_BUCKET_ROWS = (1, 4, 8, 32, 64, 128, 256)
 # Methods that keep their own copy of the weight (as large as the weight itself).
 _COPYING = ("mkl_packed", "onednn")
 # A weight copy must earn its memory: it is kept only if it saves, summed over the buckets,
@@ -69,29 +63,6 @@ _NATIVE_GEMM_MIN_ROWS = 33  # our GEMM's 16-row tiles are well filled from here 
 # a 2-core machine loaded 4x over took ~10 s).
 _TIME_BUDGET_S = 0.03
 _MIN_ROUNDS, _MAX_ROUNDS = 3, 50
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile")
-# Settings that narrow the ISA the libraries and our kernels use below what the CPU has
-# (an emulated AVX2-only machine, benchmarks/throughput.py --emulate-isa): part of the key.
-_ISA_LIMIT_ENVS = (
-    "ATEN_CPU_CAPABILITY",
-    "MKL_ENABLE_INSTRUCTIONS",
-    "ONEDNN_MAX_CPU_ISA",
-    "PAGEDSERVE_NATIVE_MARCH",
-    "PAGEDSERVE_QUANT_ISA",
-)
-
-# Per-row-count bucket index for rows 0..128; above that the last bucket.
-_BUCKET_OF = [0] + [
-    next(i for i, (lo, hi) in enumerate(ROW_BUCKETS) if lo <= r and (hi is None or r <= hi))
-    for r in range(1, 130)
-]
-
-
-def bucket_of(rows: int) -> int:
-    """The `ROW_BUCKETS` index of a step with `rows` activation rows (rows >= 1)."""
-    return _BUCKET_OF[min(rows, 129)]
-
-
 Prepared = Any  # a method's copy of the weight (None when it uses the weight itself)
 RunFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", Prepared], torch.Tensor]
 
@@ -185,7 +156,7 @@ class LinearPlan:
         weight: torch.Tensor,  # [out_features, in_features]
         bias: torch.Tensor | None,
     ) -> torch.Tensor:  # [rows, out_features]
-        run, prepared = self._calls[_BUCKET_OF[min(x.shape[0], 129)]]
+        run, prepared = self._calls[BUCKET_OF[min(x.shape[0], 129)]]
         return run(x, weight, bias, prepared)
 
 
@@ -231,7 +202,7 @@ def time_methods(
             logger.warning("linear method %s cannot prepare the weight (%s).", method, error)
     candidates = tuple(m for m in candidates if m in prepared)
     table = []
-    for bucket, rows in enumerate(_BUCKET_ROWS):
+    for bucket, rows in enumerate(BUCKET_ROWS):
         x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
         calls = {
             m: functools.partial(_RUN[m], x, weight, None, prepared[m])
@@ -298,69 +269,6 @@ def choose_methods(table: list[dict[str, float]]) -> tuple[str, ...]:
     return best_plan
 
 
-def cache_key() -> dict[str, Any]:
-    """What the measurements depend on: the CPU, its ISA, the torch build, the threads."""
-    model, flags = platform.processor(), set()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                name, _, value = line.partition(":")
-                if name.strip() == "model name":
-                    model = value.strip()
-                elif name.strip() == "flags":
-                    flags = set(value.split())
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": model or platform.machine(),
-        "isa": [f for f in _ISA_FLAGS if f in flags],
-        "isa_limits": {name: os.environ[name] for name in _ISA_LIMIT_ENVS if name in os.environ},
-        "buckets": [list(b) for b in ROW_BUCKETS],
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def cache_file(key: dict[str, Any]) -> Path:
-    from engine.loader.model_files import cache_root
-
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "linear_methods" / f"{digest}.json"
-
-
-def read_cache(path: Path, key: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """The cached decisions {"NxK": methods}; {} (with a warning) for a corrupt file."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            raise ValueError("written for another CPU/torch/thread count")
-        decisions = {}
-        for shape, methods in data["decisions"].items():
-            if len(methods) != len(ROW_BUCKETS) or not set(methods) <= set(METHODS):
-                raise ValueError(f"bad entry for {shape}: {methods}")
-            decisions[shape] = tuple(methods)
-        return decisions
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.warning("Ignoring the linear-method cache %s (%s); it is rewritten.", path, error)
-        return {}
-
-
-def write_cache(path: Path, key: dict[str, Any], decisions: dict[str, tuple[str, ...]]) -> None:
-    """Written to a temporary file and renamed, so a concurrent reader sees all or nothing."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as out:
-            json.dump({"key": key, "decisions": {k: list(v) for k, v in decisions.items()}}, out)
-        os.replace(tmp, path)
-    except OSError as error:
-        logger.warning("Could not write the linear-method cache %s (%s).", path, error)
-
-
 def select_methods(weights: list[torch.Tensor]) -> dict[tuple[int, int], tuple[str, ...]]:
     """The method per row bucket for each distinct shape among `weights` (fp32 or bf16 CPU
     [N, K]; one dtype per call): forced, else cached, else measured (and the cache
@@ -375,7 +283,7 @@ def select_methods(weights: list[torch.Tensor]) -> dict[tuple[int, int], tuple[s
         return {shape: forced_methods(forced, dtype=dtype) for shape in shapes}
     key = cache_key()
     path = cache_file(key)
-    cached = read_cache(path, key)
+    cached = read_cache(path, key, names=METHODS)
     usable = METHODS if dtype == torch.float32 else BF16_METHODS
     candidates = tuple(m for m in usable if method_available(m))
     suffix = "" if dtype == torch.float32 else f":{str(dtype).removeprefix('torch.')}"

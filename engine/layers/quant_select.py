@@ -26,24 +26,16 @@ small models' answers is understood).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from engine.layers.linear_select import (
-    _BUCKET_ROWS,
-    ROW_BUCKETS,
-    _time_round_robin,
-    cache_file,
-    cache_key,
-    write_cache,
-)
+from engine.layers.linear_select import _time_round_robin
+from engine.layers.method_cache import cache_file, cache_key, read_cache, write_cache
+from engine.layers.row_buckets import BUCKET_ROWS, ROW_BUCKETS
 from engine.native.quant import QuantizedWeight, quant_linear
 
 logger = logging.getLogger(__name__)
@@ -103,7 +95,7 @@ def time_routes(weight: QuantizedWeight) -> list[dict[str, float]]:
 
     generator = torch.Generator().manual_seed(0)
     table = []
-    for bucket, rows in enumerate(_BUCKET_ROWS):
+    for bucket, rows in enumerate(BUCKET_ROWS):
         x = torch.randn(rows, weight.in_features, generator=generator)
         calls = {"fp32": functools.partial(quant_linear, x, weight)}
         if route_applies(bucket) and _int8_agrees(x, weight):
@@ -137,11 +129,7 @@ def select_routes(weights: list[QuantizedWeight]) -> dict[str, tuple[str, ...]]:
         return {name: forced_routes(forced) for name in shapes}
     key = {**cache_key(), "quantized_routes": list(ROUTES)}
     path = cache_file(key)
-    cached = {
-        name: routes
-        for name, routes in _read_routes(path, key).items()
-        if len(routes) == len(ROW_BUCKETS)
-    }
+    cached = read_cache(path, key, names=ROUTES, label="quantized-route")
     result, measured = {}, False
     start = time.perf_counter()
     for name, weight in shapes.items():
@@ -158,23 +146,6 @@ def select_routes(weights: list[QuantizedWeight]) -> dict[str, tuple[str, ...]]:
             path,
         )
     return result
-
-
-def _read_routes(path: Path, key: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """The cached routes {"TYPE:NxK": routes}; {} (with a warning) for a corrupt file."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            raise ValueError("written for another CPU/torch/thread count")
-        decisions = {name: tuple(routes) for name, routes in data["decisions"].items()}
-        if any(not set(routes) <= set(ROUTES) for routes in decisions.values()):
-            raise ValueError("unknown route names")
-        return decisions
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        logger.warning("Ignoring the quantized-route cache %s (%s); it is rewritten.", path, error)
-        return {}
 
 
 def plan_quantized_routes(model: nn.Module) -> int:

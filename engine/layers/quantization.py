@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear
-from engine.layers.linear_select import bucket_of
+from engine.layers.row_buckets import bucket_of
 from engine.native.quant import QuantizedWeight, quant_linear, quantize_int8
 from engine.native.quant_int8 import quant_linear_int8
 

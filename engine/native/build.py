@@ -52,6 +52,7 @@ _HEADERS = tuple(
     Path(__file__).with_name(h)
     for h in (
         "quant_types.h",
+        "quant_fp16.h",
         "quant_rows.h",
         "quant_block32_avx2.h",
         "quant_fused_avx2.h",

@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_fp16.h" /* load_u16, half_to_float: the blocks' fp16 fields */
 #include "quant_types.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -73,30 +74,6 @@ int quant_linear_i8_supported(int type, int *isa) {
     const int path = i8_isa();
     if (isa != NULL) *isa = path;
     return path != ISA_PORTABLE && i8_type(type);
-}
-
-static inline float i8_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-    if (exp == 0x1Fu) {
-        bits = sign | 0x7F800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else {
-        exp = 113u;
-        while (!(mant & 0x400u)) {
-            mant <<= 1;
-            --exp;
-        }
-        bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 /* Row r of x (k values): xq (int8), and per block xd (scale), xc (the int32 sums' start:
@@ -148,15 +125,15 @@ static void fill_panel(uint8_t *wbuf, float *wd, float *wm, const uint8_t *w, in
             const uint8_t *blk = row + b * bb;
             uint8_t v[I8_KB];
             if (type == QTYPE_Q8_0) {
-                wd[b * I8_NR + j] = i8_half(blk);
+                wd[b * I8_NR + j] = half_to_float(load_u16(blk));
                 wm[b * I8_NR + j] = 0.0f;
                 for (int i = 0; i < I8_KB; ++i) v[i] = (uint8_t)((int8_t)blk[2 + i] + bias);
             } else {
                 const int q1 = type == QTYPE_Q4_1;
                 const uint8_t *qs = blk + (q1 ? 4 : 2);
                 const int off = bias - (q1 ? 0 : 8);
-                wd[b * I8_NR + j] = i8_half(blk);
-                wm[b * I8_NR + j] = q1 ? i8_half(blk + 2) : 0.0f;
+                wd[b * I8_NR + j] = half_to_float(load_u16(blk));
+                wm[b * I8_NR + j] = q1 ? half_to_float(load_u16(blk + 2)) : 0.0f;
                 for (int i = 0; i < 16; ++i) {
                     v[i] = (uint8_t)((qs[i] & 0xF) + off);
                     v[i + 16] = (uint8_t)((qs[i] >> 4) + off);

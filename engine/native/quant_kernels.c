@@ -25,36 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_fp16.h" /* load_u16, half_to_float: the blocks' fp16 fields */
 #include "quant_types.h"
-
-static inline uint16_t load_u16(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* IEEE half -> float, exact for every input (subnormals, inf, NaN). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-    if (exp == 0x1Fu) {
-        bits = sign | 0x7F800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        exp = 113u;
-        while (!(mant & 0x400u)) {
-            mant <<= 1;
-            --exp;
-        }
-        bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 #define QLANES 16
 #define ISA(name) name##_portable

@@ -15,10 +15,8 @@ None, and on the last stage only TP rank 0 samples (the others join its logits g
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import sys
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
 from engine.worker.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
+from engine.worker.malloc_tuning import keep_freed_memory_mapped
 from engine.worker.pooler import Pooler
 from engine.worker.profiler import TorchProfiler
 from engine.worker.sleep import SleepMode
@@ -73,7 +72,7 @@ class ModelRunner:
             # make x86 matmuls several times slower; flushing them changes no result above
             # 1e-38.
             torch.set_flush_denormal(True)
-            _keep_freed_memory_mapped()
+            keep_freed_memory_mapped()
         self.attn_backend = get_attention_backend(
             config.device_config.attention_backend, self.device, self.dtype
         )
@@ -378,28 +377,3 @@ class ModelRunner:
         for i in prompt_lp:
             self.step_sampler.prompt_logprobs(batch[i], inputs, i, hidden, output)
         return output
-
-
-# glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def _keep_freed_memory_mapped() -> None:
-    """Stops glibc from handing large freed blocks back to the kernel between steps.
-
-    A prefill step's temporaries are tens of MB each ([2048, 3072] fp32 is 25 MB). By default
-    glibc serves such sizes with mmap (or trims them off the heap top) and returns them on
-    free, so every step page-faults them in again, which costs about as much as the
-    elementwise op that writes them. With a fixed 32 MiB mmap threshold (glibc's 64-bit
-    maximum) and a 512 MiB trim threshold they stay mapped and are reused. Process-wide and
-    harmless elsewhere; a no-op off glibc.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
-    except (OSError, AttributeError):  # musl and other C libraries
-        return

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.channel import ChannelConfig
 from clients.chat import stream_chat
 from services.cli import openai_gateway
-from services.cli.main import flags_from, subparser
+from services.cli.flags import flags_from, subparser
 
 logger = logging.getLogger("services.serve")
 

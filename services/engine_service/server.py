@@ -1,18 +1,9 @@
-"""The engine service: `pagedserve.v1.EngineService` over one `AsyncLLMEngine`.
+"""The engine service process: one gRPC server for one `AsyncLLMEngine`.
 
-Token ids in, token-id deltas out; it never sees text (the engine runs with
-`skip_tokenizer_init=True`). One stream per request:
-
-    EngineGenerateRequest ──▶ engine.generate(..., output_kind=DELTA, detokenize=False)
-    EngineGenerateResponse ◀── one message per changed output index per engine step
-
-The same port serves vLLM's engine protocol, `vllm.grpc.engine.VllmEngine`
+It serves `pagedserve.v1.EngineService` (the servicer: services/engine_service/servicer.py)
+and, on the same port, vLLM's engine protocol, `vllm.grpc.engine.VllmEngine`
 (`services/engine_service/vllm_servicer.py`), for gateways such as smg and llm-d; both APIs share
-the
-engine, the in-flight request table, health and reflection.
-
-When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
-engine's generator then aborts the request, which frees its KV blocks at once.
+the engine, the in-flight request table, health and reflection.
 
 Lifecycle (docs/grpc.md "Migration"):
 
@@ -21,7 +12,7 @@ Lifecycle (docs/grpc.md "Migration"):
             ─▶ the rest are handed back: UNAVAILABLE + trailing `pagedserve-migrate: drained`
                (services/common/migration.py), so the tokenizer service resumes them elsewhere
             ─▶ the process exits 0
-    a step running longer than `engine_stall_timeout_s` ─▶ NOT_SERVING (engine_watchdog.py),
+    a step running longer than `engine_stall_timeout_s` ─▶ NOT_SERVING (watchdog.py),
             SERVING again when steps return
 
 A request resumed from another replica carries `resumed_output_token_ids`; the engine
@@ -39,30 +30,13 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import grpc
-from opentelemetry import trace
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
-from engine import (
-    AsyncLLMEngine,
-    EngineConfig,
-    EngineDeadError,
-    RequestOutputKind,
-)
-from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from services.common import tracing
-from services.common.errors import (
-    ConfigError,
-    ServiceError,
-    invalid_argument,
-    rpc_method,
-    status_for,
-)
+from engine import AsyncLLMEngine, EngineDeadError
+from pagedserve.v1 import engine_pb2_grpc
+from services.common.errors import ConfigError
 from services.common.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENGINE_SERVICE,
@@ -70,15 +44,10 @@ from services.common.grpc_server import (
     bind,
     create_server,
     enable_reflection,
-    trace_headers,
 )
-from services.common.limits import RequestRegistry
 from services.common.metrics import EngineServiceMetrics, MetricsEndpoint
-from services.common.migration import INSTANCE_DETAIL, REASON_DRAINED, migrate_metadata
 from services.common.wire import WireGuard
-from services.engine_service import convert
-from services.engine_service.admin import EngineAdminRpcs
-from services.engine_service.lora import EngineLoraRpcs
+from services.engine_service.servicer import EngineServicer, model_info_from_config
 from services.engine_service.vllm_servicer import VLLM_ENGINE_SERVICE, VllmEngineServicer
 from services.engine_service.watchdog import EngineWatchdog
 from services.security.tls import ServerTLS, ServerTLSConfig, is_loopback
@@ -86,7 +55,6 @@ from services.security.tls import ServerTLS, ServerTLSConfig, is_loopback
 logger = logging.getLogger("services.engine")
 
 _ENGINE_WATCH_INTERVAL_S = 0.5
-INSTANCE_ID = uuid.uuid4().hex  # this process's (Health details: INSTANCE_DETAIL)
 # After the grace period, how long handed-back streams get to end with their status before
 # the server cancels what is left.
 _HAND_BACK_MARGIN_S = 2.0
@@ -106,271 +74,6 @@ class EngineServerConfig:
     log_stats_interval_s: float = 10.0  # the engine's stats line every so often; 0: never
     tls: ServerTLSConfig | None = None  # None: plaintext (loopback only, or allow_insecure)
     allow_insecure: bool = False  # plaintext on a non-loopback address (--allow-insecure-engine)
-
-
-def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
-    model, cache, hf = config.model_config, config.cache_config, config.model_config.hf_config
-    return common_pb2.ModelInfo(
-        model=model.model or "",  # empty: the default model
-        architecture=(getattr(hf, "architectures", None) or [""])[0],
-        vocab_size=model.vocab_size,
-        max_model_len=model.max_model_len,
-        eos_token_ids=sorted(model.eos_token_ids),
-        dtype=model.dtype,
-        device=config.device_config.device,
-        block_size=cache.block_size,
-        num_kv_blocks=cache.num_blocks,
-        hidden_size=int(hf.hidden_size),
-        effective_max_model_len=min(model.max_model_len, cache.num_blocks * cache.block_size),
-        max_logprobs=model.max_logprobs,
-    )
-
-
-class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServiceServicer):
-    """Thin: proto → engine call → proto; errors become statuses in `services.common.errors`."""
-
-    SERVICE_NAME = ENGINE_SERVICE
-
-    def __init__(
-        self,
-        health: HealthReporter,
-        max_inflight_requests: int,
-        rpc_metrics: EngineServiceMetrics | None = None,
-    ) -> None:
-        self.health = health
-        self.engine: AsyncLLMEngine | None = None
-        self.model_info = common_pb2.ModelInfo()
-        self.model_name = ""  # in spans: the engine's served model name
-        self.requests: RequestRegistry[None] = RequestRegistry(max_inflight_requests)
-        self.rpc_metrics = rpc_metrics
-        self.draining = False  # SIGTERM came: new requests are refused (handed back)
-        self.stalled_s = 0.0  # how long the stuck step had run when the watchdog fired
-        self._handing_back: set[str] = set()  # ids whose streams end "migrate", not abort
-
-    def hand_back(self, request_ids: list[str]) -> None:
-        """Marks requests whose streams must end with the migrate status (the caller then
-        aborts them in the engine, which frees their blocks)."""
-        self._handing_back.update(request_ids)
-
-    def _check_accepting(self) -> None:
-        if self.draining:
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine service is draining: send the request to another replica",
-                migrate_metadata(REASON_DRAINED),
-            )
-
-    def _ready_engine(self) -> AsyncLLMEngine:
-        if self.engine is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the engine is still loading")
-        return self.engine
-
-    @rpc_method
-    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
-        with _fields_named_by_proto_path():
-            await self._generate(request, context)
-
-    async def _generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
-        span = trace.get_current_span()  # this call's (rpc_method): llm_request's parent
-        engine = self._ready_engine()
-        self._check_accepting()
-        request_id = _check_request_id(request.request_id)
-        params = convert.sampling_params_from_proto(
-            request.sampling_params, output_kind=RequestOutputKind.DELTA, detokenize=False
-        )
-        lora_request = self.lora_request_for(request.lora_name)
-        tracing.set_request_attributes(span, request_id, self.model_name, params)
-        if lora_request is not None:
-            span.set_attribute("gen_ai.request.lora_name", lora_request.lora_name)
-        resumed = convert.resumed_output_token_ids_from_proto(request)
-        builder = convert.EngineResponseBuilder(request_id, params, resumed)
-        start = time.perf_counter()
-        with self.requests.admit(request_id, None):
-            stream = engine.generate(
-                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
-                params,
-                request_id,
-                trace_headers=_engine_trace_headers(request, context),
-                priority=request.priority,
-                lora_request=lora_request,
-                resumed_output_token_ids=resumed,
-                fairness_key=request.fairness_key or None,
-                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
-            )
-            try:
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
-                        for response in builder.build(output):
-                            if request_id in self._handing_back:
-                                response = _without_abort(response)
-                            if response is not None:
-                                await context.write(response)
-            finally:
-                handed_back = request_id in self._handing_back
-                self._handing_back.discard(request_id)
-        if handed_back and "abort" in builder.finish_reasons.values():
-            raise _handed_back_error(request_id)
-        finish_reasons = [r for _, r in sorted(builder.finish_reasons.items())]
-        num_completion_tokens = sum(builder.num_completion_tokens.values())
-        tracing.set_usage_attributes(
-            span, len(request.prompt_token_ids), num_completion_tokens, finish_reasons
-        )
-        logger.info(
-            "request finished",
-            extra={
-                "request_id": request_id,
-                "prompt_tokens": len(request.prompt_token_ids),
-                "completion_tokens": num_completion_tokens,
-                "finish_reasons": ",".join(finish_reasons),
-                "resumed_tokens": sum(len(t) for t in (resumed or {}).values()),
-                "seconds": round(time.perf_counter() - start, 3),
-            },
-        )
-
-    @rpc_method
-    async def Encode(
-        self, request: engine_pb2.EngineEncodeRequest, context: Any
-    ) -> engine_pb2.EngineEncodeResponse:
-        with _fields_named_by_proto_path():
-            return await self._encode(request, context)
-
-    async def _encode(
-        self, request: engine_pb2.EngineEncodeRequest, context: Any
-    ) -> engine_pb2.EngineEncodeResponse:
-        engine = self._ready_engine()
-        self._check_accepting()
-        request_id = _check_request_id(request.request_id)
-        params = convert.pooling_params_from_proto(request.pooling_params)
-        lora_request = self.lora_request_for(request.lora_name)
-        final = None
-        with self.requests.admit(request_id, None):
-            stream = engine.encode(
-                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
-                params,
-                request_id,
-                trace_headers=_engine_trace_headers(request, context),
-                priority=request.priority,
-                lora_request=lora_request,
-                fairness_key=request.fairness_key or None,
-                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
-            )
-            try:
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
-                        final = output
-            finally:
-                handed_back = request_id in self._handing_back
-                self._handing_back.discard(request_id)
-        if final is None and handed_back:
-            raise _handed_back_error(request_id)
-        if final is None:
-            raise ServiceError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
-        return engine_pb2.EngineEncodeResponse(
-            request_id=request_id,
-            embedding=final.outputs.data.tolist(),
-            usage=common_pb2.Usage(
-                prompt_tokens=len(final.prompt_token_ids), cached_tokens=final.num_cached_tokens
-            ),
-        )
-
-    @rpc_method
-    async def Abort(self, request: common_pb2.AbortRequest, context: Any) -> Any:
-        tracing.set_abort_attributes(trace.get_current_span(), request.request_ids)
-        live = [rid for rid in dict.fromkeys(request.request_ids) if rid in self.requests]
-        if live:
-            await self._ready_engine().abort(live)
-            logger.info("aborted", extra={"request_ids": ",".join(live)})
-        return common_pb2.AbortResponse(aborted_request_ids=live)
-
-    @rpc_method
-    async def Health(self, request: common_pb2.HealthRequest, context: Any) -> Any:
-        # The process's id: a router tells a replica restarted at the same address (a new
-        # one) from one that recovered (which may still hold requests that moved away).
-        details = {"num_inflight_streams": str(len(self.requests)), INSTANCE_DETAIL: INSTANCE_ID}
-        if self.engine is None:
-            return common_pb2.HealthResponse(healthy=False, status="NOT_SERVING", details=details)
-        try:
-            await self.engine.check_health()
-            healthy = True
-        except EngineDeadError as exc:
-            healthy, details["error"] = False, str(exc)
-        stats = self.engine.get_stats()
-        details.update(
-            model=self.model_info.model,
-            num_running_requests=str(stats.num_running),
-            num_waiting_requests=str(stats.num_waiting),
-            num_engine_requests=str(stats.num_requests),
-            num_kv_blocks=str(stats.num_total_blocks),
-            num_free_kv_blocks=str(stats.num_free_blocks),
-            kv_cache_usage=f"{stats.kv_cache_usage:.4f}",
-            num_preemptions_total=str(stats.num_preemptions_total),
-            is_sleeping=str(stats.is_sleeping).lower(),  # asleep: requests wait for WakeUp
-        )
-        parallel = self.engine.engine.get_parallel_config()
-        details.update(
-            tensor_parallel_size=str(parallel.tensor_parallel_size),
-            pipeline_parallel_size=str(parallel.pipeline_parallel_size),
-        )
-        if self.draining:
-            details["draining"] = "true"
-        if self.stalled_s:
-            details["engine_stalled_s"] = f"{self.stalled_s:.1f}"
-        healthy = healthy and self.health.serving
-        status = "SERVING" if healthy else "NOT_SERVING"
-        return common_pb2.HealthResponse(healthy=healthy, status=status, details=details)
-
-    @rpc_method
-    async def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: Any
-    ) -> common_pb2.ModelInfo:
-        self._ready_engine()
-        return self.model_info
-
-
-def _without_abort(
-    response: engine_pb2.EngineGenerateResponse,
-) -> engine_pb2.EngineGenerateResponse | None:
-    """A handed-back stream's abort message: its tokens (if any) without the finish
-    reason, which would tell the tokenizer service the output ended; None if nothing is
-    left to send."""
-    if response.finish_reason != common_pb2.FINISH_REASON_ABORT:
-        return response
-    if not response.token_ids:
-        return None
-    response.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
-    response.ClearField("stop_reason")
-    return response
-
-
-def _handed_back_error(request_id: str) -> ServiceError:
-    return ServiceError(
-        grpc.StatusCode.UNAVAILABLE,
-        f"the engine service drained: resume request {request_id!r} on another replica",
-        migrate_metadata(REASON_DRAINED),
-    )
-
-
-def _engine_trace_headers(request: Any, context: Any) -> dict[str, str] | None:
-    """The request's trace headers for the engine, with this call's span as the parent."""
-    incoming = trace_headers(request.trace_headers, context)
-    return tracing.outgoing_trace_headers(incoming) or None
-
-
-@contextlib.contextmanager
-def _fields_named_by_proto_path() -> Iterator[None]:
-    """A rejected parameter's status names it by its proto path (`convert.field_path_message`);
-    the code is the one `status_for` gives the engine's error."""
-    try:
-        yield
-    except (ValueError, TypeError) as exc:
-        code, message = status_for(exc)
-        raise ServiceError(code, convert.field_path_message(message)) from exc
-
-
-def _check_request_id(request_id: str) -> str:
-    if not request_id:
-        raise invalid_argument("request_id must not be empty")
-    return request_id
 
 
 def _check_transport(config: EngineServerConfig) -> None:

@@ -27,7 +27,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.cli.main import build_parser
+from services.cli.flags import build_parser
 from services.common.grpc_server import ENGINE_SERVICE, TEXT_GENERATION_SERVICE
 from services.tokenizer_service.replicas.pool import parse_engine_addresses
 from tests.deploy.build_context import dockerignore_rules, in_build_context

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.cli.main import build_parser, subparser
+from services.cli.flags import build_parser, subparser
 from tests.deploy.test_compose import COMPOSE_FILE, PROBE, ROOT, _config, _run_compose
 from tests.services.secure import make_pki
 

@@ -16,15 +16,14 @@ from engine.layers.linear import Linear
 from engine.layers.linear_select import (
     LINEAR_METHOD_ENV,
     METHODS,
-    ROW_BUCKETS,
-    cache_file,
-    cache_key,
     choose_methods,
     forced_methods,
     make_plan,
     method_available,
     select_methods,
 )
+from engine.layers.method_cache import cache_file, cache_key
+from engine.layers.row_buckets import ROW_BUCKETS
 from engine.loader.model_files import CACHE_DIR_ENV, load_hf_config
 from engine.loader.model_loader import load_model
 from tests.model_utils import make_tiny_llama

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from engine.layers import quant_select  # noqa: E402
-from engine.layers.linear_select import ROW_BUCKETS, cache_file, cache_key  # noqa: E402
+from engine.layers.method_cache import cache_file, cache_key  # noqa: E402
 from engine.layers.quant_select import (  # noqa: E402
     QUANT_ROUTE_ENV,
     ROUTES,
@@ -24,6 +24,7 @@ from engine.layers.quant_select import (  # noqa: E402
     select_routes,
     time_routes,
 )
+from engine.layers.row_buckets import ROW_BUCKETS  # noqa: E402
 from engine.loader.model_files import CACHE_DIR_ENV  # noqa: E402
 from engine.native.quant import QType, QuantizedWeight  # noqa: E402
 from engine.native.quant_int8 import Int8Isa, int8_isa  # noqa: E402

@@ -435,3 +435,14 @@ def test_march_override_names_the_build_and_rejects_junk(monkeypatch):
     monkeypatch.setenv(NATIVE_MARCH_ENV, "native -o /tmp/x")
     with pytest.raises(NativeKernelError, match=NATIVE_MARCH_ENV):
         compile_flags()
+
+
+def test_every_header_is_part_of_the_kernel_cache_key():
+    """The library's cache key hashes `_HEADERS`: a header left out of it could change
+    without a rebuild, and a stale library would keep its old code."""
+    from pathlib import Path
+
+    from engine.native import build
+
+    headers = {p.name for p in Path(build.__file__).parent.glob("*.h")}
+    assert headers == {p.name for p in build._HEADERS}

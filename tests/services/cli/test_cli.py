@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import common_pb2, generation_pb2_grpc
-from services.cli.main import build_parser, engine_args_from, flags_from, subparser
+from services.cli.flags import build_parser, engine_args_from, flags_from, subparser
 from services.cli.supervisor import wait_until_serving
 from tests.services.helpers import gather, request
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.v1 import generation_pb2_grpc
-from services.cli.main import build_parser, flags_from, subparser
+from services.cli.flags import build_parser, flags_from, subparser
 from tests.services.conftest import ServiceStack
 from tests.services.helpers import gather, request, token_prompts, wait_for
 from tests.services.secure import start_engine_server, start_tokenizer_server

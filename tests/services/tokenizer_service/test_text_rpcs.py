@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.v1 import common_pb2, generation_pb2
-from services.engine_service.server import model_info_from_config
+from services.engine_service.servicer import model_info_from_config
 
 
 def test_tokenize_and_detokenize(stack, offline_llm):
