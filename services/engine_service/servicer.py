@@ -137,12 +137,8 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
                 params,
                 request_id,
-                trace_headers=_engine_trace_headers(request, context),
-                priority=request.priority,
-                lora_request=lora_request,
                 resumed_output_token_ids=resumed,
-                fairness_key=request.fairness_key or None,
-                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
+                **_request_options(request, context, lora_request),
             )
             try:
                 async with contextlib.aclosing(stream):
@@ -195,11 +191,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                 convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
                 params,
                 request_id,
-                trace_headers=_engine_trace_headers(request, context),
-                priority=request.priority,
-                lora_request=lora_request,
-                fairness_key=request.fairness_key or None,
-                fairness_weight=request.fairness_weight or 1.0,  # 0: unset
+                **_request_options(request, context, lora_request),
             )
             try:
                 async with contextlib.aclosing(stream):
@@ -294,6 +286,17 @@ def _handed_back_error(request_id: str) -> ServiceError:
         grpc.StatusCode.UNAVAILABLE,
         f"the engine service drained: resume request {request_id!r} on another replica",
         migrate_metadata(REASON_DRAINED),
+    )
+
+
+def _request_options(request: Any, context: Any, lora_request: Any) -> dict[str, Any]:
+    """The engine call's keyword arguments Generate and Encode requests share."""
+    return dict(
+        trace_headers=_engine_trace_headers(request, context),
+        priority=request.priority,
+        lora_request=lora_request,
+        fairness_key=request.fairness_key or None,
+        fairness_weight=request.fairness_weight or 1.0,  # 0: unset
     )
 
 
