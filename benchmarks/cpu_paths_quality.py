@@ -5,8 +5,8 @@
 
 The fast paths change numbers, not only speed: a 16-bit KV cache rounds every K/V row, and
 the int8 route ($PAGEDSERVE_QUANT_ROUTE=int8, engine/layers/quant_select.py) rounds the
-activations of quantized layers on batched steps. Their cost is measured here against the
-cost of the GGUF Q4_1 blocks themselves, in the same process, one engine after another:
+activations of quantized layers on batched steps. Each configuration is an engine of its own,
+one after another in this process, measured by:
 1. perplexity of a fixed English text: the CPython LICENSE.txt of the running interpreter
    (the history of Python and its licenses, ~3k tokens, shipped with every CPython; its
    sha256 is printed), split into consecutive `--window`-token windows, each a prompt with
