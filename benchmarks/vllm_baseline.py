@@ -170,6 +170,10 @@ def _worker(config: dict) -> None:
             raise RuntimeError(f"vLLM returned {lengths} tokens, not {request['output_len']}")
         replies.write(json.dumps({"elapsed_s": elapsed, "peak_rss_mib": _tree_peak_rss_mib()}))
         replies.write("\n")
+    # Our stdin closed: leave at once. vLLM's orderly shutdown took over a minute here;
+    # its engine-core child watches for its parent's death and exits too.
+    replies.close()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # vLLM's engine core is spawned: the module must guard its main

@@ -156,3 +156,14 @@ def assert_greedy_match(got, want) -> None:
             assert a in {e.token_id for e in want.logprobs[pos].top}, pos
             assert b in {e.token_id for e in got.logprobs[pos].top}, pos
             return
+
+
+def assert_text_is_the_tokens(fleet: Fleet, out) -> None:
+    """A stream's text is its tokens decoded: nothing sent twice, nothing lost across a move.
+    One allowance, as vLLM's incremental detokenizer makes it: half of a UTF-8 character at
+    the very end (the last token's bytes end mid-character) is never sent, so the stream's
+    text lacks the U+FFFD the whole decode ends with."""
+    decoded = fleet.files.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    if out.text != decoded:
+        assert decoded.endswith("\ufffd"), (out.text[-20:], decoded[-20:])
+        assert out.text == decoded.rstrip("\ufffd")

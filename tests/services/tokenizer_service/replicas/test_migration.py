@@ -26,6 +26,7 @@ from tests.services.tokenizer_service.replicas.fleet import (
     Fleet,
     Reader,
     assert_greedy_match,
+    assert_text_is_the_tokens,
 )
 
 MAX_TOKENS = 600  # long enough to be midway when the fault comes
@@ -83,7 +84,7 @@ def _assert_complete_and_equal(fleet: Fleet, expected, results) -> None:
             assert len(out.token_ids) == out.usage.completion_tokens == MAX_TOKENS
             if out.token_ids == want[index].token_ids:
                 assert out.text == want[index].text  # nothing sent twice, nothing lost
-            assert out.text == fleet.files.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            assert_text_is_the_tokens(fleet, out)
 
 
 def test_sigkill_moves_the_streams_and_they_complete_unchanged(fleet):

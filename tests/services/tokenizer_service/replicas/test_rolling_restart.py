@@ -43,6 +43,7 @@ from tests.services.tokenizer_service.replicas.fleet import (
     Fleet,
     Reader,
     assert_greedy_match,
+    assert_text_is_the_tokens,
 )
 
 LONG = 200  # mid-way through one of these when its replica is restarted
@@ -204,7 +205,7 @@ def _assert_equal(fleet: Fleet, spec: Spec, request_id: str, error, got, want) -
             assert out.token_ids == want[index].token_ids, request_id  # seeded: exact
         if out.token_ids == want[index].token_ids:
             assert out.text == want[index].text, request_id  # nothing twice, nothing lost
-        assert out.text == fleet.files.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert_text_is_the_tokens(fleet, out)
 
 
 def test_a_rolling_restart_under_load_loses_no_stream(fleet):
