@@ -11,7 +11,16 @@ torch, because the tokenizer service (the tier that scales out) imports those an
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# libgomp, torch's OpenMP runtime, reads how long an idle thread spins before it sleeps once,
+# when torch loads it (so here, before anything imports torch). Its default (300,000 spins)
+# makes every parallel region's barrier wait out a thread another process has descheduled:
+# on a 2-core host with two busy neighbours an offline run took 2.8-8.7x its quiet time,
+# against 2.3x with 10,000, which costs ~2 % on a quiet host (docs/benchmarks.md, "Noisy
+# neighbours"). A value the user set wins; set before `import torch` to take effect.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # public name -> the module that defines it
 _EXPORTS = {
