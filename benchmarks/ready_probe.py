@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import resource
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def process_peak_rss_mib() -> float:
@@ -26,6 +28,23 @@ def process_peak_rss_mib() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:
+    """Start-up alone (benchmarks/ready_probe.py), where nothing else has been imported or
+    allocated yet: (seconds to ready, peak RSS MiB)."""
+    probe = Path(__file__).with_name("ready_probe.py")
+    args = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()})
+    done = subprocess.run(
+        [sys.executable, str(probe), kind, args], capture_output=True, text=True, check=True
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ready_s, rss_mib = result["ready_s"], result["peak_rss_mib"]
+    print(
+        f"{kind:>22}: ready in {ready_s:.2f} s (imports before: {result['import_s']:.2f} s), "
+        f"peak RSS {rss_mib:.0f} MiB (fresh process)"
+    )
+    return ready_s, rss_mib
 
 
 def main() -> int:

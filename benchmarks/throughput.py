@@ -45,7 +45,6 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -109,23 +108,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:
-    """Start-up alone (benchmarks/ready_probe.py), where nothing else has been imported or
-    allocated yet: (seconds to ready, peak RSS MiB)."""
-    probe = Path(__file__).with_name("ready_probe.py")
-    args = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()})
-    done = subprocess.run(
-        [sys.executable, str(probe), kind, args], capture_output=True, text=True, check=True
-    )
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    ready_s, rss_mib = result["ready_s"], result["peak_rss_mib"]
-    print(
-        f"{kind:>22}: ready in {ready_s:.2f} s (imports before: {result['import_s']:.2f} s), "
-        f"peak RSS {rss_mib:.0f} MiB (fresh process)"
-    )
-    return ready_s, rss_mib
-
-
 def make_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     # Skip the low ids, where tokenizers keep their special tokens.
@@ -186,8 +168,9 @@ def report(
 
 
 def main() -> int:
-    from vllm_baseline import VllmBaseline
+    from ready_probe import ready_in_fresh_process
     from vllm_baseline import add_arguments as add_vllm_arguments
+    from vllm_baseline import start_baselines as start_vllm_baselines
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
@@ -317,21 +300,8 @@ def main() -> int:
     warm_up = make_prompts(2, args.input_len, config.vocab_size, args.seed + 1)
     for llm in llms.values():
         run_engine(llm, warm_up, 4)
-    vllms = {}  # vLLM's CPU backend, one interpreter per dtype (benchmarks/vllm_baseline.py)
-    for dtype in args.vllm_dtype if args.vllm_baseline else []:
-        vllm = VllmBaseline(
-            args.vllm_baseline,
-            model_dir=str(config.model_dir),
-            dtype=dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed,
-            kv_cache_gib=args.vllm_kv_cache_gib,
-        )
-        name = f"vLLM {vllm.info['version']} {vllm.info['dtype']}"
-        print(f"{name:>22}: ready in {vllm.info['ready_s']:.2f} s (fresh process)")
-        vllms[name], starts[name] = vllm, (vllm.info["ready_s"], vllm.info["peak_rss_mib"])
-        vllm.run(warm_up, 4)
+    vllms = start_vllm_baselines(args, str(config.model_dir), warm_up)  # {} without the flag
+    starts.update({name: (v.info["ready_s"], v.info["peak_rss_mib"]) for name, v in vllms.items()})
     if llamacpp is not None:
         from llamacpp_baseline import run_llamacpp
 

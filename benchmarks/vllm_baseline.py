@@ -121,6 +121,29 @@ class VllmBaseline:
                 self.process.wait()
 
 
+def start_baselines(
+    args: argparse.Namespace, model_dir: str, warm_up: list[list[int]]
+) -> dict[str, VllmBaseline]:
+    """One warmed-up baseline per `--vllm-dtype`, named "vLLM VERSION DTYPE" ({} without
+    `--vllm-baseline`); the engine limits are throughput.py's own flags."""
+    baselines = {}
+    for dtype in args.vllm_dtype if args.vllm_baseline else []:
+        vllm = VllmBaseline(
+            args.vllm_baseline,
+            model_dir=model_dir,
+            dtype=dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+            kv_cache_gib=args.vllm_kv_cache_gib,
+        )
+        name = f"vLLM {vllm.info['version']} {vllm.info['dtype']}"
+        print(f"{name:>22}: ready in {vllm.info['ready_s']:.2f} s (fresh process)")
+        vllm.run(warm_up, 4)
+        baselines[name] = vllm
+    return baselines
+
+
 def _tree_peak_rss_mib() -> float:
     """VmHWM of this process plus its live descendants (vLLM's engine core is a child)."""
     import psutil  # a vLLM dependency

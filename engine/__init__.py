@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 # libgomp, torch's OpenMP runtime, reads how long an idle thread spins before it sleeps once,
 # when torch loads it (so here, before anything imports torch). Its default (300,000 spins)
 # makes every parallel region's barrier wait out a thread another process has descheduled:
-# on a 2-core host with two busy neighbours an offline run took 2.8-8.7x its quiet time,
-# against 2.3x with 10,000, which costs ~2 % on a quiet host (docs/benchmarks.md, "Noisy
-# neighbours"). A value the user set wins; set before `import torch` to take effect.
+# on a 2-core host with a busy neighbour per core an offline run took 3.9x its quiet time
+# (median; up to 8.5x), against 2.6x with 10,000, which costs nothing measurable on a quiet
+# host (docs/benchmarks.md, "Noisy neighbours"). A value the user set wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # public name -> the module that defines it

@@ -1,7 +1,8 @@
 """Engine configuration: `EngineArgs` (what a user sets) and the resolved configs.
 
-Some parts resolve in their own modules: `ParallelConfig` (parallel_config.py), the KV
-cache's dtype (kv_cache_dtype.py) and the weight quantization (quantization_config.py).
+Some parts resolve in their own modules: the device and dtype (device_dtype.py),
+`ParallelConfig` (parallel.py), the KV cache's dtype (kv_cache_dtype.py) and the weight
+quantization (quantization.py).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.config.cpu_dtype import cpu_auto_dtype, cpu_flags
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
+from engine.config.device_dtype import resolve_device, resolve_dtype
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
 from engine.config.quantization import gguf_source, resolve_quantization
 from engine.config.rope import rope_max_length
+from engine.config.speculative import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 FairnessPolicy = Literal["vtc", "off"]
@@ -139,53 +141,6 @@ class SchedulerConfig:
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled: "
                 "a whole prompt must fit in one step."
             )
-
-
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-
-
-@dataclass(slots=True)
-class SpeculativeConfig:
-    """N-gram ("prompt lookup") speculative decoding: drafts are copied from the request's
-    own earlier tokens and verified in one forward pass (greedy requests only)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4  # at most this many drafts per request and step
-    prompt_lookup_max: int = 4  # longest suffix n-gram looked up
-    prompt_lookup_min: int = 1  # shortest suffix n-gram looked up
-
-    def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise NotImplementedError(
-                f"speculative_config['method']={self.method!r}: only 'ngram' is supported."
-            )
-        for name in _SPEC_KEYS[1:]:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"speculative_config[{name!r}] must be an int >= 1, got {value!r}."
-                )
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"speculative_config['prompt_lookup_min'] ({self.prompt_lookup_min}) must be "
-                f"<= 'prompt_lookup_max' ({self.prompt_lookup_max})."
-            )
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any] | None) -> SpeculativeConfig | None:
-        """None (speculation off) for None; a ValueError names any unknown key."""
-        if config is None:
-            return None
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict or None, got {config!r}.")
-        for key in config:
-            if key not in _SPEC_KEYS:
-                raise ValueError(
-                    f"speculative_config has unknown key {key!r}; known: {list(_SPEC_KEYS)}."
-                )
-        if "method" not in config:
-            raise ValueError("speculative_config needs 'method' (e.g. 'ngram').")
-        return cls(**config)
 
 
 @dataclass
@@ -316,7 +271,7 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
         )
         pooler_config = PoolerConfig.from_value(self.pooler_config)
-        device = _resolve_device(self.device)
+        device = resolve_device(self.device)
         model_dir = resolve_model(self.model)
         hf_config = load_hf_config(model_dir)
         if parallel_config.world_size > 1:
@@ -324,7 +279,7 @@ class EngineArgs:
 
             verify_parallel_config(hf_config, parallel_config, self)
         gguf_file = gguf_source(self.model)
-        dtype = _resolve_dtype(self.dtype, hf_config, device)
+        dtype = resolve_dtype(self.dtype, hf_config, device)
         if self.dtype == "auto" and dtype == "bfloat16" and device == "cpu":
             # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
             # greedy screen): where they will run, "auto" stays fp32 (cpu_dtype.py).
@@ -415,34 +370,6 @@ class EngineArgs:
             pooler_config=pooler_config.resolve(model_dir),
             cuda_graph_config=cuda_graph_config,
         )
-
-
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was asked for but CUDA is not available.")
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}.")
-    return device
-
-
-def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
-    allowed = {"auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"}
-    if dtype not in allowed:
-        raise ValueError(f"dtype must be one of {sorted(allowed)}, got {dtype!r}.")
-    aliases = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32"}
-    aliases["bf16"] = "bfloat16"
-    if dtype != "auto":
-        return aliases.get(dtype, dtype)
-    if device == "cpu":
-        # bf16 where the CPU computes it natively (AMX-BF16, AVX512-BF16), else fp32.
-        return cpu_auto_dtype(cpu_flags())
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    name = str(ckpt).replace("torch.", "") if ckpt is not None else "bfloat16"
-    return name if name in ("bfloat16", "float16") else "bfloat16"
 
 
 def _eos_ids(gen_config: dict[str, Any], hf_config: Any) -> set[int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from array import array
 
-from engine.config.engine_config import SpeculativeConfig
+from engine.config.speculative import SpeculativeConfig
 from engine.core.request import Request
 from engine.sampling_params import SamplingType
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.config.engine_config import SchedulerConfig, SpeculativeConfig
+from engine.config.engine_config import SchedulerConfig
+from engine.config.speculative import SpeculativeConfig
 from engine.core.fairness import VirtualTokenCounter, create_waiting_queue
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate

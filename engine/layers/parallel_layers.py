@@ -79,7 +79,7 @@ class VocabParallelEmbedding(nn.Embedding):
         """No random draw on the meta device, where the loader builds every model before its
         weights are read: `nn.init.normal_` on a meta tensor goes through torch's reference
         ops, whose first use imports torch._dynamo (and with it triton, where installed):
-        about 150 MB of peak RSS for nothing (docs/engine.md, "Memory")."""
+        about 90 MiB of peak RSS for nothing (docs/engine.md, "Memory")."""
         if not self.weight.is_meta:
             super().reset_parameters()
 

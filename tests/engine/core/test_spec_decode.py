@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from engine.config.engine_config import EngineArgs, SchedulerConfig, SpeculativeConfig
+from engine.config.engine_config import EngineArgs, SchedulerConfig
+from engine.config.speculative import SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.request import Request
