@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +17,14 @@ from engine.structured_output.params import StructuredOutputsParams
 # Python: slow; library only (a callable cannot cross gRPC).
 LogitsProcessor = Callable[..., Any]
 
+logger = logging.getLogger(__name__)
+
 _SAMPLING_EPS = 1e-5
+# vLLM's floor for a sampling temperature: below it (and above 0) logits / temperature can
+# overflow to inf or nan, so it is raised to this (a warning, once per process).
+_MAX_TEMP = 1e-2
+_MAX_TEMPERATURE = 2.0  # vLLM's (and OpenAI's) upper bound
+_warned_low_temperature = False
 
 
 class RequestOutputKind(enum.Enum):
@@ -85,7 +94,12 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM: -1 means no seed
+            self.seed = None
         self._verify()
+        if 0 < self.temperature < _MAX_TEMP:
+            _warn_low_temperature(self.temperature)
+            self.temperature = _MAX_TEMP
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect (as in vLLM), once checked.
             self.top_p = 1.0
@@ -101,11 +115,15 @@ class SamplingParams:
         check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
         check(
-            self.temperature >= 0.0 and self.temperature == self.temperature,
+            _is_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            "must be a finite number > 0",
+        )
+        check(
+            _is_finite(self.temperature) and 0.0 <= self.temperature <= _MAX_TEMPERATURE,
             "temperature",
-            "must be a number >= 0",
+            f"must be a number in [0, {_MAX_TEMPERATURE:g}]",
         )
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be 0, -1 or a positive int")
@@ -133,7 +151,12 @@ class SamplingParams:
             "must be a non-negative integer or None",
         )
         if any(not isinstance(s, str) or s == "" for s in self.stop):  # type: ignore[union-attr]
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}.")
+            raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}.")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True, "
+                f"got stop={self.stop!r} with detokenize=False."
+            )
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
             raise ValueError(
                 f"stop_token_ids must hold non-negative integers, got {self.stop_token_ids!r}."
@@ -245,6 +268,23 @@ def generation_config_defaults(generation_config: dict[str, Any]) -> dict[str, A
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _warn_low_temperature(temperature: float) -> None:
+    global _warned_low_temperature
+    if not _warned_low_temperature:
+        _warned_low_temperature = True
+        logger.warning(
+            "temperature %s is below %s, which can overflow the scaled logits: raised to %s "
+            "(said once)",
+            temperature,
+            _MAX_TEMP,
+            _MAX_TEMP,
+        )
 
 
 @dataclass

@@ -19,6 +19,7 @@ from engine.config.pooler import PoolerConfig
 from engine.config.quantization import gguf_source, resolve_quantization
 from engine.config.rope import rope_max_length
 from engine.config.speculative import SpeculativeConfig
+from engine.config.step_budget import default_max_num_batched_tokens
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 FairnessPolicy = Literal["vtc", "off"]
@@ -201,6 +202,7 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
+    # None: 2048 on GPU, max_num_seqs (256..2048) on CPU (engine/config/step_budget.py)
     max_num_batched_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -329,7 +331,9 @@ class EngineArgs:
         )
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
-            max_batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+            max_batched = default_max_num_batched_tokens(
+                device, self.max_num_seqs, self.enable_chunked_prefill, max_model_len
+            )
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,

@@ -26,6 +26,11 @@ class Executor(Protocol):
     num_blocks: int
     max_concurrent_batches: int
 
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes that run the model (none when it runs in this process)."""
+        ...
+
     def submit(self, scheduler_output: SchedulerOutput) -> None: ...
 
     def skip(self, scheduler_output: SchedulerOutput) -> None: ...
@@ -46,6 +51,10 @@ class UniProcExecutor:
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
         self._outputs: deque[ModelRunnerOutput] = deque()
+
+    @property
+    def pids(self) -> list[int]:
+        return []  # the model runs in this process
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         output = self.runner.execute(scheduler_output)

@@ -200,6 +200,12 @@ class AsyncLLMEngine:
         started = self._loop_thread.step_started_at
         return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
+    def step_workers(self) -> tuple[int | None, list[int]]:
+        """Who runs the steps: the native id of the thread that ran the latest step (None
+        before the first) and the rank processes besides this one (none with one rank). The
+        stall watchdog counts their CPU time as the step's progress."""
+        return self._loop_thread.step_thread_id, list(self.engine.executor.pids)
+
     def get_stats(self) -> EngineStats:
         """The snapshot taken after the latest step (safe from any thread)."""
         return self._loop_thread.stats

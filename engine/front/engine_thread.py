@@ -36,6 +36,7 @@ from engine.front.engine_commands import (
     put_all,
 )
 from engine.front.llm_engine import LLMEngine
+from engine.front.step_delay import StepDelay
 from engine.observability.kv_event_publisher import KVEventPublisher
 from engine.outputs import PoolingRequestOutput, RequestOutput
 
@@ -67,6 +68,10 @@ class EngineThread:
         # time.monotonic() when the step now running began; None between steps. Written by
         # the driving thread, read by watchdogs on others (a float swap is atomic).
         self.step_started_at: float | None = None
+        # The native id of the thread that runs the latest step (its CPU time is the step's
+        # progress for a watchdog: services/engine_service/step_progress.py).
+        self.step_thread_id: int | None = None
+        self._step_delay = StepDelay.from_env()  # a test hook; None unless asked for
         # A failed rank (multi-process engines) wakes the loop, whose next step raises.
         engine.add_failure_listener(self._wake)
 
@@ -202,8 +207,11 @@ class EngineThread:
         """Applies `commands` (emptying it), runs one step, delivers its outputs."""
         while commands:
             self._apply(commands.popleft())
+        self.step_thread_id = threading.get_native_id()
         self.step_started_at = time.monotonic()
         try:
+            if self._step_delay is not None and self.engine.has_unfinished_requests():
+                self._step_delay.apply()
             outputs = self.engine.step()
         finally:
             self.step_started_at = None

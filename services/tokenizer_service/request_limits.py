@@ -12,7 +12,9 @@ Each check raises INVALID_ARGUMENT naming the field and the limit:
     sampling_params.n                          max_n (16)
     sampling_params.max_tokens                 max_model_len
     sampling_params.stop                       max_stop_strings (64),
-                                               each max_stop_string_bytes (1 KiB)
+                                               each max_stop_string_bytes (1 KiB),
+                                               and none empty (vLLM's rule: the stop
+                                               strings never reach the engine)
 
 Token ids of a prompt and every sampling value are the engine's to check (one message per
 rule, on every path to the engine: services/tokenizer_service/sampling.py).
@@ -122,6 +124,12 @@ class RequestChecker:
                 f"max_stop_strings={limits.max_stop_strings}"
             )
         for i, stop in enumerate(params.stop):
+            # Stop strings never reach the engine (they are matched here, on text), so this
+            # side checks them as vLLM's SamplingParams does.
+            if not stop:
+                raise invalid_argument(
+                    f"sampling_params.stop[{i}]: stop cannot contain an empty string"
+                )
             if len(stop.encode("utf-8", "surrogatepass")) > limits.max_stop_string_bytes:
                 raise invalid_argument(
                     f"sampling_params.stop[{i}]: longer than the limit "

@@ -11,9 +11,12 @@ restarted with another configuration between two polls).
 The replica also watches the Generate streams it holds (`migration.StreamWatch`): silence on
 all of them for the stall timeout while it does not answer its health check either (a live
 replica prefilling moved streams can be silent that long), or a NOT_SERVING health with
-`engine_stalled_s`, gives them up as "stalled"; a call that finds the replica gone gives
-them up as "killed". Given-up streams have their calls cancelled and move to another
-replica (replicas/migration.py).
+`engine_stalled_s` (its watchdog saw a step make no progress), is a stall. A stalled replica
+leaves routing; its streams are given up as "stalled" only when another replica is up to
+take them: with nowhere to go they wait for it to recover (each call still ends at its own
+deadline), since ending them would turn one slow replica into an outage. A call that finds
+the replica gone gives them up as "killed". Given-up streams have their calls cancelled
+and move to another replica (replicas/migration.py).
 `services/tokenizer_service/replicas/pool.py` holds the replicas and routes among them.
 """
 
@@ -112,6 +115,9 @@ class EngineBackend:
         # Set by the pool: whether `model_info` may serve (None: accept anything).
         self.accepts_model: Callable[[EngineBackend], bool] | None = None
         self.serves_another_model = False  # set by the pool's check
+        # Set by the pool: whether another replica is up to take this one's streams (None:
+        # a replica on its own, whose streams a stall gives up to the caller).
+        self.others_up: Callable[[EngineBackend], bool] | None = None
         # Set by the pool: awaited when the replica is about to become available, before
         # anything is routed to it (services/tokenizer_service/replicas/lora_sync.py).
         self.before_available: Callable[[EngineBackend], Awaitable[None]] | None = None
@@ -168,8 +174,7 @@ class EngineBackend:
             # A stopped or partitioned process cannot answer its health check either; a live
             # one whose engine is wedged reports that itself (engine_stalled_s, in _check).
             if self.watch.stalled() and not answered:
-                silent_s = self.watch.silent_s()
-                await self.lose(REASON_STALLED, f"sent nothing for {silent_s:.1f} s")
+                await self._stalled(f"sent nothing for {self.watch.silent_s():.1f} s")
             self._poke.clear()
             # asyncio.TimeoutError, not TimeoutError: they differ before Python 3.11.
             with contextlib.suppress(asyncio.TimeoutError):
@@ -186,8 +191,7 @@ class EngineBackend:
             reason = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             details = await self._read_load()
             if not serving and "engine_stalled_s" in details and self.watch.streams:
-                stalled = f"engine step stalled for {details['engine_stalled_s']} s"
-                await self.lose(REASON_STALLED, stalled)
+                await self._stalled(f"no step progress for {details['engine_stalled_s']} s")
             if serving and (
                 self.model_info is None
                 or not self.available
@@ -259,6 +263,15 @@ class EngineBackend:
         reason = REASON_DRAINED if migrate_reason(exc) == REASON_DRAINED else REASON_KILLED
         await self._set_available(False, f"{reason}: {detail}")
         self._poke.set()
+
+    async def _stalled(self, detail: str) -> None:
+        """Out of routing; its streams move only if another replica is up to take them,
+        else they stay (it may recover; each call ends at its own deadline)."""
+        if self.others_up is not None and not self.others_up(self):
+            reason = f"{REASON_STALLED}: {detail} (its streams wait: no other replica is up)"
+            await self._set_available(False, reason)
+            return
+        await self.lose(REASON_STALLED, detail)
 
     async def lose(self, reason: str, detail: str) -> None:
         """Out of routing, and every stream it holds moves away (`reason`: migration's)."""

@@ -173,6 +173,7 @@ class EnginePool:
         )
         replica.accepts_model = self._accepts_model
         replica.before_available = self._before_available
+        replica.others_up = lambda r: bool(self.up(exclude=[r]))
         self.replicas[address] = replica
         replica.start()
         logger.info("engine replica added", extra={"engine_address": address})

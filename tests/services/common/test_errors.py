@@ -49,6 +49,57 @@ BAD_REQUESTS = {
         INVALID,
         "sampling_params.prompt_logprobs=21 exceeds max_logprobs=20",
     ),
+    # vLLM's SamplingParams._verify_args, one entry per rule the wire can carry (the rest:
+    # tests/engine/test_sampling_params_checks.py). Stop strings are the tokenizer
+    # service's own (they never reach the engine).
+    "empty stop string": (request(token_ids=PROMPT, stop=[""]), INVALID, "sampling_params.stop[0]"),
+    "empty stop string among others": (
+        request(token_ids=PROMPT, stop=["ok", ""]),
+        INVALID,
+        "sampling_params.stop[1]: stop cannot contain an empty string",
+    ),
+    "presence_penalty > 2": (
+        request(token_ids=PROMPT, presence_penalty=2.5),
+        INVALID,
+        "sampling_params.presence_penalty",
+    ),
+    "frequency_penalty < -2": (
+        request(token_ids=PROMPT, frequency_penalty=-2.5),
+        INVALID,
+        "sampling_params.frequency_penalty",
+    ),
+    "repetition_penalty 0": (
+        request(token_ids=PROMPT, repetition_penalty=0.0),
+        INVALID,
+        "sampling_params.repetition_penalty",
+    ),
+    "repetition_penalty inf": (
+        request(token_ids=PROMPT, repetition_penalty=float("inf")),
+        INVALID,
+        "sampling_params.repetition_penalty",
+    ),
+    "temperature inf": (
+        request(token_ids=PROMPT, temperature=float("inf")),
+        INVALID,
+        "sampling_params.temperature",
+    ),
+    "temperature nan": (
+        request(token_ids=PROMPT, temperature=float("nan")),
+        INVALID,
+        "sampling_params.temperature",
+    ),
+    "temperature > 2": (
+        request(token_ids=PROMPT, temperature=2.5),
+        INVALID,
+        "sampling_params.temperature",
+    ),
+    "top_k < -1": (request(token_ids=PROMPT, top_k=-2), INVALID, "sampling_params.top_k"),
+    "min_p > 1": (request(token_ids=PROMPT, min_p=1.5), INVALID, "sampling_params.min_p"),
+    "min_tokens > max_tokens": (
+        request(token_ids=PROMPT, min_tokens=8, max_tokens=4),
+        INVALID,
+        "sampling_params.min_tokens",
+    ),
     # What one request may cost (services/tokenizer_service/request_limits.py).
     "n over max_n": (request(token_ids=PROMPT, n=3000), INVALID, "sampling_params.n=3000"),
     "n near 2**32": (request(token_ids=PROMPT, n=4_000_000_000), INVALID, "max_n=16"),

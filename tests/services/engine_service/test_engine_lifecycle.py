@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -110,8 +111,9 @@ def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
 
 
 def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) -> None:
-    """A logits processor that blocks holds one step; the watchdog thread (0.5 s) reports it
-    while the event loop still answers, and SERVING comes back once the step returns."""
+    """A logits processor that blocks holds one step without using the CPU; the watchdog
+    thread (0.5 s without progress) reports it while the event loop still answers, and
+    SERVING comes back once the step returns."""
     release = threading.Event()
 
     def block(output_ids, logits):
@@ -144,12 +146,61 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
             details = engine_pb2_grpc.EngineServiceStub(channel).Health(
                 common_pb2.HealthRequest(), timeout=10
             )
-            assert not details.healthy and float(details.details["engine_stalled_s"]) > 0.5
+            assert not details.healthy and float(details.details["engine_stalled_s"]) >= 0.5
             release.set()
             assert done.result(120) == 2
             assert wait_for(lambda: _health(channel) == serving, timeout=60)
     finally:
         release.set()
+        loop.run(server.stop(0))
+        engine.shutdown()
+        loop.close()
+
+
+def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
+    """A step that computes for 6 s (a logits processor holding the CPU, as a long prefill
+    on a loaded machine does) makes progress: with a 0.5 s stall timeout, health stays
+    SERVING throughout and no stall is reported; the request completes."""
+    in_step = threading.Event()
+
+    def busy(output_ids, logits):
+        in_step.set()
+        deadline = time.monotonic() + 6.0
+        x = 1.0
+        while time.monotonic() < deadline:
+            x = x * 1.0000001 + 1e-9
+        return logits
+
+    loop = LoopThread()
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
+    )
+
+    async def start() -> EngineServer:
+        server = EngineServer(EngineServerConfig(address="127.0.0.1:0", engine_stall_timeout_s=0.5))
+        await server.start()
+        await server.attach_engine(engine)
+        return server
+
+    async def generate() -> int:
+        params = SamplingParams(max_tokens=1, logits_processors=[busy])
+        outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6]}, params, "busy")]
+        return len(outputs[-1].outputs[0].token_ids)
+
+    server = loop.run(start())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            done = asyncio.run_coroutine_threadsafe(generate(), loop.loop)
+            assert in_step.wait(120)
+            statuses = []
+            while not done.done():
+                statuses.append(_health(channel))
+                time.sleep(0.1)
+            assert done.result(120) == 1
+            assert statuses and set(statuses) == {serving}, statuses
+            assert not server.watchdog.stalled and server.servicer.stalled_s == 0.0
+    finally:
         loop.run(server.stop(0))
         engine.shutdown()
         loop.close()
