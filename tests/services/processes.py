@@ -40,8 +40,10 @@ class EngineProcess:
         *extra_args: str,
         host: str = "127.0.0.1",
         metrics_port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_dir = model_dir
+        self.env = env or {}  # added to the process's environment
         self.host = host
         self.port = port or free_port()
         self.extra_args = extra_args
@@ -71,7 +73,7 @@ class EngineProcess:
         argv += ["--log-level", "WARNING", *self.extra_args]
         if self.metrics_port is not None:
             argv += ["--metrics-port", str(self.metrics_port)]
-        self.proc = subprocess.Popen(argv, env=child_env(), cwd=ROOT)
+        self.proc = subprocess.Popen(argv, env=child_env(**self.env), cwd=ROOT)
         return self
 
     def wait_serving(self, timeout: float = 120.0) -> None:

@@ -43,8 +43,10 @@ class Fleet:
         num_engines: int = 3,
         engine_args: tuple[str, ...] = SHORT_GRACE,
         stall_timeout_s: float = 2.0,
+        engine_envs: list[dict[str, str]] | None = None,
     ) -> None:
-        self.engines = [EngineProcess(model_dir, None, *engine_args) for _ in range(num_engines)]
+        envs = engine_envs or [{}] * num_engines
+        self.engines = [EngineProcess(model_dir, None, *engine_args, env=env) for env in envs]
         for engine in self.engines:
             engine.start()
         for engine in self.engines:
