@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import RequestOutputKind
+from engine.api.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from engine.config.engine_config import ModelConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def gguf_source(model: str | None) -> Path | None:
     """The .gguf file the model is read from (the default model is one), else None."""
-    from engine.loader.model_files import default_model_path
+    from engine.api.model_files import default_model_path
 
     path = default_model_path() if model is None else Path(model).expanduser()
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None

@@ -65,7 +65,7 @@ def cache_key() -> dict[str, Any]:
 
 
 def cache_file(key: dict[str, Any]) -> Path:
-    from engine.loader.model_files import cache_root
+    from engine.api.model_files import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "linear_methods" / f"{digest}.json"

@@ -1,7 +1,7 @@
 """Loading model weights into our modules: safetensors tensors (read with pread, or mapped
 lazily) or a GGUF file's quantized blocks, through the generic weight loader.
 
-Which directory or file a model is, and the converted-GGUF cache: engine/loader/model_files.py
+Which directory or file a model is, and the converted-GGUF cache: engine/api/model_files.py
 (torch-free). Only safetensors are read: no pickle checkpoints, no remote code.
 """
 

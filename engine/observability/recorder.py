@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.api.outputs import PoolingRequestOutput, RequestOutput
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
@@ -30,9 +32,7 @@ from engine.observability.tracing import (
     init_tracer_provider,
     tracing_is_configured,
 )
-from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora.metrics import LoRAInfoGauge

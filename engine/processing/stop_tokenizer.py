@@ -28,7 +28,7 @@ class StopStringTokenizer:
             return self._tokenizer
         with self._lock:
             if self._tokenizer is None:
-                from engine.loader.model_files import load_tokenizer
+                from engine.api.model_files import load_tokenizer
 
                 tokenizer = load_tokenizer(Path(self._source_dir))
                 if tokenizer is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.loader.model_files import (
+from engine.api.model_files import (
     default_model_path,
     gguf_cache_path,
     load_generation_config,

@@ -24,7 +24,7 @@ import services.cli.main
 for package in (services.tokenizer_service, services.common, services.security):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
-from engine.errors import EngineDeadError
+from engine.api.errors import EngineDeadError
 from engine import EngineDeadError as same
 assert same is EngineDeadError
 loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch")
