@@ -262,7 +262,8 @@ class EngineArgs:
     load_format: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
-        from engine.api.model_files import load_generation_config, load_hf_config, resolve_model
+        from engine.api.model_files import load_generation_config, load_hf_config
+        from engine.loader.model_dir import resolve_model
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         parallel_config = ParallelConfig(

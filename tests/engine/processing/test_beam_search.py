@@ -77,7 +77,7 @@ def test_tiny_model_matches_transformers(tiny, k, length_penalty, early_stopping
 def test_default_model_matches_transformers() -> None:
     from transformers import LlamaForCausalLM
 
-    from engine.api.model_files import resolve_model
+    from engine.loader.model_dir import resolve_model
 
     path = resolve_model(None)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
