@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.api.model_files import gguf_cache_path
+from engine.loader.gguf_file import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ REFUSED_GGUF_ARCHITECTURES = {
 def check_gguf_architecture(gguf_path: Path) -> None:
     """NotImplementedError naming the file for a GGUF architecture we refuse (a header
     that does not parse is left to the conversion, which reports it)."""
-    from engine.loader.gguf_file import read_gguf
-
     try:
         architecture = read_gguf(gguf_path).architecture
     except ValueError:

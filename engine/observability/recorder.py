@@ -23,6 +23,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.lora.metrics import LoRAInfoGauge
 from engine.observability.metrics import EngineMetrics
 from engine.observability.stats import StatLogger, StepStats
 from engine.observability.tracing import (
@@ -62,8 +63,6 @@ class EngineRecorder:
         kv_cache_manager: KVCacheManager,
         log_stats: bool,
     ) -> None:
-        from engine.lora.metrics import LoRAInfoGauge
-
         self.config = config
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager
