@@ -191,7 +191,7 @@ QUESTIONS = (
 
 def chat_prompts(model_dir: Path, num: int) -> list[list[int]]:
     """`num` prompts (the questions in order, repeated past 64) as the chat template's ids."""
-    from engine.loader.model_files import load_tokenizer
+    from engine.api.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

@@ -34,11 +34,12 @@ if __package__ in (None, ""):  # run as a script: the repository root, for tests
 import torch
 import torch.nn.functional as F
 
+from engine.api.model_files import default_model_path, load_hf_config
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.layers import linear_select
 from engine.layers.method_cache import cache_key
 from engine.layers.row_buckets import BUCKET_ROWS
-from engine.loader.model_files import default_model_path, load_hf_config, resolve_model
+from engine.loader.model_dir import resolve_model
 from engine.loader.model_loader import load_model
 from engine.native import quant
 from engine.worker.inputs import build_step_inputs

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import cpu_model, make_prompts
+from engine.api.sampling_params import SamplingParams
 from engine.layers.gpt_oss_moe import GptOssMoE, select_experts_topk_softmax
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 SHAPE = dict(
     vocab_size=32000,

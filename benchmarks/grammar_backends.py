@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.loader.model_files import load_tokenizer, resolve_model
+from engine.api.model_files import load_tokenizer
+from engine.loader.model_dir import resolve_model
 
 VOCAB_SIZE = 49152
 EOS = 2

@@ -29,7 +29,7 @@ def llamacpp_missing() -> str | None:
 
 def gguf_path(model: str | None) -> Path:
     """The GGUF file the engine reads: the default model's, or `model` when it is one."""
-    from engine.loader.model_files import default_model_path
+    from engine.api.model_files import default_model_path
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.suffix.lower() != ".gguf" or not path.is_file():

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.throughput import cpu_model, make_prompts
+from engine.api.sampling_params import SamplingParams
 from engine.layers.moe import FusedMoE, select_experts
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from kernels.reference import ref_moe_experts
 
 # Mixtral's proportions scaled down: 8 experts, top-2, intermediate = 3.5 x hidden.

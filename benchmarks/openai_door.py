@@ -163,7 +163,8 @@ def main() -> int:
         proc, port, openai_port = start_server(ns, work / "serve.log")
         try:
             model = model_id(openai_port)
-            from engine.loader.model_files import gguf_cache_path, resolve_model
+            from engine.api.model_files import gguf_cache_path
+            from engine.loader.model_dir import resolve_model
             from services.tokenizer_service.model_files import default_model_path
 
             path = Path(ns.model) if ns.model else default_model_path()

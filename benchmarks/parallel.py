@@ -35,7 +35,7 @@ def default_like_model() -> Path:
     """A random Llama shaped like SmolLM2-135M but with 8 heads (splits over 2 or 4)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.loader.model_files import cache_root
+    from engine.api.model_files import cache_root
 
     path = cache_root() / "bench-smollm2-shaped-8-heads"
     if (path / "config.json").is_file():

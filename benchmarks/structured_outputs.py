@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.api.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from tests.engine.structured_output.test_structured_outputs import SCHEMAS
 

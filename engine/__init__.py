@@ -4,7 +4,7 @@ from engine import LLM, SamplingParams
 outputs = LLM().generate(["The capital of France is"], SamplingParams(max_tokens=16))
 
 The names below are imported on first use (PEP 562), not with the package: `import
-engine.processing.detokenizer` or `from engine.errors import EngineDeadError` must not load
+engine.api.detokenizer` or `from engine.api.errors import EngineDeadError` must not load
 torch, because the tokenizer service (the tier that scales out) imports those and never torch.
 """
 
@@ -28,22 +28,22 @@ _EXPORTS = {
     "AsyncLLMEngine": "engine.front.async_llm_engine",
     "EngineStats": "engine.front.engine_commands",
     "LLMEngine": "engine.front.llm_engine",
-    "EngineDeadError": "engine.errors",
+    "EngineDeadError": "engine.api.errors",
     "EngineArgs": "engine.config.engine_config",
     "EngineConfig": "engine.config.engine_config",
     "LoRARequest": "engine.lora.request",
-    "CompletionOutput": "engine.outputs",
-    "Logprob": "engine.outputs",
-    "PoolingOutput": "engine.outputs",
-    "PoolingRequestOutput": "engine.outputs",
-    "RequestMetrics": "engine.outputs",
-    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.api.outputs",
+    "Logprob": "engine.api.outputs",
+    "PoolingOutput": "engine.api.outputs",
+    "PoolingRequestOutput": "engine.api.outputs",
+    "RequestMetrics": "engine.api.outputs",
+    "RequestOutput": "engine.api.outputs",
     "PoolerConfig": "engine.config.pooler",
     "PoolingParams": "engine.pooling_params",
-    "RequestOutputKind": "engine.sampling_params",
-    "SamplingParams": "engine.sampling_params",
-    "BeamSearchParams": "engine.sampling_params",
-    "StructuredOutputsParams": "engine.sampling_params",
+    "RequestOutputKind": "engine.api.sampling_params",
+    "SamplingParams": "engine.api.sampling_params",
+    "BeamSearchParams": "engine.api.sampling_params",
+    "StructuredOutputsParams": "engine.api.sampling_params",
 }
 
 __all__ = [
@@ -70,15 +70,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.config.engine_config import EngineArgs, EngineConfig
-    from engine.config.pooler import PoolerConfig
-    from engine.errors import EngineDeadError
-    from engine.front.async_llm_engine import AsyncLLMEngine
-    from engine.front.engine_commands import EngineStats
-    from engine.front.llm_engine import LLMEngine
-    from engine.llm import LLM
-    from engine.lora.request import LoRARequest
-    from engine.outputs import (
+    from engine.api.errors import EngineDeadError
+    from engine.api.outputs import (
         CompletionOutput,
         Logprob,
         PoolingOutput,
@@ -86,13 +79,20 @@ if TYPE_CHECKING:
         RequestMetrics,
         RequestOutput,
     )
-    from engine.pooling_params import PoolingParams
-    from engine.sampling_params import (
+    from engine.api.sampling_params import (
         BeamSearchParams,
         RequestOutputKind,
         SamplingParams,
         StructuredOutputsParams,
     )
+    from engine.config.engine_config import EngineArgs, EngineConfig
+    from engine.config.pooler import PoolerConfig
+    from engine.front.async_llm_engine import AsyncLLMEngine
+    from engine.front.engine_commands import EngineStats
+    from engine.front.llm_engine import LLMEngine
+    from engine.llm import LLM
+    from engine.lora.request import LoRARequest
+    from engine.pooling_params import PoolingParams
 
 
 def __getattr__(name: str) -> Any:

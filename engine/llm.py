@@ -9,17 +9,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config.engine_config import EngineArgs
-from engine.front.llm_engine import LLMEngine, PromptType
-from engine.outputs import PoolingRequestOutput, RequestOutput
-from engine.pooling_params import PoolingParams
-from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput
-from engine.sampling_params import (
+from engine.api.beam_search import BeamSearchInstance, BeamSearchOutput
+from engine.api.outputs import PoolingRequestOutput, RequestOutput
+from engine.api.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
     generation_config_defaults,
 )
+from engine.config.engine_config import EngineArgs
+from engine.front.llm_engine import LLMEngine, PromptType
+from engine.pooling_params import PoolingParams
 
 ChatMessage = dict[str, Any]
 
@@ -108,7 +108,7 @@ class LLM:
         lora_request: Any = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
-        """Beam search of every prompt at once (see engine/processing/beam_search.py): each step
+        """Beam search of every prompt at once (see engine/api/beam_search.py): each step
         runs
         all live beams of all prompts as one batch of one-token requests; the prefix cache
         shares their common blocks. Returns one `BeamSearchOutput` per prompt, in order."""

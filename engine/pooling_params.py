@@ -11,7 +11,8 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import RequestOutputKind
+from engine.api.sampling_params import RequestOutputKind
+from engine.config.pooler import matryoshka_dimensions
 
 if TYPE_CHECKING:
     from engine.config.engine_config import ModelConfig
@@ -57,8 +58,6 @@ class PoolingParams:
     def verify(self, pooler_config: PoolerConfig, model_config: ModelConfig) -> None:
         """Checks the request against the model and fills in the engine's defaults (vLLM's
         `PoolingParams.verify`): call it on the engine's own copy."""
-        from engine.config.pooler import matryoshka_dimensions
-
         if self.normalize is None:
             self.normalize = pooler_config.normalize is not False
         self.skip_reading_prefix_cache = pooler_config.pooling_type in ("MEAN", "CLS")

@@ -175,7 +175,7 @@ def _save_random(model: Any, path: Path, seed: int) -> None:
 
 def _copy_tokenizer(source: Path | None, dest: Path) -> None:
     if source is None:
-        from engine.loader.model_files import resolve_model
+        from engine.loader.model_dir import resolve_model
 
         source = resolve_model(None)
     for file in source.iterdir():

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from engine.native import native_kernels_available
+
 if TYPE_CHECKING:
     from engine.attention.mla import TorchMLAAttention
 
@@ -203,7 +205,7 @@ class AttentionBackend(ABC):
         engine/attention/mla.py). Only a torch implementation exists: every backend hands
         it out, on its device, and a backend with kernels of its own (cpu, triton) says
         once that MLA layers bypass them; the model's other ops keep the backend's."""
-        from engine.attention.mla import TorchMLAAttention
+        from engine.attention.mla import TorchMLAAttention  # mla.py imports this module
 
         if self.name != "torch" and not getattr(self, "_mla_logged", False):
             logger.info(
@@ -295,11 +297,11 @@ def get_attention_backend(
         if device.type == "cuda":
             name = "triton"
         elif device.type == "cpu":
-            from engine.native import native_kernels_available
-
             name = "cpu" if native_kernels_available() else "torch"
         else:
             name = "torch"
+    # Each backend module imports this one, and triton_backend needs triton (absent from the
+    # CPU image): the chosen backend is imported here.
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

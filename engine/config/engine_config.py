@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.api.model_files import load_generation_config, load_hf_config
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device, resolve_dtype
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
@@ -264,7 +265,9 @@ class EngineArgs:
     load_format: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
-        from engine.loader.model_files import load_generation_config, load_hf_config, resolve_model
+        # Converting a GGUF model loads torch: imported when a config is made, so importing
+        # a config stays torch-free (the command's parser reads EngineArgs; .importlinter).
+        from engine.loader.model_dir import resolve_model
 
         speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         parallel_config = ParallelConfig(
@@ -277,6 +280,7 @@ class EngineArgs:
         model_dir = resolve_model(self.model)
         hf_config = load_hf_config(model_dir)
         if parallel_config.world_size > 1:
+            # below config: a check made here only (.importlinter, contract `config`)
             from engine.distributed.sharding import verify_parallel_config
 
             verify_parallel_config(hf_config, parallel_config, self)

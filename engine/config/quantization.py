@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.api.model_files import default_model_path
+
 
 def gguf_source(model: str | None) -> Path | None:
     """The .gguf file the model is read from (the default model is one), else None."""
-    from engine.loader.model_files import default_model_path
-
     path = default_model_path() if model is None else Path(model).expanduser()
     return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
@@ -48,6 +48,8 @@ def resolve_quantization(
         problem = _gguf_quantization_problem(gguf_file)
         if problem is not None:
             raise ValueError(f"quantization='gguf': {problem}.")
+    # torch-side: imported when a config is made, so importing a config stays torch-free
+    # (.importlinter, contract `config`).
     from engine.native import native_kernels_available
 
     if not native_kernels_available():
@@ -59,6 +61,7 @@ def resolve_quantization(
 
 def _gguf_quantization_problem(gguf_file: Path) -> str | None:
     """Why the file's blocks cannot be kept quantized here, or None."""
+    # torch-side, like the import in resolve_quantization
     from engine.loader.gguf_blocks import SUPPORTED_ARCHITECTURES, gguf_architecture
     from engine.native import native_kernels_available
 

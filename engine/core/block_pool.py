@@ -18,7 +18,8 @@ before blocks never used: the CPU cache's pages are backed on first write
 it has used and skips the page faults of fresh memory (~120 k of them, about 0.5 GB, in
 every offline benchmark run when freed blocks queued behind the never-used ones).
 
-Prefix caching. A full block is cached under a hash chained over the blocks before it::
+Prefix caching. A full block is cached under a hash chained over the blocks before it
+(engine/api/block_hash.py, shared with the tokenizer service's prefix-affinity routing)::
 
     hash_0 = H(None,   tokens[0:16],  extra_keys)
     hash_1 = H(hash_0, tokens[16:32], extra_keys)     ...
@@ -35,9 +36,7 @@ parent hash could hand back a block computed after a different prefix.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -153,34 +152,6 @@ class FreeBlockQueue:
         for block in blocks:
             self.remove(block)
         self.append_n(reversed(blocks))
-
-
-def hash_block_tokens(
-    parent_hash: int | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple[Hashable, ...] | None = None,
-) -> int:
-    """Chained hash of one full block: SHA-256 over (parent hash, token ids, extra keys).
-
-    Why SHA-256 rather than Python's `hash` of a tuple: `hash` of ints is 64-bit and unkeyed,
-    so prompts can be crafted to collide. Lookups re-check tokens and parents, so a collision
-    never returns a wrong block, but it lengthens a hash bucket that every lookup scans.
-    SHA-256 is also stable across processes (str hashing is randomized per process), which
-    cache-aware routing or KV events would need. Cost: a few microseconds per block.
-
-    The encoding is unambiguous: a presence byte for the parent, a length before the tokens,
-    and the extra keys (repr of a tuple of str/int) last.
-    """
-    hasher = hashlib.sha256()
-    if parent_hash is None:
-        hasher.update(b"\x00")
-    else:
-        hasher.update(b"\x01" + parent_hash.to_bytes(32, "little"))
-    hasher.update(len(token_ids).to_bytes(4, "little"))
-    hasher.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        hasher.update(repr(extra_keys).encode())
-    return int.from_bytes(hasher.digest(), "little")
 
 
 @dataclass(slots=True)

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from engine.api.block_hash import hash_block_tokens
 from engine.config.rope import RopeRegime
-from engine.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats, hash_block_tokens
+from engine.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
 from engine.core.request import Request
 
 

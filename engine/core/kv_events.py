@@ -2,7 +2,7 @@
 
 A cache-aware router (smg's `cache_aware` policy, llm-d's KV-cache indexer) keeps a map of
 which prefix blocks each engine holds, from a stream of these events. The block hashes are
-the KV-cache manager's own chained hashes (`block_pool.hash_block_tokens`), so a router that
+the KV-cache manager's own chained hashes (`engine/api/block_hash.py`), so a router that
 hashes a prompt the same way finds exactly the blocks an engine would hit.
 
     BlockPool.cache_full_block ──▶ BlockStored(hash, parent hash, token ids)

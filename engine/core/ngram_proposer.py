@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from array import array
 
+from engine.api.sampling_params import SamplingType
 from engine.config.speculative import SpeculativeConfig
 from engine.core.request import Request
-from engine.sampling_params import SamplingType
 
 _MAX_SEARCH_TOKENS = 4096
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.api.sampling_params import SamplingParams
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.models.registry import get_model_class
+
 
 @dataclass(frozen=True, slots=True)
 class RowSlice:
@@ -72,8 +74,6 @@ def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
 def verify_parallel_config(hf_config: Any, parallel: Any, engine_args: Any) -> None:
     """Refuses, at start-up and with the numbers, a model that cannot be split as asked,
     and features that do not run over several ranks yet."""
-    from engine.models.registry import get_model_class
-
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     model_class = get_model_class(hf_config)
     name = model_class.__name__

@@ -115,6 +115,7 @@ class StepDeltaBuilder:
             reset = len(blocks) < len(known) or blocks[: len(known)] != known
             rows = None
             if request.structured_output is not None:
+                # grammar_masks loads torch; step deltas are plain data built in the driver
                 from engine.executor.grammar_masks import grammar_rows
 
                 rows = grammar_rows(entry, self.vocab_size)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.executor.mp_executor import MultiprocExecutor
 
 
 class Executor(Protocol):
@@ -46,6 +47,7 @@ class UniProcExecutor:
     max_concurrent_batches = 1
 
     def __init__(self, config: EngineConfig) -> None:
+        # torch-side: loaded when an engine is built, not when the engine's front is imported
         from engine.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(config)
@@ -77,7 +79,5 @@ class UniProcExecutor:
 def create_executor(config: EngineConfig, on_failure: Callable[[], None] | None = None) -> Executor:
     """The executor `config.parallel_config` asks for."""
     if config.parallel_config.distributed_executor_backend == "mp":
-        from engine.executor.mp_executor import MultiprocExecutor
-
         return MultiprocExecutor(config, on_failure)
     return UniProcExecutor(config)

@@ -34,7 +34,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from engine.distributed.parallel_state import CollectiveError
+from engine.distributed.parallel_state import CollectiveError, destroy_distributed, init_distributed
+from engine.executor.step_delta import RequestMirror
 
 HEARTBEAT_INTERVAL_S = 0.5
 # The exit code after an error sent over the pipe: the driver tells a rank that reported
@@ -76,11 +77,10 @@ def worker_main(spec: WorkerSpec, conn: Any, heartbeat: Any) -> None:
 
 
 def _serve(spec: WorkerSpec, conn: Any) -> None:
+    # torch-side: in the rank process only (the driver imports this module without torch)
     import torch
 
     from engine.distributed.communication import COLLECTIVE_STATS
-    from engine.distributed.parallel_state import destroy_distributed, init_distributed
-    from engine.executor.step_delta import RequestMirror
     from engine.worker.model_runner import ModelRunner
 
     torch.set_num_threads(spec.num_threads)

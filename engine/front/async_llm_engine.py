@@ -15,6 +15,9 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.api.errors import EngineDeadError
+from engine.api.outputs import PoolingRequestOutput, RequestOutput
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import (
     CacheConfig,
     DeviceConfig,
@@ -25,7 +28,6 @@ from engine.config.engine_config import (
     SchedulerConfig,
 )
 from engine.config.parallel import ParallelConfig
-from engine.errors import EngineDeadError
 from engine.front.engine_commands import (
     END_OF_STREAM,
     AbortCommand,
@@ -37,10 +39,8 @@ from engine.front.engine_thread import EngineThread, raise_if_dead
 from engine.front.llm_engine import LLMEngine, PromptType
 from engine.lora.request import LoRARequest
 from engine.observability.kv_event_publisher import KVEventBatch, KVEventSubscription
-from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.processing.input_processor import InputProcessor
-from engine.sampling_params import SamplingParams
 from engine.structured_output.config import DecodingConfig
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.api.sampling_params import SamplingParams
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.front.llm_engine import LLMEngine, PromptType

@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from engine.errors import EngineDeadError
+from engine.api.errors import EngineDeadError
+from engine.api.outputs import PoolingRequestOutput, RequestOutput
 from engine.front.engine_commands import (
     END_OF_STREAM,
     AbortCommand,
@@ -38,7 +39,6 @@ from engine.front.engine_commands import (
 from engine.front.llm_engine import LLMEngine
 from engine.front.step_delay import StepDelay
 from engine.observability.kv_event_publisher import KVEventPublisher
-from engine.outputs import PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from engine.api.model_files import load_tokenizer
+from engine.api.outputs import PoolingRequestOutput, RequestOutput
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import (
     CacheConfig,
     DeviceConfig,
@@ -42,17 +45,16 @@ from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.executor.uniproc import create_executor
 from engine.front.llm_engine_admin import LLMEngineAdminMixin
+from engine.models.registry import get_model_class
 from engine.observability.metrics import EngineMetrics
 from engine.observability.recorder import EngineRecorder
 from engine.observability.stats import StatLogger
-from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.processing.input_processor import InputProcessor, PromptType
 from engine.processing.output_processor import OutputProcessor
 from engine.processing.request_builder import RequestBuilder
 from engine.processing.resume import ResumedOutputTokenIds
 from engine.processing.stop_tokenizer import StopStringTokenizer
-from engine.sampling_params import SamplingParams
 from engine.structured_output.config import DecodingConfig
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -63,9 +65,7 @@ _IDLE_WAIT_S = 0.01
 
 class LLMEngine(LLMEngineAdminMixin):
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
-        from engine.loader.model_files import load_tokenizer
-        from engine.lora.manager import LoRAManager
-        from engine.models.registry import get_model_class
+        from engine.lora.manager import LoRAManager  # torch-side: this module imports none
 
         model_config = config.model_config
         self.tokenizer = None

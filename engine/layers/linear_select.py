@@ -45,6 +45,8 @@ import torch.nn.functional as F
 
 from engine.layers.method_cache import cache_file, cache_key, read_cache, write_cache
 from engine.layers.row_buckets import BUCKET_OF, BUCKET_ROWS, ROW_BUCKETS
+from engine.native import native_kernels_available
+from engine.native.quant import fp32_weight, quant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,6 @@ def _run_torch(
 def _run_native(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, p: Prepared
 ) -> torch.Tensor:
-    from engine.native.quant import quant_linear
-
     return quant_linear(x, p, b)
 
 
@@ -99,8 +99,6 @@ def _prepare(method: str, weight: torch.Tensor) -> Prepared:
     if method == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 64)
     if method == "native":
-        from engine.native.quant import fp32_weight
-
         return fp32_weight(weight)
     return None
 
@@ -122,8 +120,6 @@ def method_available(method: str) -> bool:
             torch.ops.mkldnn, "_linear_pointwise"
         )
     if method == "native":
-        from engine.native import native_kernels_available
-
         return native_kernels_available()
     return method == "torch"
 

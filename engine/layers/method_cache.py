@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.api.model_files import cache_root
 from engine.layers.row_buckets import ROW_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ def cache_key() -> dict[str, Any]:
 
 
 def cache_file(key: dict[str, Any]) -> Path:
-    from engine.loader.model_files import cache_root
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "linear_methods" / f"{digest}.json"
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from engine.layers.linear import Linear
 from engine.layers.ops import GeluTanhAndMul, OpImpl, SiluAndMul
+from engine.native import moe_grouped_gemm
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,6 @@ def torch_grouped_gemm(
 def _native_grouped_gemm(
     x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor, offsets: list[int]
 ) -> torch.Tensor:
-    from engine.native import moe_grouped_gemm
-
     return moe_grouped_gemm(x, rows, weight, torch.tensor(offsets, dtype=torch.int64))
 
 

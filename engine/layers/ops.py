@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import native
+
 OpImpl = Literal["torch", "native", "triton"]
 
 
@@ -34,8 +36,6 @@ def select_op_impl(attention_backend: str, device: torch.device, dtype: torch.dt
     if attention_backend == "triton" and device.type == "cuda":
         return "triton"
     if attention_backend == "cpu" and device.type == "cpu" and dtype == torch.float32:
-        from engine import native
-
         return "native" if native.native_kernels_available() else "torch"
     return "torch"
 
@@ -90,8 +90,6 @@ def _rms_norm_impl(impl: OpImpl) -> Callable[..., Any]:
 
         return triton_rms_norm
     if impl == "native":
-        from engine import native
-
         return native.rms_norm
     return rms_norm
 
@@ -102,8 +100,6 @@ def _silu_and_mul_impl(impl: OpImpl) -> Callable[[torch.Tensor], torch.Tensor]:
 
         return triton_silu_and_mul
     if impl == "native":
-        from engine import native
-
         return native.silu_and_mul
     return silu_and_mul
 
@@ -111,8 +107,6 @@ def _silu_and_mul_impl(impl: OpImpl) -> Callable[[torch.Tensor], torch.Tensor]:
 def rotary_impl(impl: OpImpl) -> Callable[..., torch.Tensor]:
     """In place where a kernel does it (native); the callers own `x` and use the result."""
     if impl == "native":
-        from engine import native
-
         return native.rotary_inplace
     return apply_rotary_emb
 

@@ -35,8 +35,11 @@ from torch import nn
 
 from engine.layers.linear_select import _time_round_robin
 from engine.layers.method_cache import cache_file, cache_key, read_cache, write_cache
+from engine.layers.quantization import CPUQuantizedLinearMethod
 from engine.layers.row_buckets import BUCKET_ROWS, ROW_BUCKETS
+from engine.native import native_kernels_available
 from engine.native.quant import QuantizedWeight, quant_linear
+from engine.native.quant_int8 import int8_applies, quant_linear_int8
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +78,6 @@ def forced_routes(route: str) -> tuple[str, ...]:
 
 
 def _int8_agrees(x: torch.Tensor, weight: QuantizedWeight) -> bool:
-    from engine.native.quant_int8 import quant_linear_int8
-
     expected = quant_linear(x, weight)
     actual = quant_linear_int8(x, weight)
     error = (actual - expected).abs().max().item()
@@ -91,8 +92,6 @@ def _int8_agrees(x: torch.Tensor, weight: QuantizedWeight) -> bool:
 def time_routes(weight: QuantizedWeight) -> list[dict[str, float]]:
     """Per row bucket, seconds per call of each route that applies (int8 only where it
     agrees with fp32 on this weight)."""
-    from engine.native.quant_int8 import quant_linear_int8
-
     generator = torch.Generator().manual_seed(0)
     table = []
     for bucket, rows in enumerate(BUCKET_ROWS):
@@ -119,8 +118,6 @@ def _shape_name(weight: QuantizedWeight) -> str:
 def select_routes(weights: list[QuantizedWeight]) -> dict[str, tuple[str, ...]]:
     """The route per row bucket for each distinct (type, shape) among `weights` that can take
     the int8 route here: forced, else cached, else measured (and the cache updated)."""
-    from engine.native.quant_int8 import int8_applies
-
     shapes = {_shape_name(w): w for w in weights if int8_applies(w)}
     if not shapes:
         return {}
@@ -151,9 +148,6 @@ def select_routes(weights: list[QuantizedWeight]) -> dict[str, tuple[str, ...]]:
 def plan_quantized_routes(model: nn.Module) -> int:
     """Gives every CPU-quantized layer part that can take the int8 route its route per row
     bucket; returns how many parts take int8 in some bucket."""
-    from engine.layers.quantization import CPUQuantizedLinearMethod
-    from engine.native import native_kernels_available
-
     if not native_kernels_available():
         return 0
     methods = [

@@ -1,7 +1,7 @@
 """Converting a GGUF file once into a cached Hugging Face-style directory (safetensors, fp32),
 through transformers. A cache entry is written to a temporary directory and renamed into place,
 so a crash never leaves a half-written entry and two processes converting at once both end up
-with one. Where entries live and how they are named: engine/loader/model_files.py.
+with one. Where entries live and how they are named: engine/api/model_files.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from engine.loader.model_files import gguf_cache_path
+from engine.api.model_files import gguf_cache_path
+from engine.loader.gguf_file import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ REFUSED_GGUF_ARCHITECTURES = {
 def check_gguf_architecture(gguf_path: Path) -> None:
     """NotImplementedError naming the file for a GGUF architecture we refuse (a header
     that does not parse is left to the conversion, which reports it)."""
-    from engine.loader.gguf_file import read_gguf
-
     try:
         architecture = read_gguf(gguf_path).architecture
     except ValueError:

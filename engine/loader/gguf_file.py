@@ -113,6 +113,7 @@ class _Cursor:
 
 def type_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of `shape` in `ggml_type` (0 where the type is not one we know)."""
+    # native.quant loads torch; reading a header does not need it
     from engine.native.quant import BLOCK_SIZES, QType
 
     sizes = {0: (1, 4), 1: (1, 2)}  # F32, F16

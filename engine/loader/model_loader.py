@@ -1,7 +1,7 @@
 """Loading model weights into our modules: safetensors tensors (read with pread, or mapped
 lazily) or a GGUF file's quantized blocks, through the generic weight loader.
 
-Which directory or file a model is, and the converted-GGUF cache: engine/loader/model_files.py
+Which directory or file a model is, and the converted-GGUF cache: engine/api/model_files.py
 (torch-free). Only safetensors are read: no pickle checkpoints, no remote code.
 """
 
@@ -15,8 +15,14 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.distributed.parallel_state import get_parallel_rank
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
+from engine.layers.quant_select import plan_quantized_routes
+from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
+from engine.loader.dummy_weights import fill_dummy_weights
+from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
+from engine.loader.safetensors_reader import read_safetensors
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.registry import get_model_class
 
@@ -31,8 +37,6 @@ def iter_safetensors(
     (engine/loader/safetensors_reader.py). `lazy`: (name, slice) instead, read only where
     indexed, so a tensor-parallel rank reads only its rows (engine/loader/weight_loader.py)."""
     from safetensors import safe_open
-
-    from engine.loader.safetensors_reader import read_safetensors
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -83,26 +87,18 @@ def load_model(
         kept, checks = _install_gguf(model, hf_config, device, gguf_file)
     model = model.to_empty(device=device)
     if load_format == "dummy":  # EngineArgs allows it only without quantization
-        from engine.loader.dummy_weights import fill_dummy_weights
-
         fill_dummy_weights(model, seed)
         post_load(model)
         logger.info("Drew random weights (load_format='dummy', seed %d).", seed)
     else:
         if weights is None:
-            from engine.distributed.parallel_state import get_parallel_rank
-
             several = get_parallel_rank().world_size > 1  # a rank reads only its slices
             weights = iter_safetensors(model_dir, skip=kept, lazy=several)
         _load_checkpoint(model, weights, kept, quantization)
     if quantization == "gguf":
-        from engine.loader.gguf_weights import check_gguf_blocks
-
         check_gguf_blocks(model_dir, checks)
         logger.info("Kept %d GGUF tensors quantized, read from %s.", len(kept), gguf_file)
     elif quantization is not None:
-        from engine.layers.quantization import projection_layers
-
         num_quantized = sum(m.quant_method is not None for _, m in projection_layers(model))
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
@@ -110,8 +106,6 @@ def load_model(
         if num_planned:
             logger.info("Chose the fp32 GEMM method of %d weight matrices.", num_planned)
         if quantization is not None:
-            from engine.layers.quant_select import plan_quantized_routes
-
             num_int8 = plan_quantized_routes(model)
             if num_int8:
                 logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)
@@ -126,8 +120,6 @@ def _load_checkpoint(
 ) -> None:
     on_loaded = None
     if quantization is not None and quantization != "gguf":
-        from engine.layers.quantization import quantize_on_load
-
         on_loaded = quantize_on_load(model, quantization)
     model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
 
@@ -135,9 +127,6 @@ def _load_checkpoint(
 def _install_gguf(
     model: DecoderForCausalLM, hf_config: Any, device: torch.device, gguf_file: Path | None
 ) -> tuple[set[str], list[Any]]:
-    from engine.layers.quantization import check_quantizable
-    from engine.loader.gguf_weights import install_gguf_blocks
-
     if gguf_file is None:
         raise ValueError("quantization='gguf' needs the model's .gguf file.")
     check_quantizable(model, "gguf")

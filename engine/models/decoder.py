@@ -31,12 +31,15 @@ from engine.layers.decoder_layers import (
     get_head_dim,
     layer_sliding_windows,
 )
+from engine.layers.greedy_screen import GreedyScreen
 from engine.layers.linear import can_pack, linear, pack_linear_weights
 from engine.layers.linear_select import LinearPlan, make_plan, select_methods
 from engine.layers.ops import OpImpl, RMSNorm
 from engine.layers.parallel_layers import VocabParallelEmbedding, post_load
 from engine.layers.rope import RotaryEmbedding, rope_parameters
 from engine.loader.weight_loader import load_weights
+from engine.native import native_kernels_available
+from engine.native.quant import fp32_weight
 
 if TYPE_CHECKING:
     from engine.layers.greedy_screen import GreedyScreen
@@ -240,10 +243,6 @@ class DecoderForCausalLM(nn.Module):
         """The screen where its argmax is that of `compute_logits`: the plain projection
         (a family that transforms the logits overrides compute_logits), one TP rank, the
         last pipeline stage, an fp32 or CPU-quantized LM head, native kernels."""
-        from engine.layers.greedy_screen import GreedyScreen
-        from engine.native import native_kernels_available
-        from engine.native.quant import fp32_weight
-
         if (
             type(self).compute_logits is not DecoderForCausalLM.compute_logits
             or self.tp_size != 1

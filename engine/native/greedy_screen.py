@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.native.quant import QuantizedWeight
+from engine.native.quant import _lib as quant_lib
 
 _NR = 16  # vocabulary rows per group (greedy_screen.c's SCREEN_NR)
 _KB = 32  # values per block (SCREEN_KB)
@@ -164,8 +165,6 @@ _SIGNATURES = {
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    from engine.native.quant import _lib as quant_lib
-
     library = quant_lib()  # applies $PAGEDSERVE_QUANT_ISA, which the screen follows
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)

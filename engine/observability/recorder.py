@@ -16,11 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.api.outputs import PoolingRequestOutput, RequestOutput
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
+from engine.lora.metrics import LoRAInfoGauge
 from engine.observability.metrics import EngineMetrics
 from engine.observability.stats import StatLogger, StepStats
 from engine.observability.tracing import (
@@ -30,9 +33,7 @@ from engine.observability.tracing import (
     init_tracer_provider,
     tracing_is_configured,
 )
-from engine.outputs import PoolingRequestOutput, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora.metrics import LoRAInfoGauge
@@ -62,8 +63,6 @@ class EngineRecorder:
         kv_cache_manager: KVCacheManager,
         log_stats: bool,
     ) -> None:
-        from engine.lora.metrics import LoRAInfoGauge
-
         self.config = config
         self.scheduler = scheduler
         self.kv_cache_manager = kv_cache_manager

@@ -7,10 +7,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.api.bad_words import bad_words_token_ids
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import EngineConfig
 from engine.pooling_params import PoolingParams
-from engine.processing.bad_words import bad_words_token_ids
-from engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any]
 

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.request import Request
-from engine.core.sched_output import LogprobsLists, ModelRunnerOutput
-from engine.outputs import (
+from engine.api.detokenizer import IncrementalDetokenizer
+from engine.api.outputs import (
     CompletionOutput,
     Logprob,
     PoolingOutput,
@@ -24,8 +23,9 @@ from engine.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from engine.processing.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.api.sampling_params import RequestOutputKind, SamplingParams
+from engine.core.request import Request
+from engine.core.sched_output import LogprobsLists, ModelRunnerOutput
 
 
 @dataclass

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import EngineConfig
 from engine.core.fairness import DEFAULT_KEY
 from engine.core.request import Request
@@ -26,7 +27,6 @@ from engine.pooling_params import PoolingParams
 from engine.processing.input_processor import InputProcessor, PromptType
 from engine.processing.resume import FIELD as RESUME_FIELD
 from engine.processing.resume import ResumedOutputTokenIds, check_resumed_output_token_ids
-from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager
 
 _SEED_MASK = (1 << 63) - 1

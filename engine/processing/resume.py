@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
 
 # add_request's argument: output index -> the tokens that output has generated so far.
 ResumedOutputTokenIds = Mapping[int, Sequence[int]]

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engine.api.model_files import load_tokenizer
+
 
 class StopStringTokenizer:
     def __init__(self, tokenizer: Any | None, source_dir: str | Path) -> None:
@@ -28,8 +30,6 @@ class StopStringTokenizer:
             return self._tokenizer
         with self._lock:
             if self._tokenizer is None:
-                from engine.loader.model_files import load_tokenizer
-
                 tokenizer = load_tokenizer(Path(self._source_dir))
                 if tokenizer is None:
                     raise ValueError(

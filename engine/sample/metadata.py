@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling_params import SamplingParams, SamplingType
+from engine.api.sampling_params import SamplingParams, SamplingType
 
 _INT64_MIN = -(1 << 63)
 _UINT64_MASK = (1 << 64) - 1

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from engine.structured_output.params import StructuredOutputsParams
+from engine.api.structured_outputs import StructuredOutputsParams
 
 BACKEND_NAME = "xgrammar"
 # xgrammar prefixes its messages with a time and its C++ source location: not for users.

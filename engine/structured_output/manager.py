@@ -20,10 +20,11 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from engine.api.model_files import load_tokenizer
+from engine.api.structured_outputs import StructuredOutputsParams
 from engine.config.engine_config import ModelConfig
 from engine.core.request import Request
 from engine.structured_output.config import DecodingConfig
-from engine.structured_output.params import StructuredOutputsParams
 from engine.structured_output.request import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class StructuredOutputManager:
 
     @property
     def decoding_config(self) -> DecodingConfig:
+        # backend.py imports xgrammar (and torch): only where structured outputs are used
         from engine.structured_output.backend import BACKEND_NAME
 
         return DecodingConfig(backend=BACKEND_NAME)
@@ -89,7 +91,6 @@ class StructuredOutputManager:
     def _get_backend(self) -> Any:
         with self._backend_lock:
             if self._backend is None:
-                from engine.loader.model_files import load_tokenizer
                 from engine.structured_output.backend import XgrammarBackend
 
                 config = self.model_config

@@ -42,6 +42,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config.cuda_graph import CudaGraphConfig
+from engine.layers.moe import FusedMoE
 from engine.worker.inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,6 @@ def graphs_unsupported_reason(
         return "tensor/pipeline parallelism (collectives are not captured yet)"
     if lora:
         return "enable_lora (adapter indices are chosen on the host per step)"
-    from engine.layers.moe import FusedMoE
 
     if any(isinstance(m, FusedMoE) for m in model.modules()):
         return "a mixture-of-experts model (routing reads expert counts on the host)"

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from engine.api.sampling_params import SamplingType
 from engine.core.sched_output import LogprobsLists, ModelRunnerOutput, ScheduledRequest
 from engine.sample import SamplingMetadata, SamplingRow, gather_logprobs
 from engine.sample.token_controls import apply_grammar_bitmask_
-from engine.sampling_params import SamplingType
 from engine.worker.inputs import StepInputs
 
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine.errors import EngineDeadError
+from engine.api.errors import EngineDeadError
 from services.common import tracing
 
 logger = logging.getLogger("services.common.errors")

@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.observability.tracing import SpanAttributes
+from engine.api.span_attributes import SpanAttributes
 from services.common.grpc_server import trace_headers
 from services.security.caller import current_tenant_name
 

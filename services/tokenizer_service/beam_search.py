@@ -1,6 +1,6 @@
 """Beam search over the engine's gRPC API, for `GenerateRequest.beam_width`.
 
-The same bookkeeping as `LLM.beam_search` (engine/processing/beam_search.py): every step sends each
+The same bookkeeping as `LLM.beam_search` (engine/api/beam_search.py): every step sends each
 live beam to the engine as a one-token greedy request asking for its top logprobs, all
 beams concurrently; the engine's prefix cache shares their common blocks. The final beams
 go back to the caller as outputs 0..k-1, best first, one message each.
@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from engine.processing.beam_search import BeamSearchInstance, BeamSearchOutput
-from engine.sampling_params import BeamSearchParams
+from engine.api.beam_search import BeamSearchInstance, BeamSearchOutput
+from engine.api.sampling_params import BeamSearchParams
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
 from services.common.finish_reasons import FINISH_REASONS
 from services.tokenizer_service.replicas.relay import LiveRequest

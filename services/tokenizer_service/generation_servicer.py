@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from engine.sampling_params import generation_config_defaults
+from engine.api.sampling_params import generation_config_defaults
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2, generation_pb2_grpc
 from services.common import tracing
 from services.common.errors import (

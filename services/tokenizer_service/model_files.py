@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.loader.model_files import (
+from engine.api.model_files import (
     default_model_path,
+    find_model,
     gguf_cache_path,
     load_generation_config,
     load_tokenizer,
-    resolve_model,
 )
 
 logger = logging.getLogger("services.tokenizer_service.model_files")
@@ -51,7 +51,7 @@ def load_text_model_files(model: str | None) -> TextModelFiles:
         if not (cached / "config.json").is_file():
             return _from_gguf(path)
         path = cached
-    model_dir = resolve_model(path)
+    model_dir = find_model(path)  # a GGUF file went above: nothing left to convert
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         raise FileNotFoundError(f"no tokenizer files in {model_dir}")

@@ -21,8 +21,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from engine.processing.bad_words import bad_words_token_ids
-from engine.sampling_params import SamplingParams
+from engine.api.bad_words import bad_words_token_ids
+from engine.api.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
 
 _FIELDS = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name

@@ -1,6 +1,6 @@
 """One request's stream on the tokenizer service: token-id deltas in, text deltas out.
 
-Each of the n outputs has its own `engine.processing.detokenizer.IncrementalDetokenizer`, which
+Each of the n outputs has its own `engine.api.detokenizer.IncrementalDetokenizer`, which
 never
 emits half a UTF-8 character, applies the stop strings and holds back a tail that could
 still become one. Tokens are fed one at a time when there are stop strings, so an output
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.api.detokenizer import IncrementalDetokenizer
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
 from services.common.finish_reasons import FINISH_REASON_NAMES
 from services.tokenizer_service.sampling import RequestSampling

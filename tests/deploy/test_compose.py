@@ -40,7 +40,7 @@ DOCKERFILES = (ROOT / "docker" / "Dockerfile.cpu", ROOT / "docker" / "Dockerfile
 PROBE = ROOT / "docker" / "healthcheck.py"
 PROBE_IN_IMAGE = "/opt/pagedserve/healthcheck.py"
 APP_SERVICES = ("engine", "tokenizer")
-BAKE_MODEL = "from engine.loader.model_files import resolve_model; print(resolve_model(None))"
+BAKE_MODEL = "from engine.loader.model_dir import resolve_model; print(resolve_model(None))"
 
 
 # ---- the compose binary -------------------------------------------------------------------

@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.core.block_pool import hash_block_tokens
+from engine.api.block_hash import hash_block_tokens
 
 
 class Replica(Protocol):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from engine import native
+from engine.api.model_files import load_hf_config
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from engine.native.build import _SIGNATURES
 from kernels.reference import ref_paged_attention

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock, hash_block_tokens
+from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from engine.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 
 
@@ -48,22 +48,6 @@ def test_free_queue_misuse_asserts():
     with pytest.raises(IndexError):
         queue.popleft()
     assert len(queue) == 0 and list(queue) == []
-
-
-# --- hashing -------------------------------------------------------------------------
-
-
-def test_hash_is_chained_and_keyed():
-    h0 = hash_block_tokens(None, [1, 2, 3, 4])
-    assert h0 == hash_block_tokens(None, (1, 2, 3, 4))
-    assert h0 != hash_block_tokens(None, [1, 2, 3, 5])
-    assert h0 != hash_block_tokens(None, [1, 2, 3, 4], ("salt",))
-    assert hash_block_tokens(None, [1], ("a",)) != hash_block_tokens(None, [1], ("b",))
-    h1 = hash_block_tokens(h0, [5, 6, 7, 8])
-    assert h1 != hash_block_tokens(None, [5, 6, 7, 8])
-    assert h1 != hash_block_tokens(hash_block_tokens(None, [0, 2, 3, 4]), [5, 6, 7, 8])
-    # Token boundaries are encoded: [1, 2] differs from [1] + [2] or from [12].
-    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [12])
 
 
 # --- BlockPool -----------------------------------------------------------------------

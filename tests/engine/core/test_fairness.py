@@ -8,13 +8,13 @@ from collections import Counter
 
 import pytest
 
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import SchedulerConfig
 from engine.core.fairness import FairQueue, VirtualTokenCounter
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
-from engine.sampling_params import SamplingParams
 
 EOS = 2
 

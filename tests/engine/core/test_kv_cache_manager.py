@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 
+from engine.api.sampling_params import SamplingParams
 from engine.core import kv_cache_manager
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.sampling_params import SamplingParams
 
 BS = 4  # small blocks keep the token lists short
 VOCAB = 3  # token ids in the randomized test

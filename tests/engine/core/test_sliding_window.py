@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.api.model_files import load_hf_config
+from engine.api.sampling_params import SamplingParams
 from engine.attention.backend import get_attention_backend
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
-from engine.sampling_params import SamplingParams
 from tests.model_utils import (
     allocate_block_tables,
     build_attn_metadata,

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import EngineArgs, SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -14,7 +15,6 @@ from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.request import Request
 from engine.core.sched_output import ModelRunnerOutput
 from engine.core.scheduler import Scheduler
-from engine.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 

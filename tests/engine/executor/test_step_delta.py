@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pickle
 
+from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.executor.step_delta import RequestMirror, StepDeltaBuilder
-from engine.sampling_params import SamplingParams
 
 
 def _view(output: SchedulerOutput) -> list[tuple]:

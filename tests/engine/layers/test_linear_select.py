@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.api.model_files import CACHE_DIR_ENV, load_hf_config
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers import linear_select
 from engine.layers.linear import Linear
@@ -24,7 +25,6 @@ from engine.layers.linear_select import (
 )
 from engine.layers.method_cache import cache_file, cache_key
 from engine.layers.row_buckets import ROW_BUCKETS
-from engine.loader.model_files import CACHE_DIR_ENV, load_hf_config
 from engine.loader.model_loader import load_model
 from tests.model_utils import make_tiny_llama
 

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(
     not native_kernels_available(), reason="no C compiler: native kernels unavailable"
 )
 
+from engine.api.model_files import CACHE_DIR_ENV  # noqa: E402
 from engine.layers import quant_select  # noqa: E402
 from engine.layers.method_cache import cache_file, cache_key  # noqa: E402
 from engine.layers.quant_select import (  # noqa: E402
@@ -25,7 +26,6 @@ from engine.layers.quant_select import (  # noqa: E402
     time_routes,
 )
 from engine.layers.row_buckets import ROW_BUCKETS  # noqa: E402
-from engine.loader.model_files import CACHE_DIR_ENV  # noqa: E402
 from engine.native.quant import QType, QuantizedWeight  # noqa: E402
 from engine.native.quant_int8 import Int8Isa, int8_isa  # noqa: E402
 from tests.engine.gguf_files import random_blocks  # noqa: E402

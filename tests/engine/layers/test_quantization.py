@@ -68,9 +68,9 @@ def test_int8_matches_transformers_on_the_rounded_weights(tmp_path):
 def test_int8_quantizes_each_projection_as_it_loads(tmp_path, monkeypatch):
     """No fp32 detour: a layer's projections are int8 (their fp32 weight released) before
     the next layer's tensors are read, so the whole fp32 model is never resident."""
+    from engine.api.model_files import load_hf_config
     from engine.attention.cpu_backend import CPUAttentionBackend
     from engine.layers.quantization import projection_layers
-    from engine.loader.model_files import load_hf_config
     from engine.loader.model_loader import iter_safetensors, load_model
 
     model_dir = make_tiny_llama(tmp_path / "model", num_layers=3, mlp_bias=True)

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.api.model_files import default_model_path, load_hf_config
 from engine.attention.backend import get_attention_backend
 from engine.loader.gguf_file import read_gguf
-from engine.loader.model_files import default_model_path, load_hf_config, resolve_model
+from engine.loader.model_dir import resolve_model
 from engine.loader.model_loader import load_model
 from engine.models.decoder import DecoderForCausalLM
 from engine.native import native_kernels_available

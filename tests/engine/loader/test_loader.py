@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loader import gguf_conversion as loader
-from engine.loader.model_files import (
+from engine.api.model_files import (
     CACHE_DIR_ENV,
     default_model_path,
     gguf_cache_path,
     load_generation_config,
     load_hf_config,
     load_tokenizer,
-    resolve_model,
 )
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.loader import gguf_conversion as loader
+from engine.loader.model_dir import resolve_model
 from engine.loader.model_loader import load_model
 from engine.models.llama import get_kv_cache_shape
 from tests.model_utils import (

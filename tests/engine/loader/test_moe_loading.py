@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM
+from engine.api.model_files import load_hf_config
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from tests.model_utils import make_tiny_model
 

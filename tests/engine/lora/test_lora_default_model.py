@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.loader.model_files import resolve_model
+from engine.loader.model_dir import resolve_model
 from tests.engine.reference import Greedy, assert_close_to_reference, ours_greedy
 from tests.lora_utils import make_peft_adapter
 

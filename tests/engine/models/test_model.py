@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.api.model_files import load_hf_config
 from engine.attention import torch_backend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.ops import rms_norm, silu_and_mul
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from engine.models.llama import LlamaForCausalLM, get_kv_cache_shape, kv_cache_bytes_per_token
 from tests.model_utils import (

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.api.model_files import load_hf_config
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.cpu_decode_step import MAX_ROWS, MAX_ROWS_FP32
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from engine.native import native_kernels_available
 from engine.native.decode_step import decode_step, step_layer_table

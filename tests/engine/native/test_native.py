@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams, native
+from engine.api.model_files import load_hf_config
 from engine.attention.backend import get_attention_backend
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.linear import linear, pack_weight, packing_available
 from engine.layers.ops import apply_rotary_emb
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from kernels.reference import ref_paged_attention
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy

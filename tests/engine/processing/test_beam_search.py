@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.api.sampling_params import BeamSearchParams
 from engine.llm import LLM
-from engine.sampling_params import BeamSearchParams
 
 PROMPTS = [[1, 15, 99, 7, 42], [1, 3, 3, 80, 11, 64, 2 + 20, 9, 17, 33, 5, 6, 70, 90, 100, 4, 8]]
 
@@ -77,7 +77,7 @@ def test_tiny_model_matches_transformers(tiny, k, length_penalty, early_stopping
 def test_default_model_matches_transformers() -> None:
     from transformers import LlamaForCausalLM
 
-    from engine.loader.model_files import resolve_model
+    from engine.loader.model_dir import resolve_model
 
     path = resolve_model(None)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from engine.api.sampling_params import SamplingParams
 from engine.sample import (
     LogprobsTensors,
     Sampler,
@@ -19,7 +20,6 @@ from engine.sample import (
 from engine.sample.filters import apply_min_p, apply_top_k_top_p
 from engine.sample.penalties import apply_penalties
 from engine.sample.sampler import sample_inverse_cdf
-from engine.sampling_params import SamplingParams
 
 EOS = 2
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.api.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 PROMPT = {"prompt_token_ids": [1, 504, 3458, 314, 253, 1345, 28, 216, 4493]}
 

@@ -11,8 +11,8 @@ import re
 import jsonschema
 import pytest
 
+from engine.api.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 8}

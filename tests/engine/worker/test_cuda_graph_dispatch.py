@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from engine import EngineArgs, LLMEngine
+from engine.api.model_files import load_hf_config
 from engine.attention.backend import get_attention_backend
 from engine.config.cuda_graph import CudaGraphConfig
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from engine.worker.cuda_graphs import choose_graph_size, graphs_unsupported_reason
 from engine.worker.inputs import build_step_inputs

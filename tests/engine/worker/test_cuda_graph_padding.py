@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from engine.api.model_files import load_hf_config
 from engine.attention.backend import get_attention_backend
-from engine.loader.model_files import load_hf_config
 from engine.loader.model_loader import load_model
 from engine.worker.cuda_graphs import DecodeInputBuffers
 from engine.worker.inputs import build_step_inputs

@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from engine import SamplingParams
-from engine.core.block_pool import hash_block_tokens
+from engine.api.block_hash import hash_block_tokens
 from engine.core.kv_events import block_hash_to_int64
 from tests.services.helpers import token_prompts, wait_for
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from engine import SamplingParams
-from engine.sampling_params import BeamSearchParams
+from engine.api.sampling_params import BeamSearchParams
 from engine.structured_output import StructuredOutputsParams
 from pagedserve.v1 import common_pb2
 from tests.services.helpers import gather, request, wait_for

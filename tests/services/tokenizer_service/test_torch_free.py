@@ -1,6 +1,7 @@
-"""The tokenizer service never loads torch: its modules import none, and a real tokenizer
-service process that has served Generate, Tokenize and Encode has no libtorch mapped and a
-small peak RSS (DESIGN.md: the tokenizer service is the tier that scales out)."""
+"""The tokenizer service never loads torch: its modules and engine.api (all it imports of the
+engine, .importlinter) import none, and a real tokenizer service process that has served
+Generate, Tokenize and Encode has no libtorch mapped and a small peak RSS (DESIGN.md: the
+tokenizer service is the tier that scales out)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ MAX_PEAK_RSS_MIB = 250
 
 IMPORT_ALL = """
 import importlib, pkgutil, sys
-import services.tokenizer_service, services.common, services.security
+import engine.api, services.tokenizer_service, services.common, services.security
 import services.cli.main
-for package in (services.tokenizer_service, services.common, services.security):
+for package in (engine.api, services.tokenizer_service, services.common, services.security):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
-from engine.errors import EngineDeadError
+from engine.api.errors import EngineDeadError
 from engine import EngineDeadError as same
 assert same is EngineDeadError
 loaded = sorted(m for m in sys.modules if m.split(".")[0] == "torch")

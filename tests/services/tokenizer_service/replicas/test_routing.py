@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.api.sampling_params import SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
 from services.tokenizer_service.replicas import routing
 from services.tokenizer_service.replicas.pool import (

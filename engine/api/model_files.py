@@ -1,8 +1,9 @@
 """Which files a model is: resolution of a model argument to a Hugging Face-style directory,
 the default model's GGUF file, the cache of converted GGUF files, and the transformers config,
 generation config and tokenizer read from a directory. Torch-free: the tokenizer service, the
-tier that scales out, resolves its model here without loading torch; only converting a GGUF
-file (engine/loader/gguf_conversion.py) loads it, and the engine does that, not the tokenizer.
+tier that scales out, finds its model here without loading torch; only converting a GGUF
+file (engine/loader/gguf_conversion.py, through `resolve_model` in engine/loader/model_dir.py)
+loads it, and the engine does that, not the tokenizer.
 
 A model is given as a Hugging Face-style directory (``config.json`` + ``*.safetensors`` +
 tokenizer files), a GGUF file, or nothing (the default model, SmolLM2-135M-Instruct, shipped
@@ -38,11 +39,12 @@ _TOKENIZER_FILES = (
 )
 
 
-def resolve_model(model: str | os.PathLike[str] | None, *, cache_dir: Path | None = None) -> Path:
-    """Returns a Hugging Face-style model directory for `model`.
+def find_model(model: str | os.PathLike[str] | None) -> Path:
+    """The Hugging Face-style directory or the ``.gguf`` file that `model` names.
 
-    `None` means the default model; a ``.gguf`` file is converted on first use and the cache
-    entry returned; a directory is returned as is. `cache_dir` overrides the cache root.
+    `None` means the default model (a GGUF file). A GGUF file is returned as is: converting it
+    loads the weights through torch, which the engine does (`resolve_model` in
+    engine/loader/model_dir.py); the tokenizer service reads its converted entry or the file.
     """
     if model is None:
         path = default_model_path()
@@ -58,11 +60,7 @@ def resolve_model(model: str | os.PathLike[str] | None, *, cache_dir: Path | Non
             )
         return path
     if path.suffix.lower() == ".gguf":
-        # The conversion loads the weights (torch): imported only when a GGUF file must be
-        # converted, so resolving a directory or a converted entry stays torch-free.
-        from engine.loader.gguf_conversion import cached_gguf_conversion
-
-        return cached_gguf_conversion(path, cache_dir)
+        return path
     raise ValueError(f"unsupported model file {path}: expected a directory or a .gguf file.")
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured_output.params import StructuredOutputsParams
+from engine.api.structured_outputs import StructuredOutputsParams
 
 # vLLM's per-request logits processor: (output_token_ids, logits[V]) -> logits, or
 # (prompt_token_ids, output_token_ids, logits[V]) -> logits. Runs once per row per step, in

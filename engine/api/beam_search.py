@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from engine.outputs import Logprob
-from engine.sampling_params import BeamSearchParams
+from engine.api.outputs import Logprob
+from engine.api.sampling_params import BeamSearchParams
 
 _DEAD = -1.0e9  # transformers' "impossible" score
 
