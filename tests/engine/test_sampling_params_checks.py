@@ -68,7 +68,7 @@ def test_the_edges_vllm_accepts() -> None:
 
 def test_a_tiny_temperature_is_raised_to_vllms_floor(caplog) -> None:
     """0 < temperature < 1e-2 overflows logits / temperature: vLLM raises it to 1e-2."""
-    with caplog.at_level(logging.WARNING, logger="engine.sampling_params"):
+    with caplog.at_level(logging.WARNING):
         params = SamplingParams(temperature=1e-4)
     assert params.temperature == pytest.approx(1e-2)
     assert SamplingParams(temperature=0.0).temperature == 0.0  # greedy stays greedy
