@@ -17,7 +17,7 @@ from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dty
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
 from engine.config.quantization import gguf_source, resolve_quantization
-from engine.config.rope import rope_max_length
+from engine.config.rope import default_max_model_len, derived_max_model_len
 from engine.config.speculative import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -288,9 +288,9 @@ class EngineArgs:
             )
             if kept is not None:
                 dtype = "float32"
-        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
-        max_len = rope_max_length(hf_config)  # max_pos, or stretched by the rope's scaling
-        max_model_len = self.max_model_len or max_pos
+        max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+        max_len = derived_max_model_len(hf_config)  # max_pos, or stretched by the rope scaling
+        max_model_len = self.max_model_len or default_max_model_len(hf_config)
         if max_model_len > max_len:
             scaled = "" if max_len == max_pos else f" with its rope scaling: {max_len}"
             raise ValueError(
