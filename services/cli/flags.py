@@ -35,6 +35,9 @@ _FLAG_HELP = {
     "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs, e.g. 1 2 4 8; unset: 1, "
     "2, 4, 8, 16, ..., 512 capped by --max-num-seqs; never on CPU",
     "enforce_eager": "run every step eagerly: no CUDA graphs",
+    "served_model_name": "the model's names in the API, e.g. SmolLM2-135M-Instruct (one or "
+    "more; the first is reported, e.g. as the OpenAI door's model id); unset: --model as given, "
+    "else the model directory's name",
     "load_format": "auto (the checkpoint) or dummy (random weights from config.json alone, "
     "for benchmarks)",
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
@@ -90,6 +93,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=json_object, default=field.default, help=help_text)
         elif annotation.startswith("list[int]"):
             group.add_argument(flag, type=int, nargs="+", default=field.default, help=help_text)
+        elif annotation.startswith("list[str]"):
+            group.add_argument(flag, nargs="+", default=field.default, help=help_text)
         elif annotation in ("SchedulingPolicy", "FairnessPolicy"):
             literal = SchedulingPolicy if annotation == "SchedulingPolicy" else FairnessPolicy
             choices = typing.get_args(literal)

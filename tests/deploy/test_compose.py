@@ -183,6 +183,14 @@ def test_engine_is_internal(services: dict[str, Any]) -> None:
     assert _flag(command, "--engine-addr") == "0.0.0.0:50052"
 
 
+def test_engine_serves_a_readable_model_name(services: dict[str, Any]) -> None:
+    """The OpenAI door's model id (`/v1/models`, "model" in requests) is a name a user can
+    type, not the converted directory's hash-suffixed name; the secure stack keeps it."""
+    assert _flag(services["engine"]["command"], "--served-model-name") == "SmolLM2-135M-Instruct"
+    secure = _config(COMPOSE_FILE, ROOT / "docker" / "compose.secure.yml")["services"]
+    assert _flag(secure["engine"]["command"], "--served-model-name") == "SmolLM2-135M-Instruct"
+
+
 def test_tokenizer_points_at_every_engine_replica(services: dict[str, Any]) -> None:
     tokenizer = services["tokenizer"]
     address = _flag(tokenizer["command"], "--engine-addr")

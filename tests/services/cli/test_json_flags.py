@@ -16,7 +16,7 @@ from services.cli.flags import (
 )
 
 DICT_FIELDS = [f.name for f in engine_arg_fields() if str(f.type).startswith("dict")]
-LIST_FIELDS = [f.name for f in engine_arg_fields() if str(f.type).startswith("list")]
+LIST_FIELDS = [f.name for f in engine_arg_fields() if str(f.type).startswith("list[int]")]
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
 
