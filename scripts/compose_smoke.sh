@@ -84,8 +84,8 @@ up() {  # up [ARGS...]: starts the stack, waits until healthy; prints the second
   echo "healthy after $(( $(date +%s) - start )) s"
 }
 openai_chat() {  # one chat completion through the OpenAI door (published on host loopback)
-  local model
-  model=$(curl -sf localhost:8000/v1/models | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  local model=SmolLM2-135M-Instruct   # the compose file's --served-model-name
+  curl -sf localhost:8000/v1/models | grep -q "\"$model\""
   curl -sf localhost:8000/v1/chat/completions -H 'content-type: application/json' \
     -d '{"model": "'"$model"'", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 32}' \
     | python3 -c 'import json, sys; c = json.load(sys.stdin)["choices"][0]["message"]["content"]; assert c.strip(), c; print("OpenAI door:", c)'

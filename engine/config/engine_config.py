@@ -18,7 +18,7 @@ from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dty
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
 from engine.config.quantization import gguf_source, resolve_quantization
-from engine.config.rope import rope_max_length
+from engine.config.rope import default_max_model_len, derived_max_model_len
 from engine.config.speculative import SpeculativeConfig
 from engine.config.step_budget import default_max_num_batched_tokens
 
@@ -42,11 +42,15 @@ class ModelConfig:
     quantization: str | None = None  # resolved: None, "gguf" or "int8"
     gguf_file: Path | None = None  # the .gguf file the model came from, if it did
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights (benchmarks)
+    # vLLM's --served-model-name: the names clients may use; the first is reported.
+    served_model_names: list[str] = field(default_factory=list)
 
     @property
     def served_model_name(self) -> str:
-        """The name reported in traces and model info: what was asked for, else the
-        directory's name."""
+        """The name reported in model info (the OpenAI door's model id), traces and metrics:
+        the first served model name, else what was asked for, else the directory's name."""
+        if self.served_model_names:
+            return self.served_model_names[0]
         return self.model or self.model_dir.name
 
     @property
@@ -263,6 +267,9 @@ class EngineArgs:
     # and needs only the directory's config.json (engine/loader/dummy_weights.py): a real
     # model's shapes for benchmarks, without its files.
     load_format: str = "auto"
+    # vLLM's name: the model's names in the API (one or more; the first is the one reported,
+    # e.g. by the OpenAI door's /v1/models). None: `model` as given, else the directory's name.
+    served_model_name: list[str] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         # Converting a GGUF model loads torch: imported when a config is made, so importing
@@ -294,9 +301,9 @@ class EngineArgs:
             )
             if kept is not None:
                 dtype = "float32"
-        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
-        max_len = rope_max_length(hf_config)  # max_pos, or stretched by the rope's scaling
-        max_model_len = self.max_model_len or max_pos
+        max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+        max_len = derived_max_model_len(hf_config)  # max_pos, or stretched by the rope scaling
+        max_model_len = self.max_model_len or default_max_model_len(hf_config)
         if max_model_len > max_len:
             scaled = "" if max_len == max_pos else f" with its rope scaling: {max_len}"
             raise ValueError(
@@ -325,6 +332,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             tokenizer_dir=Path(self.tokenizer) if self.tokenizer else model_dir,
+            served_model_names=_served_model_names(self.served_model_name),
             skip_tokenizer_init=self.skip_tokenizer_init,
             max_logprobs=self.max_logprobs,
             eos_token_ids=_eos_ids(gen_config, hf_config),
@@ -385,3 +393,18 @@ def _eos_ids(gen_config: dict[str, Any], hf_config: Any) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}
+
+
+def _served_model_names(value: list[str] | str | None) -> list[str]:
+    """`served_model_name` as a list (vLLM takes one name or several), each a non-empty
+    string without surrounding blanks: a name clients must type exactly."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    for name in names:
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise ValueError(
+                f"served_model_name must be non-empty names without surrounding spaces, "
+                f"got {name!r}."
+            )
+    if len(set(names)) != len(names):
+        raise ValueError(f"served_model_name lists a name twice: {names}.")
+    return names

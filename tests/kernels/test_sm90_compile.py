@@ -1,4 +1,5 @@
-"""Every kernel compiles for sm_90 (H100/H200) without register spills, GPU or not."""
+"""Every kernel compiles for sm_90 (H100/H200) without register spills, GPU or not; the
+check skips only where no ptxas binary runs, and an error of ptxas itself fails it."""
 
 from __future__ import annotations
 
@@ -10,23 +11,53 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_utils import import_triton
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CHECK = Path(__file__).with_name("sm90_compile_check.py")
+# A ptxas that Triton accepts (it answers --version) and that rejects every input.
+BROKEN_PTXAS = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 12.8, V12.8.93"; exit 0; fi
+echo "ptxas fatal   : Unresolved extern function 'broken'" >&2
+exit 1
+"""
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile them")
-def test_kernels_compile_for_sm90_without_spills() -> None:
+def _run_check(*args: str, **env_extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("sm90_compile_check.py"))],
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, str(CHECK), *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel tests compile them")
+def test_kernels_compile_for_sm90_without_spills() -> None:
+    result = _run_check()
     report = result.stdout + result.stderr
     if result.returncode == 3:
         pytest.skip(report.strip().splitlines()[-1])
     assert result.returncode == 0, report
     assert report.count("ok ") == 17, report  # 12 attention variants + 5 other kernels
+
+
+def test_a_ptxas_error_fails_the_check_rather_than_skipping_it(tmp_path) -> None:
+    """ptxas runs and rejects the PTX: its error names ptxas, and must count as a failed
+    kernel (exit 1), not as "ptxas is not available" (exit 3, a skip)."""
+    import_triton()
+    ptxas = tmp_path / "ptxas"
+    ptxas.write_text(BROKEN_PTXAS)
+    ptxas.chmod(0o755)
+    # Triton picks one of its two ptxas tools by version: both point at the broken one.
+    paths = {"TRITON_PTXAS_PATH": str(ptxas), "TRITON_PTXAS_BLACKWELL_PATH": str(ptxas)}
+    result = _run_check("--limit", "1", **paths)
+    report = result.stdout + result.stderr
+    assert f"ptxas: {ptxas}" in report, report
+    assert result.returncode == 1, report
+    assert "FAIL" in report and "ptxas" in report, report

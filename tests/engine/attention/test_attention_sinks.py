@@ -16,6 +16,7 @@ import torch
 
 from kernels import ref_paged_attention
 from tests.engine.core.test_sliding_window import _backend, _batch
+from tests.triton_utils import import_triton
 
 
 def _reference(query, keys, values, num_cached, scale, sinks, window=None, cap=None):
@@ -84,7 +85,6 @@ def test_backends_add_the_sink_to_the_softmax(backend_name, window, cap, num_hea
 def test_native_decode_counts_the_sink_once_over_split_contexts(context):
     """One request and one KV head: the C decode kernel splits its context over the threads
     (merge_parts), and the sink must join the merged sum once, not once per part."""
-    pytest.importorskip("engine.native")
     from engine.native import native_kernels_available, paged_decode_attention
 
     if not native_kernels_available():
@@ -139,7 +139,7 @@ def test_reference_kernel_adds_sinks():
 
 
 def test_triton_kernel_rejects_misshapen_sinks():
-    pytest.importorskip("triton")
+    import_triton()
     from kernels import paged_attention
 
     query, _, _, kv_cache, metadata, _, _ = _batch(4, 2, 16, 4)

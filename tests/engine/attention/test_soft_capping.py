@@ -11,6 +11,7 @@ import torch
 
 from kernels import ref_paged_attention
 from tests.engine.core.test_sliding_window import _backend, _batch
+from tests.triton_utils import import_triton
 
 
 def _reference(query, keys, values, num_cached, scale, cap, window):
@@ -54,7 +55,7 @@ def test_backends_soft_cap_the_scores(backend_name, cap, window, num_heads, num_
 
 
 def test_triton_kernel_rejects_a_non_positive_cap():
-    pytest.importorskip("triton")
+    import_triton()
     from kernels import paged_attention
 
     query, _, _, kv_cache, metadata, _, _ = _batch(4, 2, 16, 4)

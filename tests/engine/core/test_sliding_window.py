@@ -24,6 +24,7 @@ from tests.model_utils import (
     build_positions,
     make_tiny_model,
 )
+from tests.triton_utils import import_triton
 
 # (num_computed, query_len): decodes of mixed lengths, then prefill chunks with and without
 # cached context, one running past the native prefill kernel's key segment (256).
@@ -67,7 +68,7 @@ def _batch(num_heads, num_kv_heads, head_dim, block_size, seed=0):
 
 def _backend(name):
     if name == "triton":
-        pytest.importorskip("triton")
+        import_triton()
         return get_attention_backend("triton", torch.device("cpu"))  # the interpreter
     return {"torch": TorchAttentionBackend, "cpu": CPUAttentionBackend}[name]()
 

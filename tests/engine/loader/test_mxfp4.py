@@ -13,7 +13,8 @@ from engine.loader.mxfp4 import dequantize_mxfp4
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_transformers_dequantization(dtype) -> None:
-    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from transformers.integrations import mxfp4
+
     gen = torch.Generator().manual_seed(0)
     experts, rows, groups = 3, 10, 4  # [E, out, in = groups * 32]
     blocks = torch.randint(0, 256, (experts, rows, groups, 16), generator=gen, dtype=torch.uint8)

@@ -54,7 +54,9 @@ SHAPES = {
             rope_parameters={
                 "rope_type": "yarn",
                 "factor": 4.0,
-                "original_max_position_embeddings": 32,
+                # x 4 = max_position_embeddings (256), as in DeepSeek's own configs: the
+                # engine's max_model_len is original x factor (vLLM's derivation).
+                "original_max_position_embeddings": 64,
                 "mscale": 1.0,
                 "mscale_all_dim": 0.8,
                 "beta_fast": 32.0,

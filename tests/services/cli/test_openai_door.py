@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -30,17 +31,26 @@ from services.cli.supervisor import wait_until_serving
 from tests.services.helpers import gather, request, wait_for
 from tests.services.processes import ROOT, child_env, free_port
 
-openai = pytest.importorskip("openai")
-needs_smg = pytest.mark.skipif(find_smg() is None, reason="smg (gateway extra) not installed")
+# vLLM's --served-model-name: a readable name in place of the model's path; the first of
+# several is the one reported and routed by.
+SERVED_NAMES = ("tiny-door-model", "tiny-alias")
+# smg and openai are pinned in the dev extra: missing, they fail the tests (no skip).
+needs_smg = pytest.mark.usefixtures("smg_installed")
+
+
+@pytest.fixture(scope="module")
+def smg_installed() -> None:
+    assert find_smg() is not None, f"the smg gateway is not installed: `{INSTALL_HINT}`"
 
 
 class Door:
     """The server, its gRPC public API and an `openai` client on its OpenAI port."""
 
     def __init__(self, model_dir: Path, log: Path) -> None:
-        self.model = str(model_dir)
+        self.model = SERVED_NAMES[0]  # what /v1/models lists and requests name
         self.port, self.openai_port = free_port(), free_port()
-        argv = [sys.executable, "-m", "services", "serve", "--model", self.model, "--prompt", ""]
+        argv = [sys.executable, "-m", "services", "serve", "--model", str(model_dir)]
+        argv += ["--prompt", "", "--served-model-name", *SERVED_NAMES]
         argv += ["--port", str(self.port), "--engine-addr", f"127.0.0.1:{free_port()}"]
         argv += ["--openai-port", str(self.openai_port), "--openai-host", "127.0.0.1"]
         argv += ["--kv-cache-memory-bytes", str(64 << 20), "--shutdown-grace", "1"]
@@ -179,7 +189,11 @@ def test_only_serving_replicas_become_gateway_workers():
 
 @needs_smg
 def test_models_lists_the_served_model(door):
-    assert [model.id for model in door.client.models.list()] == [door.model]
+    """The first --served-model-name, not the model's path: requests name it (every test
+    here does) and another name is refused."""
+    assert [model.id for model in door.client.models.list()] == [SERVED_NAMES[0]]
+    with pytest.raises(openai.NotFoundError, match="not-this-model"):
+        door.client.completions.create(model="not-this-model", prompt="Hi", max_tokens=1)
 
 
 @needs_smg
