@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import native
+from engine.attention.backend import AttentionParams
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.loader.model_files import load_hf_config
@@ -71,9 +72,7 @@ def _step(
         value,
         cache,
         metadata,
-        scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+        AttentionParams(scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap),
     )
     assert cache.dtype == cache_dtype and out.dtype == torch.float32
     # This step's keys/values sit in their slots rounded exactly as torch rounds.
