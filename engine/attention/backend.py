@@ -64,7 +64,9 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class AttentionParams:
-    """One layer's attention settings, passed with every call."""
+    """One layer's attention settings, passed with every call: the one argument of the
+    backends (`forward`, `attend`) and of their decode / prefill parts that says how a
+    layer attends, so a new setting is added here once."""
 
     scale: float
     # Each query attends to the last `sliding_window` positions up to its own (itself
@@ -76,6 +78,15 @@ class AttentionParams:
     # denominator (exp(sink) added to the sum of exp(scores)) and attends to no value, so a
     # head can put weight "nowhere"; None = no sinks (and no cost).
     sinks: torch.Tensor | None = None
+
+    def kernel_options(self) -> dict[str, Any]:
+        """The keyword arguments every paged-attention kernel launcher takes besides the
+        scale (the native C kernels' and the Triton kernels')."""
+        return {
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
+            "sinks": self.sinks,
+        }
 
     def window_start(self, position: int) -> int:
         """The first key position a query at `position` sees."""
@@ -162,11 +173,7 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,  # [num_heads] fp32 (AttentionParams.sinks)
+        params: AttentionParams,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each request's query tokens over its cached context."""
 
@@ -177,23 +184,11 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
         """Writes this step's keys/values, then attends (the order every backend needs)."""
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
-        return self.attend(
-            query,
-            kv_cache,
-            metadata,
-            scale,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            sinks=sinks,
-        )
+        return self.attend(query, kv_cache, metadata, params)
 
     def whole_step_decode(self, model: Any) -> WholeStepDecode | None:
         """A fused path that replaces `model`'s forward for one-token decode steps, if the
@@ -241,14 +236,9 @@ class SplitAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
         self.writer(key, value, kv_cache, metadata.slot_mapping)
-        params = AttentionParams(scale, sliding_window, logits_soft_cap, sinks)
         return self._attend(query, kv_cache, metadata, params, key, value)
 
     def attend(
@@ -256,13 +246,8 @@ class SplitAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        params: AttentionParams,
     ) -> torch.Tensor:
-        params = AttentionParams(scale, sliding_window, logits_soft_cap, sinks)
         return self._attend(query, kv_cache, metadata, params, None, None)
 
     def _attend(

@@ -60,9 +60,7 @@ def native_decode(
         metadata.seq_lens,
         max_len,
         params.scale,
-        sliding_window=params.sliding_window,
-        logits_soft_cap=params.logits_soft_cap,
-        sinks=params.sinks,
+        **params.kernel_options(),
     )
 
 
@@ -86,9 +84,7 @@ def native_prefill(
         metadata.seq_lens,
         metadata.num_decodes,
         params.scale,
-        sliding_window=params.sliding_window,
-        logits_soft_cap=params.logits_soft_cap,
-        sinks=params.sinks,
+        **params.kernel_options(),
     )
 
 

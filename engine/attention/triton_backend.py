@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -59,11 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        sinks: torch.Tensor | None = None,  # [num_heads] attention sinks (GPT-OSS)
+        params: AttentionParams,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
         num_decodes, num_reqs = metadata.num_decodes, metadata.num_reqs
@@ -77,11 +73,9 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.query_start_loc[: num_decodes + 1],
                 max_query_len=1,
                 max_seq_len=max(metadata.seq_lens_cpu[:num_decodes]),
-                scale=scale,
+                scale=params.scale,
                 out=out[:num_decodes],
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-                sinks=sinks,
+                **params.kernel_options(),
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
@@ -93,10 +87,8 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.query_start_loc[num_decodes : num_reqs + 1],
                 max_query_len=metadata.max_query_len,
                 max_seq_len=metadata.max_seq_len,
-                scale=scale,
+                scale=params.scale,
                 out=out,
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-                sinks=sinks,
+                **params.kernel_options(),
             )
         return out

@@ -72,8 +72,7 @@ def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 
 def verify_parallel_config(hf_config: Any, parallel: Any, engine_args: Any) -> None:
-    """Refuses, at start-up and with the numbers, a model that cannot be split as asked,
-    and features that do not run over several ranks yet."""
+    """Refuses, at start-up and with the numbers, a model that cannot be split as asked."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     model_class = get_model_class(hf_config)
     name = model_class.__name__
@@ -107,16 +106,6 @@ def verify_parallel_config(hf_config: Any, parallel: Any, engine_args: Any) -> N
             f"pipeline_parallel_size ({pp}) exceeds num_hidden_layers ({num_layers}): every "
             "stage needs a layer."
         )
-    unsupported = {
-        "enable_lora": "LoRA adapters",
-        "enable_sleep_mode": "sleep mode",
-    }
-    for field, what in unsupported.items():
-        if getattr(engine_args, field, False):
-            raise ValueError(
-                f"{field}=True: {what} with tensor_parallel_size x pipeline_parallel_size > 1 "
-                "are not supported."
-            )
     _verify_devices(engine_args.device, tp * pp)
 
 

@@ -5,6 +5,8 @@ model. Each step the driver sends every rank one `StepDelta` (engine/distributed
 step_delta.py) and reads one `ModelRunnerOutput` back from the driver rank (TP rank 0 of
 the last stage). With pipeline parallelism up to `pipeline_parallel_size` steps are in
 flight (vLLM's virtual engines): `submit` sends, `collect` takes outputs in order.
+Everything else goes to every rank as `collective_rpc(method, args, kwargs)` over the same
+pipes (engine/executor/rank_rpc.py), after the steps sent before it.
 
 Failure: a rank that exits (killed, crashed) or stops beating its heartbeat for
 `PAGEDSERVE_RANK_TIMEOUT_S` seconds (default 10) makes the executor fail: every rank is
@@ -28,24 +30,26 @@ up to `_DEATH_GRACE_S` for a rank to be seen dead.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
 import pickle
-import signal
-import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
 from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from engine.executor.rank_procs import describe_exit, free_port, kill_all, stop_ranks
+from engine.executor.rank_rpc import raise_first_failure
 from engine.executor.step_delta import StepDeltaBuilder
+from engine.executor.uniproc import DEFAULT_RPC_TIMEOUT_S
 from engine.executor.worker_proc import REPORTED_ERROR_EXIT_CODE, WorkerSpec, worker_main
+from engine.worker.worker import check_rpc_method
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +82,10 @@ class MultiprocExecutor:
         self._lock = threading.Lock()
         self._builder = StepDeltaBuilder(config.model_config.vocab_size)
         self._num_in_flight = 0
+        self._early_outputs: deque[ModelRunnerOutput] = deque()
         on_cuda = config.device_config.device.startswith("cuda")
         num_threads = max(1, torch.get_num_threads() // self.world_size)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -123,7 +128,7 @@ class MultiprocExecutor:
         # Neither the monitor thread nor anything else outside holds the executor strongly,
         # so an engine dropped by its user (`del llm; gc.collect()`) is collected, and the
         # finalizer stops its ranks then (not only when the interpreter exits).
-        self._finalizer = weakref.finalize(self, _stop_ranks, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, stop_ranks, self._procs, self._conns)
         self._monitor = threading.Thread(
             target=_watch, args=(weakref.ref(self),), name="rank-monitor", daemon=True
         )
@@ -147,14 +152,16 @@ class MultiprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Sends the step to every rank (its output comes back through `collect`)."""
         self.check_health()
-        payload = pickle.dumps(("step", self._builder.build(scheduler_output)))
+        self._send_all(pickle.dumps(("step", self._builder.build(scheduler_output))))
+        self._num_in_flight += 1
+
+    def _send_all(self, payload: bytes) -> None:
         try:
             for conn in self._conns:
                 conn.send_bytes(payload)
         except OSError as exc:
-            self._fail(f"sending a step to the ranks failed: {exc}")
+            self._fail(f"sending to the ranks failed: {exc}")
             self.check_health()
-        self._num_in_flight += 1
 
     def skip(self, scheduler_output: SchedulerOutput) -> None:
         """A step with nothing scheduled is not sent; its bookkeeping goes with the next."""
@@ -163,6 +170,9 @@ class MultiprocExecutor:
     def collect(self) -> ModelRunnerOutput:
         """The oldest in-flight step's output (waits; raises `RankFailedError`)."""
         assert self._num_in_flight > 0, "collect() without a step in flight"
+        if self._early_outputs:  # read while a collective_rpc waited
+            self._num_in_flight -= 1
+            return self._early_outputs.popleft()
         driver = self._conns[self.driver_rank]
         while True:
             self.check_health()
@@ -180,15 +190,54 @@ class MultiprocExecutor:
         self.submit(scheduler_output)
         return self.collect()
 
-    def collective_stats(self) -> list[dict[str, float]]:
-        """Per rank: steps run and time spent in collectives (`CollectiveStats`). Only
-        between steps (nothing in flight)."""
-        if self._num_in_flight:
-            raise RuntimeError("collective_stats() needs every submitted step collected.")
+    # ---- calls to every rank ----------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    ) -> list[Any]:
+        """Runs the `Worker` method `method(*args, **kwargs)` on every rank, after the steps
+        sent before it, and returns the results in rank order (engine/executor/
+        rank_rpc.py). A rank's exception is raised here with its traceback as the cause;
+        the engine goes on. A rank that dies meanwhile fails the executor
+        (`RankFailedError`), and so do ranks that have not answered in `timeout_s`: their
+        late replies would be read as the answers to later calls."""
+        check_rpc_method(method)
         self.check_health()
-        for conn in self._conns:
-            conn.send(("stats", None))
-        return self._gather("stats", 60.0)
+        self._send_all(pickle.dumps(("rpc", (method, tuple(args), dict(kwargs or {})))))
+        replies: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < self.world_size:
+            self.check_health()
+            if time.monotonic() > deadline:
+                silent = [r for r in range(self.world_size) if r not in replies]
+                self._fail(f"ranks {silent} did not answer {method}() in {timeout_s} s")
+                self.check_health()
+            ready = wait([*self._conns, *(p.sentinel for p in self._procs)], timeout=_POLL_S)
+            for rank, conn in enumerate(self._conns):
+                if conn in ready:
+                    self._take_reply(rank, replies)
+            if any(p.sentinel in ready for p in self._procs):
+                self._check_ranks(read_pipes=False)
+        return raise_first_failure(method, [replies[r] for r in range(self.world_size)])
+
+    def _take_reply(self, rank: int, replies: dict[int, tuple[bool, Any]]) -> None:
+        """Reads one message of `rank` while a call waits: its reply, or the output of a
+        step sent before the call (kept for `collect`), or a failure."""
+        kind, payload = self._recv(rank)
+        if kind == "rpc_result":
+            replies[rank] = payload
+        elif kind == "output" and rank == self.driver_rank:
+            self._early_outputs.append(payload)
+        else:
+            self._fail(self._cause(kind, payload))
+
+    def collective_stats(self) -> list[dict[str, float]]:
+        """Per rank: steps run and time spent in collectives (`CollectiveStats`)."""
+        return self.collective_rpc("collective_stats", timeout_s=60.0)
 
     # ---- health -----------------------------------------------------------------------
 
@@ -236,7 +285,7 @@ class MultiprocExecutor:
             for rank, proc in enumerate(self._procs):
                 code = proc.exitcode
                 if code is not None and code != REPORTED_ERROR_EXIT_CODE:
-                    return f"rank {rank} (pid {proc.pid}) died ({_describe_exit(code)})"
+                    return f"rank {rank} (pid {proc.pid}) died ({describe_exit(code)})"
             running = [p.sentinel for p in self._procs if p.exitcode is None]
             left = deadline - time.monotonic()
             if not running or left <= 0:
@@ -299,10 +348,10 @@ class MultiprocExecutor:
         if hasattr(self, "_finalizer"):
             self._finalizer()  # runs _stop_ranks once
         else:  # start-up failed before the finalizer existed
-            _stop_ranks(self._procs, self._conns)
+            stop_ranks(self._procs, self._conns)
 
     def _kill_all(self) -> None:
-        _kill_all(self._procs)
+        kill_all(self._procs)
 
 
 def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:
@@ -324,41 +373,3 @@ def _watch(executor_ref: weakref.ref[MultiprocExecutor]) -> None:
             return
         executor._check_ranks(read_pipes=False)
         del executor
-
-
-def _stop_ranks(procs: list[Any], conns: list[Any]) -> None:
-    """Asks every rank to exit; kills those still alive after a grace period (the
-    executor's shutdown, and its finalizer when it is collected without one)."""
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send(("shutdown", None))
-    deadline = time.monotonic() + 5.0
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    _kill_all(procs)
-    for conn in conns:
-        conn.close()
-
-
-def _kill_all(procs: list[Any]) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    for proc in procs:
-        proc.join(5.0)
-
-
-def _describe_exit(code: int) -> str:
-    """-9 -> "killed by SIGKILL"; 1 -> "exit code 1" (`Process.exitcode` conventions)."""
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

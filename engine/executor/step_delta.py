@@ -34,6 +34,7 @@ class NewRequestData:
     pooling_params: Any  # PoolingParams | None
     seed: int
     rope_length: int  # Request.rope_length (engine/config/rope.py)
+    lora_request: Any = None  # LoRARequest | None: each rank applies its shard of it
 
 
 @dataclass(slots=True)
@@ -106,6 +107,7 @@ class StepDeltaBuilder:
                         request.pooling_params,
                         request.seed,
                         request.rope_length,
+                        request.lora_request,
                     )
                 )
                 sent = self._sent[request.request_id] = _Sent(request.num_output_tokens, [])
@@ -155,6 +157,7 @@ class RequestMirror:
                 new.sampling_params,
                 seed=new.seed,
                 pooling_params=new.pooling_params,
+                lora_request=new.lora_request,
             )
             request.append_output_token_ids(new.output_token_ids)
             request.rope_length = new.rope_length

@@ -7,23 +7,31 @@
 
 Both take a step with `submit(scheduler_output)` and give its `ModelRunnerOutput` back,
 oldest first, with `collect()`; `skip()` takes the bookkeeping of a step with nothing
-scheduled. `runner` is the in-process `ModelRunner` (None when the model lives in other
-processes: LoRA, sleep mode and profiling need it).
+scheduled. Everything else the engine asks of the model's side (LoRA adapters, sleep mode,
+profiling) is `collective_rpc(method, args, kwargs)`: the `Worker` method of that name run
+on every rank, one result per rank (engine/worker/worker.py).
+
+`runner` is the in-process `ModelRunner` for tests and benchmarks that look inside (None
+when the model lives in other processes); the engine itself never reads it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.mp_executor import MultiprocExecutor
 
+# How long the ranks may take to answer a collective_rpc: a level-2 wake-up reloads the
+# model's weights, as long as a start.
+DEFAULT_RPC_TIMEOUT_S = 600.0
+
 
 class Executor(Protocol):
-    runner: Any  # ModelRunner | None
+    runner: Any  # ModelRunner | None: introspection only
     num_blocks: int
     max_concurrent_batches: int
 
@@ -38,6 +46,14 @@ class Executor(Protocol):
 
     def collect(self) -> ModelRunnerOutput: ...
 
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    ) -> list[Any]: ...
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -48,9 +64,10 @@ class UniProcExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         # torch-side: loaded when an engine is built, not when the engine's front is imported
-        from engine.worker.model_runner import ModelRunner
+        from engine.worker.worker import Worker
 
-        self.runner = ModelRunner(config)
+        self.worker = Worker(config)
+        self.runner = self.worker.runner
         self.num_blocks = self.runner.num_blocks
         self._outputs: deque[ModelRunnerOutput] = deque()
 
@@ -59,7 +76,7 @@ class UniProcExecutor:
         return []  # the model runs in this process
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        output = self.runner.execute(scheduler_output)
+        output = self.worker.execute_model(scheduler_output)
         assert output is not None, "a world of one always answers"
         self._outputs.append(output)
 
@@ -68,6 +85,20 @@ class UniProcExecutor:
 
     def collect(self) -> ModelRunnerOutput:
         return self._outputs.popleft()
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+    ) -> list[Any]:
+        """[the worker's `method(*args, **kwargs)`]: a direct call, whose exception
+        propagates as it is (`timeout_s` does not apply: nothing waits on another process)."""
+        from engine.worker.worker import check_rpc_method
+
+        function = getattr(self.worker, check_rpc_method(method))
+        return [function(*args, **(kwargs or {}))]
 
     def check_health(self) -> None:
         return None

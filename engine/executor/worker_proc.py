@@ -7,8 +7,8 @@ Started (spawned) by `MultiprocExecutor`, one per rank. The conversation over it
     rank -> driver   ("kv_ready", None)        caches allocated, warm-up done
     driver -> rank   ("step", StepDelta) ...   pickled once, sent to every rank
     rank -> driver   ("output", ModelRunnerOutput)   the driver rank only
-    driver -> rank   ("stats", None)           (nothing in flight) every rank answers
-    rank -> driver   ("stats", {...})          its steps and collective times
+    driver -> rank   ("rpc", (method, args, kwargs))   a collective_rpc: every rank runs
+    rank -> driver   ("rpc_result", (ok, ...))  the `Worker` method (engine/executor/rank_rpc.py)
     driver -> rank   ("shutdown", None)
     rank -> driver   ("error", text)           any failure, then the process exits with
                                                REPORTED_ERROR_EXIT_CODE
@@ -80,31 +80,30 @@ def _serve(spec: WorkerSpec, conn: Any) -> None:
     # torch-side: in the rank process only (the driver imports this module without torch)
     import torch
 
-    from engine.distributed.communication import COLLECTIVE_STATS
-    from engine.worker.model_runner import ModelRunner
+    from engine.executor.rank_rpc import call_worker
+    from engine.worker.worker import Worker
 
     torch.set_num_threads(spec.num_threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     init_distributed(spec.rank, spec.tp_size, spec.pp_size, spec.init_method, spec.backend)
-    runner = ModelRunner(spec.config, allocate_kv_cache=False)
+    worker = Worker(spec.config, allocate_kv_cache=False)
+    runner = worker.runner
     conn.send(("ready", runner.num_blocks))
     kind, num_blocks = conn.recv()
     assert kind == "init_kv", kind
     runner.initialize_kv_cache(num_blocks)
     conn.send(("kv_ready", None))
     mirror = RequestMirror()
-    num_steps = 0
     while True:
         kind, payload = conn.recv()
         if kind == "shutdown":
             break
-        if kind == "stats":
-            conn.send(("stats", {"num_steps": num_steps, **COLLECTIVE_STATS.as_dict()}))
+        if kind == "rpc":
+            conn.send(("rpc_result", call_worker(worker, *payload)))
             continue
         assert kind == "step", kind
-        output = runner.execute(mirror.apply(payload))
-        num_steps += 1
+        output = worker.execute_model(mirror.apply(payload))
         if runner.is_driver_rank:
             conn.send(("output", output))
     destroy_distributed()

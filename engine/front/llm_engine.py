@@ -65,24 +65,16 @@ _IDLE_WAIT_S = 0.01
 
 class LLMEngine(LLMEngineAdminMixin):
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
-        from engine.lora.manager import LoRAManager  # torch-side: this module imports none
-
         model_config = config.model_config
         self.tokenizer = None
         if not model_config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(model_config.tokenizer_dir or model_config.model_dir)
         self._failure_listeners: list[Callable[[], None]] = []
+        # The model, its KV cache and its LoRA adapters live behind the executor: steps go
+        # through submit/collect, everything else through collective_rpc.
         self.executor = create_executor(config, on_failure=self._on_executor_failure)
-        self.runner = self.executor.runner  # None when the model lives in rank processes
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not collected
-        self.lora_manager: LoRAManager | None = None
-        if config.lora_config is not None:
-            self._require_runner("LoRA adapters")
-            self.lora_manager = LoRAManager(
-                config.lora_config, model_config.hf_config, self.runner.dtype, self.runner.device
-            )
-            self.lora_manager.attach(self.runner.model)
-            self.runner.lora_manager = self.lora_manager
+        self._added_loras: dict[int, Any] = {}  # LoRARequest by id (llm_engine_admin.py)
         # The KV-cache size is decided once, by the runner from the memory budget, and
         # handed on as a value; the engine's config is a resolved copy that records it (the
         # caller's config object is not written to).
@@ -134,6 +126,12 @@ class LLMEngine(LLMEngineAdminMixin):
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
+
+    @property
+    def runner(self) -> Any:
+        """The in-process model runner, for tests and benchmarks that look inside (None
+        when the model lives in rank processes). The engine itself never reads it."""
+        return self.executor.runner
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -244,7 +242,8 @@ class LLMEngine(LLMEngineAdminMixin):
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if lora_request is not None:
-            self._require_lora().add_lora(lora_request)  # loads and checks it if new
+            self._require_lora()
+            self._ensure_lora(lora_request)  # loads and checks it if new
         self.request_builder.check_params(params, priority)
         fairness_key = self.request_builder.check_fairness(fairness_key, fairness_weight)
         if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:

@@ -1,5 +1,7 @@
 """Layers shared by the decoder-only families: attention (fused QKV, optional per-head
-q/k RMSNorm, rotary, the backend call), the gated MLP and the pre-norm decoder layer.
+q/k RMSNorm, rotary, the backend call), the gated MLP and the pre-norm decoder layer that
+every family builds its stack of (DeepSeek-V3's too: its spec picks multi-head latent
+attention, engine/layers/mla.py, and its experts).
 
 Parameter names mirror Hugging Face's except for two fusions that cut the number of ops
 per layer (which dominates on CPU); each fused `Linear` records its shards' sizes in
@@ -25,9 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.distributed.sharding import RowSlice, partition_heads, split_evenly
+from engine.layers.mla import MLAAttention
 from engine.layers.moe import MoESpec
 from engine.layers.ops import (
     GeluTanhAndMul,
@@ -73,6 +76,9 @@ class DecoderSpec:
     attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     moe: MoESpec | None = None  # Mixtral, Qwen3-MoE, GPT-OSS: experts instead of the gated MLP
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head in the softmax's sum
+    # DeepSeek-V3: multi-head latent attention (engine/layers/mla.py, a latent KV cache)
+    # instead of `Attention`.
+    mla: bool = False
 
 
 def make_norm(hidden_size: int, eps: float, spec: DecoderSpec, impl: OpImpl) -> nn.Module:
@@ -183,17 +189,8 @@ class Attention(nn.Module):
             )
             qk = rotary.rotate_(qk, cos, sin)  # [T, H + Hkv, D]
         query, key = qk[:, :num_heads], qk[:, num_heads:]  # [T, H, D], [T, Hkv, D]
-        out = self.attn_backend.forward(
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            self.scale,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap,
-            sinks=self.sinks,
-        )
+        params = AttentionParams(self.scale, self.sliding_window, self.logits_soft_cap, self.sinks)
+        out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, params)
         return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
 
@@ -221,9 +218,25 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # via [T, intermediate]
 
 
+def build_attention(
+    hf_config: Any,
+    spec: DecoderSpec,
+    attn_backend: AttentionBackend,
+    impl: OpImpl,
+    sliding_window: int | None,
+) -> nn.Module:
+    """The layer's attention: multi-head latent attention where the spec says so, else
+    `Attention` (both take the same forward arguments)."""
+    if spec.mla:
+        return MLAAttention(hf_config, attn_backend, impl)
+    return Attention(hf_config, spec, attn_backend, impl, sliding_window)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)); the adds are fused into the
-    next norm (which takes the residual stream as its second input)."""
+    next norm (which takes the residual stream as its second input). Every family's layer:
+    the spec picks the attention (`build_attention`) and the MLP (gated, or its `moe`'s
+    layer outside `moe.dense_layers`)."""
 
     def __init__(
         self,
@@ -236,7 +249,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.self_attn = Attention(hf_config, spec, attn_backend, impl, sliding_window)
+        self.self_attn = build_attention(hf_config, spec, attn_backend, impl, sliding_window)
         self.mlp: nn.Module
         if spec.moe is not None and layer_idx not in spec.moe.dense_layers:
             self.mlp = spec.moe.build(hf_config, impl)  # the spec's own MoE layer

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from engine.layers.decoder_layers import DecoderSpec, GatedMLP
-from engine.layers.moe import grouped_gemm_impl, moe_experts
+from engine.layers.moe import MoESpec, grouped_gemm_impl, moe_experts
 from engine.layers.ops import OpImpl, SiluAndMul
 
 
@@ -108,6 +108,26 @@ class GroupedTopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, hidden]
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
         return select_experts_grouped(logits, self.e_score_correction_bias, self.routing)
+
+
+@dataclass(frozen=True)
+class DeepseekMoESpec(MoESpec):
+    """MoESpec whose layer is `DeepseekMoE` (shared plus routed experts, group-limited
+    top-k: read from the config); the first `first_k_dense_replace` layers are dense."""
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> DeepseekMoESpec:
+        first_dense = int(getattr(hf_config, "first_k_dense_replace", None) or 0)
+        return cls(
+            num_experts=int(hf_config.n_routed_experts),
+            top_k=int(hf_config.num_experts_per_tok),
+            intermediate_size=int(hf_config.moe_intermediate_size),
+            renormalize=bool(getattr(hf_config, "norm_topk_prob", True)),
+            dense_layers=frozenset(range(first_dense)),
+        )
+
+    def build(self, hf_config: Any, impl: OpImpl) -> nn.Module:
+        return DeepseekMoE(hf_config, impl)
 
 
 class DeepseekMoE(nn.Module):

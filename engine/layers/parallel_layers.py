@@ -6,6 +6,8 @@ what). In a world of one each is exactly the plain layer it extends.
   loader reads only those rows. No communication.
 - `RowParallelLinear`: input columns split; each rank's partial product is summed over
   the TP group by one all-reduce. The bias is added once (by TP rank 0, before the sum).
+  A partial hook sees the partial product before the sum (a LoRA update of this rank's
+  columns is added there, as vLLM's row-parallel LoRA layer does).
 - `VocabParallelEmbedding`: vocabulary rows split (padded to a multiple of the TP size);
   ids outside this rank's rows embed to zero, and the all-reduce fills them in. As the LM
   head (tied) its rows give this rank's slice of the logits, which
@@ -14,9 +16,14 @@ what). In a world of one each is exactly the plain layer it extends.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from engine.distributed.communication import tp_all_reduce
 from engine.distributed.parallel_state import get_parallel_rank
@@ -47,6 +54,8 @@ class RowParallelLinear(Linear):
         self.tp_size, self.tp_rank = ranks.tp_size, ranks.tp_rank
         in_features = full_in_features // self.tp_size
         super().__init__(in_features, out_features, bias=bias)
+        # An OrderedDict, as torch's own hook registries: RemovableHandle holds a weakref.
+        self._partial_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         if self.tp_size > 1:  # the loader takes columns [start, start + in_features)
             columns = RowSlice(self.tp_rank * in_features, in_features, full_in_features)
             self.checkpoint_slices = {"weight": (1, (columns,))}
@@ -57,8 +66,18 @@ class RowParallelLinear(Linear):
             with torch.no_grad():
                 self.bias.zero_()
 
+    def register_partial_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """`hook(module, (x,), partial)` runs on this rank's partial product, before the
+        sum over the TP group, and may update it in place (a forward hook would see the
+        sum)."""
+        handle = RemovableHandle(self._partial_hooks)
+        self._partial_hooks[handle.id] = hook
+        return handle
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/tp] -> [T, out]
         out = super().forward(x)
+        for hook in self._partial_hooks.values():
+            hook(self, (x,), out)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 

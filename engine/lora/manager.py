@@ -11,6 +11,15 @@ Fused projections (qkv_proj = q | k | v, gate_up_proj = gate | up) take each par
 in its column range, read from the layer's `output_sizes` and the model's
 `packed_modules_mapping`, so the model code knows nothing of LoRA. A step whose tokens all
 run the base model skips the hooks' work entirely.
+
+Under tensor parallelism each rank applies its shard of an adapter, cut where the layer's
+`checkpoint_slices` cut the base weights (Megatron's layout, as vLLM's LoRA layers)::
+
+    column-parallel (q, k, v, gate, up)   lora_B's rows of this rank; lora_A whole
+    row-parallel (o, down)                lora_A's columns of this rank; lora_B whole, the
+                                          update added to the partial product before the sum
+
+Under pipeline parallelism only this stage's layers are hooked and stacked.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from typing import Any
 import torch
 
 from engine.config.engine_config import LoRAConfig
-from engine.lora.adapter import LoRAAdapter, linear_shapes, load_peft_adapter
+from engine.distributed.sharding import RowSlice
+from engine.lora.adapter import LoRAAdapter, LoRALayerWeights, linear_shapes, load_peft_adapter
 from engine.lora.ops import add_lora, stack_lora_weights
 from engine.lora.request import LoRARequest
 
@@ -41,6 +51,9 @@ class LoRAManager:
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._indices: torch.Tensor | None = None  # [num_tokens] slot, -1 = base
         self._hooks: list[Any] = []
+        self._layers: list[int] = []  # the hooked layers (this pipeline stage's)
+        # module -> (dimension cut, rows kept) where this rank holds a shard (TP)
+        self._shards: dict[str, tuple[int, RowSlice]] = {}
         # The batched update: the Triton kernel on CUDA, grouped GEMMs on the CPU.
         self._add_lora = add_lora
         if device.type == "cuda":
@@ -131,12 +144,13 @@ class LoRAManager:
         adapters = [self._adapters[i] for i in present]
         max_rank = max(a.rank for a in adapters)
         modules = sorted({m for a in adapters for m in a.target_modules})
-        shapes = linear_shapes(self.hf_config)
+        full = linear_shapes(self.hf_config)
+        shapes = {m: self._shard_shape(m, *shape) for m, shape in full.items()}
         stacks = {}
-        for layer in range(int(self.hf_config.num_hidden_layers)):
+        for layer in self._layers:
             for module in modules:
                 out_features, in_features = shapes[module]
-                slots = [a.layer_weights(layer, module) for a in adapters]
+                slots = [self._shard(module, a.layer_weights(layer, module)) for a in adapters]
                 if any(w is not None for w in slots):
                     stacks[(layer, module)] = stack_lora_weights(
                         slots, max_rank, out_features, in_features, self.dtype, self.device
@@ -150,17 +164,49 @@ class LoRAManager:
         for hook in self._hooks:
             hook.remove()
         packed = getattr(model, "packed_modules_mapping", {})
-        self._hooks = []
+        self._hooks, self._layers, self._shards = [], [], {}
+        self._slot_ids, self._stacks = (), {}  # stacks are cut for the hooked layers
         for layer, decoder_layer in enumerate(model.model.layers):
+            hooked = False
             for name, module in decoder_layer.named_modules():
                 leaf = name.rsplit(".", 1)[-1]
                 parts = packed.get(leaf, (leaf,))
                 if not any(p in linear_shapes(self.hf_config) for p in parts):
                     continue
+                self._record_shards(parts, module)
                 sizes = getattr(module, "output_sizes", None) or (module.out_features,)
-                self._hooks.append(
-                    module.register_forward_hook(self._make_hook(layer, parts, sizes))
-                )
+                hook = self._make_hook(layer, parts, sizes)
+                # A row-parallel layer's update goes in before the sum over the TP group.
+                register = getattr(module, "register_partial_hook", module.register_forward_hook)
+                self._hooks.append(register(hook))
+                hooked = True
+            if hooked:
+                self._layers.append(layer)
+
+    def _record_shards(self, parts: tuple[str, ...], module: torch.nn.Module) -> None:
+        """Where `module` holds a shard of each part's weight (nothing in a world of one)."""
+        cut = getattr(module, "checkpoint_slices", {}).get("weight")
+        if cut is None:
+            return
+        dim, slices = cut
+        for part, rows in zip(parts, slices, strict=True):
+            self._shards[part] = (dim, rows)
+
+    def _shard_shape(self, module: str, out_features: int, in_features: int) -> tuple[int, int]:
+        dim, rows = self._shards.get(module, (None, None))
+        if rows is None:
+            return out_features, in_features
+        return (rows.size, in_features) if dim == 0 else (out_features, rows.size)
+
+    def _shard(self, module: str, weights: LoRALayerWeights | None) -> LoRALayerWeights | None:
+        """This rank's part of one layer's update: lora_B's rows of a column-parallel
+        layer, lora_A's columns of a row-parallel one."""
+        dim, rows = self._shards.get(module, (None, None))
+        if weights is None or rows is None:
+            return weights
+        a, b, cut = weights.lora_a, weights.lora_b, slice(rows.start, rows.start + rows.size)
+        a, b = (a, b[cut]) if dim == 0 else (a[:, cut], b)
+        return LoRALayerWeights(a.contiguous(), b.contiguous(), weights.scaling)
 
     def _make_hook(self, layer: int, parts: tuple[str, ...], sizes: Sequence[int]) -> Any:
         bounds = []

@@ -54,9 +54,6 @@ IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderModel(nn.Module):
-    # The layer class a family's stack is built of (DeepSeek-V3 brings its own).
-    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
-
     def __init__(
         self, hf_config: Any, spec: DecoderSpec, attn_backend: AttentionBackend, impl: OpImpl
     ) -> None:
@@ -71,7 +68,7 @@ class DecoderModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         windows = layer_sliding_windows(hf_config)
         self.layers = nn.ModuleList(
-            self.layer_class(hf_config, spec, attn_backend, impl, window, layer_idx)
+            DecoderLayer(hf_config, spec, attn_backend, impl, window, layer_idx)
             if self.start_layer <= layer_idx < self.end_layer
             else PPMissingLayer()
             for layer_idx, window in enumerate(windows)

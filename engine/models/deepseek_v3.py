@@ -19,70 +19,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-from torch import nn
-
-from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.kv_cache_spec import KVCacheSpec, LatentKVSpec
-from engine.layers.decoder_layers import DecoderSpec, GatedMLP
-from engine.layers.deepseek_moe import DeepseekMoE, GroupedTopK
-from engine.layers.mla import MLAAttention
-from engine.layers.ops import OpImpl, RMSNorm
-from engine.layers.rope import RotaryEmbedding
-from engine.models.decoder import DecoderForCausalLM, DecoderModel
+from engine.layers.decoder_layers import DecoderSpec
+from engine.layers.deepseek_moe import DeepseekMoESpec, GroupedTopK
+from engine.models.decoder import DecoderForCausalLM
 from engine.models.mixtral import STACKED_EXPERT_NAMES
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm layer: MLA, then the dense MLP or the MoE; residual adds fused into the next
-    norm, as `DecoderLayer` does (same call signature, so `DecoderModel` drives it)."""
-
-    def __init__(
-        self,
-        hf_config: Any,
-        spec: DecoderSpec,
-        attn_backend: AttentionBackend,
-        impl: OpImpl,
-        sliding_window: int | None = None,
-        layer_idx: int = 0,
-    ) -> None:
-        super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.self_attn = MLAAttention(hf_config, attn_backend, impl)
-        self.mlp: nn.Module
-        if layer_idx >= int(hf_config.first_k_dense_replace or 0):
-            self.mlp = DeepseekMoE(hf_config, impl)
-        else:
-            self.mlp = GatedMLP(hf_config, spec, impl)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, impl)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, hidden_size]
-        residual: torch.Tensor | None,  # None before the first layer
-        rotary: RotaryEmbedding,
-        cos: torch.Tensor,  # [T, 1, qk_rope_head_dim]
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, cos, sin, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class DeepseekV3Model(DecoderModel):
-    layer_class = DeepseekV3DecoderLayer
-
-
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
-    model_class = DeepseekV3Model
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
         "gate_up_proj": ("gate_proj", "up_proj"),  # dense layers and shared experts
     }
@@ -97,7 +41,12 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        return DecoderSpec()  # the dense layers' gated MLP: no biases
+        """The shared `DecoderLayer` with MLA, DeepSeek's experts past the first
+        `first_k_dense_replace` layers, and there a gated MLP without biases."""
+        moe = None
+        if int(config.first_k_dense_replace or 0) < config.num_hidden_layers:
+            moe = DeepseekMoESpec.from_config(config)
+        return DecoderSpec(mla=True, moe=moe)
 
     @classmethod
     def check_config(cls, config: Any) -> None:

@@ -63,6 +63,7 @@ _HEADERS = tuple(
         "quant_fused_avx512.h",
         "quant_gemm_x86.h",
         "kv_dtype.h",
+        "cpu_kernels.h",
     )
 )
 # -ffp-contract=fast: ISO C mode (-std=c11) would otherwise forbid fusing a * b + c into

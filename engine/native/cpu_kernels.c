@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_kernels.h" /* this file's exports that other files call */
 #include "quant_types.h" /* omp_threads / omp_id */
 
 /* One vector register of floats: 16 with AVX-512, else 8. A vector_size wider than the

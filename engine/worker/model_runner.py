@@ -98,9 +98,9 @@ class ModelRunner:
         self.sampler = Sampler(select_argmax(logits_ops))
         self.step_sampler = StepSampler(self)  # sampling, drafts, prompt logprobs
         self.pooler = Pooler(config.pooler_config.pooling_type or "LAST")
-        self.profiler = TorchProfiler(self.device)  # start_profile() / stop_profile()
+        self.profiler = TorchProfiler(self.device, self.ranks.rank)  # start/stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
-        self.lora_manager: LoRAManager | None = None  # set by the engine with enable_lora
+        self.lora_manager: LoRAManager | None = None  # set by the Worker with enable_lora
         self.cuda_graphs = self._make_decode_graphs()  # None: every step runs eagerly
         self.num_blocks = self._determine_num_blocks(config.cache_config)
         self.kv_caches: list[torch.Tensor] = []

@@ -3,9 +3,10 @@
 As vLLM's `VLLM_TORCH_PROFILER_DIR`, the trace directory comes from the environment
 (`PAGEDSERVE_TORCH_PROFILER_DIR`), so an operator turns profiling on for a deployment
 without an API change. Each rank writes one Chrome trace (open it in Perfetto or
-chrome://tracing)::
+chrome://tracing); the ranks of one session share its stamp (the engine's clock when it
+stopped the session), so a tensor/pipeline-parallel session is one file per rank::
 
-    $PAGEDSERVE_TORCH_PROFILER_DIR/pagedserve-rank0-<unix ms>.pt.trace.json
+    $PAGEDSERVE_TORCH_PROFILER_DIR/pagedserve-rank<rank>-<unix ms>.pt.trace.json
 
 While a session runs, the model's forward is a named range (`<ModelClass>.forward`), so
 the trace shows where each step's forward starts and ends among the aten ops.
@@ -53,10 +54,12 @@ class TorchProfiler:
     def is_active(self) -> bool:
         return self._session is not None
 
-    def start(self, model: torch.nn.Module) -> None:
+    def start(self, model: torch.nn.Module, directory: Path | None = None) -> None:
+        """`directory`: where the trace goes (`profiler_dir()` when None; the engine reads
+        it in its own process and hands it to every rank)."""
         if self._session is not None:
             raise RuntimeError("A profiling session is already running: call stop_profile().")
-        directory = profiler_dir()
+        directory = profiler_dir() if directory is None else Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
@@ -67,8 +70,9 @@ class TorchProfiler:
         self._hooks = _name_forward(model)
         logger.info("Torch profiler started; traces go to %s.", directory)
 
-    def stop(self) -> Path:
-        """Ends the session and writes its Chrome trace; returns the file's path."""
+    def stop(self, stamp: int | None = None) -> Path:
+        """Ends the session and writes its Chrome trace; returns the file's path. `stamp`
+        (unix ms; now when None) names the session in the file name."""
         session, directory = self._session, self._directory
         if session is None or directory is None:
             raise RuntimeError("No profiling session is running: call start_profile() first.")
@@ -78,7 +82,9 @@ class TorchProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         session.stop()
-        path = directory / f"pagedserve-rank{self.rank}-{time.time_ns() // 1_000_000}.pt.trace.json"
+        if stamp is None:
+            stamp = time.time_ns() // 1_000_000
+        path = directory / f"pagedserve-rank{self.rank}-{stamp}.pt.trace.json"
         session.export_chrome_trace(str(path))
         logger.info("Torch profiler stopped; trace written to %s.", path)
         return path

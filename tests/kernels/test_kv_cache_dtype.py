@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.backend import AttentionParams
 from engine.attention.triton_backend import TritonAttentionBackend
 from kernels import paged_attention, ref_paged_attention, write_kv_cache
 from tests.kernels._helpers import (
@@ -112,7 +113,7 @@ def test_backend_step_with_an_fp32_model(cache_dtype):
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device())
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device())
     backend = TritonAttentionBackend(device())
-    out = backend.forward(query, key, value, cache, metadata, 0.25)
+    out = backend.forward(query, key, value, cache, metadata, AttentionParams(0.25))
     flat = cache.view(2, -1, num_kv_heads, head_dim)
     stored = flat[0, metadata.slot_mapping].float()
     # Rounded as torch rounds; the interpreter's bf16 stores within one unit in the last

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import AttentionMetadata, get_attention_backend
+from engine.attention.backend import AttentionMetadata, AttentionParams, get_attention_backend
 from engine.attention.triton_backend import TritonAttentionBackend
 from kernels import ref_paged_attention, ref_write_kv_cache
 from tests.kernels._helpers import DTYPES, TOLERANCES, device, make_paged_batch, mixed_batch_lens
@@ -72,7 +72,7 @@ def test_forward_matches_reference_on_mixed_batch(dtype: torch.dtype) -> None:
 
     backend = get_attention_backend("triton", device())
     assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
-    out = backend.forward(query, key, value, batch.kv_cache, metadata, scale)
+    out = backend.forward(query, key, value, batch.kv_cache, metadata, AttentionParams(scale))
 
     torch.testing.assert_close(batch.kv_cache, expected_cache, atol=0, rtol=0)
     assert out.shape == (num_tokens, num_heads, head_dim)

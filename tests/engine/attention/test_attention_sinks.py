@@ -11,9 +11,12 @@ with its context split over threads (few requests), where the sink must count on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from engine.attention.backend import AttentionParams
 from kernels import ref_paged_attention
 from tests.engine.core.test_sliding_window import _backend, _batch
 from tests.triton_utils import import_triton
@@ -66,18 +69,17 @@ def test_backends_add_the_sink_to_the_softmax(backend_name, window, cap, num_hea
     )
     backend = _backend(backend_name)
     sinks = _sinks(num_heads)
-    kwargs = dict(sliding_window=window, logits_soft_cap=cap)
-    out = backend.forward(query, key, value, kv_cache, metadata, scale, sinks=sinks, **kwargs)
-    plain = backend.forward(query, key, value, kv_cache, metadata, scale, **kwargs)
+    params = AttentionParams(scale, sliding_window=window, logits_soft_cap=cap)
+    out = backend.forward(query, key, value, kv_cache, metadata, replace(params, sinks=sinks))
+    plain = backend.forward(query, key, value, kv_cache, metadata, params)
     for (n, q, _), ctx, start in zip(requests, contexts, metadata.query_start_loc_cpu):
         ref = _reference(query[start : start + q], ctx[0], ctx[1], n, scale, sinks, window, cap)
         torch.testing.assert_close(out[start : start + q], ref, atol=3e-5, rtol=1e-4)
     # The dominant sink of head 0 takes most of its weight: its output shrinks.
     assert out[:, 0].norm() < 0.5 * plain[:, 0].norm()
     # Sinks far below every score are (numerically) no sinks.
-    none = backend.forward(
-        query, key, value, kv_cache, metadata, scale, sinks=torch.full_like(sinks, -1e4), **kwargs
-    )
+    far_below = replace(params, sinks=torch.full_like(sinks, -1e4))
+    none = backend.forward(query, key, value, kv_cache, metadata, far_below)
     torch.testing.assert_close(none, plain, atol=2e-5, rtol=1e-4)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from engine import native
 from engine.api.model_files import load_hf_config
+from engine.attention.backend import AttentionParams
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.loader.model_loader import load_model
@@ -71,9 +72,7 @@ def _step(
         value,
         cache,
         metadata,
-        scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+        AttentionParams(scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap),
     )
     assert cache.dtype == cache_dtype and out.dtype == torch.float32
     # This step's keys/values sit in their slots rounded exactly as torch rounds.

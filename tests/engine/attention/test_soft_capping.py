@@ -6,9 +6,12 @@ output (so the reference comparison could fail)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from engine.attention.backend import AttentionParams
 from kernels import ref_paged_attention
 from tests.engine.core.test_sliding_window import _backend, _batch
 from tests.triton_utils import import_triton
@@ -39,18 +42,17 @@ def test_backends_soft_cap_the_scores(backend_name, cap, window, num_heads, num_
         num_heads, num_kv_heads, head_dim, block_size
     )
     backend = _backend(backend_name)
-    out = backend.forward(
-        query, key, value, kv_cache, metadata, scale, sliding_window=window, logits_soft_cap=cap
-    )
-    uncapped = backend.forward(query, key, value, kv_cache, metadata, scale, sliding_window=window)
+    uncapped_params = AttentionParams(scale, sliding_window=window)
+    capped_params = replace(uncapped_params, logits_soft_cap=cap)
+    out = backend.forward(query, key, value, kv_cache, metadata, capped_params)
+    uncapped = backend.forward(query, key, value, kv_cache, metadata, uncapped_params)
     for (n, q, _), ctx, start in zip(requests, contexts, metadata.query_start_loc_cpu):
         ref = _reference(query[start : start + q], ctx[0], ctx[1], n, scale, cap, window)
         torch.testing.assert_close(out[start : start + q], ref, atol=3e-5, rtol=1e-4)
     assert (out - uncapped).abs().max() > 1e-2  # the cap bites at these scores
     # A cap far above every score is (numerically) no cap.
-    loose = backend.forward(
-        query, key, value, kv_cache, metadata, scale, sliding_window=window, logits_soft_cap=1e4
-    )
+    loose_params = replace(uncapped_params, logits_soft_cap=1e4)
+    loose = backend.forward(query, key, value, kv_cache, metadata, loose_params)
     torch.testing.assert_close(loose, uncapped, atol=2e-5, rtol=1e-4)
 
 

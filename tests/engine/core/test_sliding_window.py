@@ -12,7 +12,7 @@ import torch
 
 from engine.api.model_files import load_hf_config
 from engine.api.sampling_params import SamplingParams
-from engine.attention.backend import get_attention_backend
+from engine.attention.backend import AttentionParams, get_attention_backend
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.kv_cache_manager import KVCacheManager
@@ -81,15 +81,17 @@ def test_backends_limit_attention_to_the_window(backend_name, window):
         num_heads, num_kv_heads, head_dim, block_size
     )
     out = _backend(backend_name).forward(
-        query, key, value, kv_cache, metadata, scale, sliding_window=window
+        query, key, value, kv_cache, metadata, AttentionParams(scale, sliding_window=window)
     )
     for (n, q, _), ctx, start in zip(requests, contexts, metadata.query_start_loc_cpu):
         ref = _dense_reference(query[start : start + q], ctx[0], ctx[1], n, scale, window)
         torch.testing.assert_close(out[start : start + q], ref, atol=2e-5, rtol=1e-4)
     # A window as long as every context is full causal attention.
-    full = _backend(backend_name).forward(query, key, value, kv_cache, metadata, scale)
+    full = _backend(backend_name).forward(
+        query, key, value, kv_cache, metadata, AttentionParams(scale)
+    )
     wide = _backend(backend_name).forward(
-        query, key, value, kv_cache, metadata, scale, sliding_window=1000
+        query, key, value, kv_cache, metadata, AttentionParams(scale, sliding_window=1000)
     )
     torch.testing.assert_close(wide, full, atol=2e-6, rtol=1e-5)
 

@@ -122,7 +122,6 @@ def test_default_model(tp, pp) -> None:
             dict(tensor_parallel_size=3, distributed_executor_backend="uni"),
             "distributed_executor_backend='uni' runs one process",
         ),
-        (dict(pipeline_parallel_size=2, enable_lora=True), "enable_lora=True"),
         (dict(pipeline_parallel_size=2, quantization="gguf"), "quantization='gguf' needs"),
     ],
 )

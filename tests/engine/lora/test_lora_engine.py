@@ -120,7 +120,7 @@ def test_max_loras_caps_the_adapters_of_a_batch(lora_dirs) -> None:
     """With max_loras=1, requests of two adapters never share a step; all still finish
     with their own adapter's tokens."""
     llm = make_llm(lora_dirs, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
-    manager = llm.llm_engine.lora_manager
+    manager = llm.llm_engine.runner.lora_manager
     seen: list[set[int]] = []
     real_prepare = manager.prepare
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from engine.api.model_files import load_hf_config
 from engine.attention import torch_backend
+from engine.attention.backend import AttentionParams
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.ops import rms_norm, silu_and_mul
 from engine.loader.model_loader import load_model
@@ -278,13 +279,14 @@ def test_torch_backend_matches_dense_reference(
         key[start : start + q], value[start : start + q] = ctx[0, n:], ctx[1, n:]
     backend = TorchAttentionBackend()
     before = kv_cache.clone()
-    out = backend.forward(query, key, value, kv_cache, metadata, scale)
+    out = backend.forward(query, key, value, kv_cache, metadata, AttentionParams(scale))
     assert out.shape == query.shape
     for (n, q, _), ctx, start in zip(requests, contexts, metadata.query_start_loc_cpu):
         ref = _reference_attention(query[start : start + q], ctx[0], ctx[1], n, scale)
         torch.testing.assert_close(out[start : start + q], ref, atol=1e-5, rtol=1e-5)
     # attend() reads everything from the cache and gives the same answer.
-    torch.testing.assert_close(backend.attend(query, kv_cache, metadata, scale), out)
+    attended = backend.attend(query, kv_cache, metadata, AttentionParams(scale))
+    torch.testing.assert_close(attended, out)
     # Only the step's slots changed.
     num_slots = num_blocks * block_size
     changed = (kv_cache != before).view(2, num_slots, -1).any(-1).any(0).nonzero().squeeze(1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams, native
 from engine.api.model_files import load_hf_config
-from engine.attention.backend import get_attention_backend
+from engine.attention.backend import AttentionParams, get_attention_backend
 from engine.attention.cpu_backend import CPUAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.linear import linear, pack_weight, packing_available
@@ -262,8 +262,9 @@ def test_cpu_backend_matches_torch_backend(num_heads, num_kv_heads):
     value = qkv[:, num_heads + num_kv_heads :]
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     expected_cache = cache.clone()
-    out = CPUAttentionBackend().forward(query, key, value, cache, metadata, scale)
-    expected = TorchAttentionBackend().forward(query, key, value, expected_cache, metadata, scale)
+    params = AttentionParams(scale)
+    out = CPUAttentionBackend().forward(query, key, value, cache, metadata, params)
+    expected = TorchAttentionBackend().forward(query, key, value, expected_cache, metadata, params)
     torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
