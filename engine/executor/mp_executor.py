@@ -45,9 +45,8 @@ from typing import Any
 from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.rank_procs import describe_exit, free_port, kill_all, stop_ranks
-from engine.executor.rank_rpc import raise_first_failure
+from engine.executor.rank_rpc import DEFAULT_RPC_TIMEOUT_S, raise_first_failure
 from engine.executor.step_delta import StepDeltaBuilder
-from engine.executor.uniproc import DEFAULT_RPC_TIMEOUT_S
 from engine.executor.worker_proc import REPORTED_ERROR_EXIT_CODE, WorkerSpec, worker_main
 from engine.worker.worker import check_rpc_method
 

@@ -18,6 +18,10 @@ import pickle
 import traceback
 from typing import Any
 
+# How long the ranks may take to answer a collective_rpc: a level-2 wake-up reloads the
+# model's weights, as long as a start.
+DEFAULT_RPC_TIMEOUT_S = 600.0
+
 
 class RankTraceback(Exception):
     """The traceback of an exception raised in a rank process (shown as the cause)."""

@@ -24,10 +24,7 @@ from typing import Any, Protocol
 from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.mp_executor import MultiprocExecutor
-
-# How long the ranks may take to answer a collective_rpc: a level-2 wake-up reloads the
-# model's weights, as long as a start.
-DEFAULT_RPC_TIMEOUT_S = 600.0
+from engine.executor.rank_rpc import DEFAULT_RPC_TIMEOUT_S
 
 
 class Executor(Protocol):
