@@ -8,7 +8,7 @@
 #   wheels       installs .gpu_wheels/ (scripts/gpu_wheels.sh, carried) if present
 #   tests_gpu    the CUDA-graph token test, the Triton backend against torch, sleep on CUDA
 #   decode       batch-1 decode of the Llama-3.1-8B shape, graphs vs eager, + a profile
-#   kernels      benchmarks/kernels.py: bandwidth of each kernel
+#   kernels      benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
 #   throughput   offline throughput of the 8B shape, graphs vs eager, + transformers
 #   tests_kernels  tests/kernels at full size
 #
@@ -112,9 +112,9 @@ part tests_gpu 120 "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \
     tests/engine/worker/test_cuda_graph_tokens.py \
     tests/kernels/test_engine_triton_backend.py \
     tests/engine/front/test_sleep.py::test_cuda_sleep_gives_device_memory_back
-part decode 110 "$PY" benchmarks/gpu_decode.py "${DECODE_ARGS[@]}"
-part kernels 50 "$PY" benchmarks/kernels.py
-part throughput 110 "$PY" benchmarks/gpu_decode.py "${THROUGHPUT_ARGS[@]}"
+part decode 110 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}"
+part kernels 50 "$PY" benchmarks/gpu/kernel_bandwidth.py
+part throughput 110 "$PY" benchmarks/gpu/gpu_decode.py "${THROUGHPUT_ARGS[@]}"
 part tests_kernels 150 "${PYTEST[@]}" --junitxml="$OUT/tests_kernels.xml" tests/kernels
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

@@ -1,7 +1,7 @@
 """Kernel micro-benchmarks: time, achieved memory bandwidth and its share of the peak.
 
-    python benchmarks/kernels.py                  # peak bandwidth from the device name
-    python benchmarks/kernels.py --peak-gbps 3350 # or given explicitly
+    python benchmarks/gpu/kernel_bandwidth.py                  # peak bandwidth from the device name
+    python benchmarks/gpu/kernel_bandwidth.py --peak-gbps 3350 # or given explicitly
 
 Bandwidth is the bytes a kernel must move (read + write, each byte once) divided by its
 time; for the memory-bound kernels here (decode attention, KV write, RMSNorm, rotary,
@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its own name (kernels.py)
-# would shadow the `kernels` package; put the repository root there instead.
+# Run as a script, this file's folder comes first on sys.path: put the repository root there
+# instead, so that no name in benchmarks/gpu/ can shadow a package (tests/test_benchmarks.py).
 if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 

@@ -1,7 +1,7 @@
 """Quality of the CPU fast paths on the default model: KV cache dtype and the int8 route.
 
-    python benchmarks/cpu_paths_quality.py                    # all configurations
-    python benchmarks/cpu_paths_quality.py --configs ref q4-fp16kv --num-prompts 8
+    python benchmarks/cpu_paths/cpu_paths_quality.py                    # all configurations
+    python benchmarks/cpu_paths/cpu_paths_quality.py --configs ref q4-fp16kv --num-prompts 8
 
 The fast paths change numbers, not only speed: a 16-bit KV cache rounds every K/V row, and
 the int8 route ($PAGEDSERVE_QUANT_ROUTE=int8, engine/layers/quant_select.py) rounds the
@@ -14,7 +14,7 @@ one after another in this process, measured by:
    first); transformers in fp32 on the engine's converted directory is the outside
    reference;
 2. greedy agreement with the fp32 reference engine: `--num-prompts` chat prompts
-   (benchmarks/chat_prompts.py) x `--output-len` greedy tokens (`ignore_eos`), all in one
+   (benchmarks/offline/chat_prompts.py) x `--output-len` greedy tokens (`ignore_eos`), all in one
    batch (so the int8 route applies): the fraction of prompts whose tokens are identical,
    and the mean position of the first differing token (`--output-len` where none differs).
 The reference (`ref`) is the GGUF file's blocks dequantized to fp32 (`quantization=None`), and
@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-    sys.path.insert(1, str(Path(__file__).resolve().parent))
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 
@@ -132,7 +131,7 @@ def run_config(name: str, args, text: str) -> dict:
         os.environ.pop(ROUTE_ENV) if previous is None else os.environ.update({ROUTE_ENV: previous})
     config = llm.llm_engine.get_model_config()
     model_dir = config.model_dir
-    from chat_prompts import chat_prompts
+    from benchmarks.offline.chat_prompts import chat_prompts
 
     text_prompts = windows(llm.get_tokenizer(), text, args.window)
     print(
@@ -182,7 +181,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.configs[0] != "ref":
         args.configs = ["ref", *[c for c in args.configs if c != "ref"]]
-    from throughput import cpu_model
+    from benchmarks.offline.throughput import cpu_model
 
     text, source = corpus()
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")

@@ -1,7 +1,7 @@
 """What serving over gRPC costs: the same offline workload through both services and
 through in-process `LLM.generate`.
 
-    python benchmarks/grpc_overhead.py                 # 64 prompts x 128 tokens, default model
+    python benchmarks/serving/grpc_overhead.py             # 64 prompts x 128 tokens, default model
 
 Random token-id prompts of `--input-len`, `--output-len` greedy tokens each with
 `ignore_eos`. First in-process `LLM.generate` (all prompts at once), then the engine and
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
-from benchmarks.throughput import make_prompts  # noqa: E402
+from benchmarks.offline.throughput import make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402

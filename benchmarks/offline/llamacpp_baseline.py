@@ -1,5 +1,5 @@
 """llama.cpp (through `llama-cpp-python`, not a project dependency) as a baseline on the same
-GGUF file, for benchmarks/throughput.py `--llamacpp-baseline`.
+GGUF file, for benchmarks/offline/throughput.py `--llamacpp-baseline`.
 
 Same prompts (token ids, fed as ids: no tokenizer round trip), same number of new tokens
 (greedy, never stopping at EOS), `threads` threads for both prompt processing and decoding.

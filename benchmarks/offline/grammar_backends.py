@@ -5,7 +5,7 @@ schemas, and the time to fill the token masks of a batch of 64 requests per deco
 (each request walking a valid instance of the schema, at staggered positions so the batch
 holds different grammar states). Prints medians in milliseconds.
 
-    .venv/bin/python benchmarks/grammar_backends.py [--batch 64] [--steps 40]
+    .venv/bin/python benchmarks/offline/grammar_backends.py [--batch 64] [--steps 40]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.loader.model_files import load_tokenizer, resolve_model
 

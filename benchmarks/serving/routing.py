@@ -1,6 +1,6 @@
 """Routing over engine replicas: prefix affinity vs round robin vs one engine, same run.
 
-    python benchmarks/routing.py                  # default model, 8 system prompts x 8 questions
+    python benchmarks/serving/routing.py            # default model, 8 system prompts x 8 questions
 
 A shared-prefix workload: `--num-prefixes` system prompts of `--prefix-len` tokens, each
 followed by `--num-questions` different questions of `--question-len` tokens; the requests
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

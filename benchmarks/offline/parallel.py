@@ -1,7 +1,7 @@
 """Tensor / pipeline parallelism: the same offline workload on one process and on ranks.
 
-    python benchmarks/parallel.py                         # TP=1 vs TP=2 vs PP=2
-    python benchmarks/parallel.py --configs 1x1 2x1 4x1   # TPxPP, e.g. on a GPU machine
+    python benchmarks/offline/parallel.py                         # TP=1 vs TP=2 vs PP=2
+    python benchmarks/offline/parallel.py --configs 1x1 2x1 4x1   # TPxPP, e.g. on a GPU machine
 
 On CPU the comparison is the one that holds the machine fixed: TP=1 with every core as
 intra-op threads against N ranks with cores / N threads each (the executor splits them);
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.throughput import cpu_model, make_prompts, run_engine
+from benchmarks.offline.throughput import cpu_model, make_prompts, run_engine
 from engine import LLM
 
 

@@ -1,8 +1,8 @@
 """What security costs per call: the public API in plaintext, with TLS + API keys, and with
 mutual TLS on both hops + API keys, on one engine, measured in alternating rounds.
 
-    python benchmarks/security_overhead.py                  # default model, 5 rounds
-    python benchmarks/security_overhead.py --rounds 3 --calls 100
+    python benchmarks/serving/security_overhead.py                  # default model, 5 rounds
+    python benchmarks/serving/security_overhead.py --rounds 3 --calls 100
 
 Per set-up: the median latency of a unary call (Tokenize: no engine work, so the transport,
 the interceptors and the key check are most of it), of a short Generate (16 greedy tokens,
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from clients import Client  # noqa: E402

@@ -1,7 +1,7 @@
 """CPU decode attention with an fp32, bf16 and fp16 KV cache (`kv_cache_dtype`).
 
-    python benchmarks/kv_cache_dtype.py                      # SmolLM2's shape, 64 requests
-    python benchmarks/kv_cache_dtype.py --contexts 512 2048 --num-reqs 64 --repeats 30
+    python benchmarks/cpu_paths/kv_cache_dtype.py                    # SmolLM2's shape, 64 requests
+    python benchmarks/cpu_paths/kv_cache_dtype.py --contexts 512 2048 --num-reqs 64 --repeats 30
 
 One layer's decode step of the `cpu` backend's native kernel (engine.native
 .paged_decode_attention): every request's query token over its whole paged context, blocks
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 

@@ -1,7 +1,7 @@
 """Where a batched decode step's time goes, on the default model (offline workload).
 
-    python benchmarks/step_breakdown.py                          # fp32 and GGUF blocks
-    python benchmarks/step_breakdown.py --quantization auto --kv-cache-dtype bfloat16
+    python benchmarks/cpu_paths/step_breakdown.py                          # fp32 and GGUF blocks
+    python benchmarks/cpu_paths/step_breakdown.py --quantization auto --kv-cache-dtype bfloat16
 
 Submits `--num-prompts` random prompts of `--input-len` tokens (`--output-len` tokens each,
 greedy, `ignore_eos`) to one engine, steps it to the end, and reports the mean time of the
@@ -21,12 +21,17 @@ import argparse
 import collections
 import functools
 import random
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
-from throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 
+from benchmarks.offline.throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 from engine import LLM, SamplingParams
 from engine.attention.backend import SplitAttentionBackend
 from engine.layers.linear import Linear

@@ -1,9 +1,9 @@
 """Decode speed and offline throughput of a Llama-3.1-8B-shaped model, with and without CUDA graphs.
 
-    python benchmarks/gpu_decode.py --part decode          # batch-1 ms/token, graphs vs eager
-    python benchmarks/gpu_decode.py --part throughput      # offline tok/s, graphs vs eager
-    python benchmarks/gpu_decode.py --part throughput --hf-prompts 16   # + transformers
-    python benchmarks/gpu_decode.py --shape tiny --device cpu --part all  # a smoke run
+    python benchmarks/gpu/gpu_decode.py --part decode          # batch-1 ms/token, graphs vs eager
+    python benchmarks/gpu/gpu_decode.py --part throughput      # offline tok/s, graphs vs eager
+    python benchmarks/gpu/gpu_decode.py --part throughput --hf-prompts 16   # + transformers
+    python benchmarks/gpu/gpu_decode.py --shape tiny --device cpu --part all  # a smoke run
 
 The model is built on the device from a config.json alone (`load_format="dummy"`: random
 weights, the real model's shapes and dtype, no hub, no 16 GB of files). One engine serves
@@ -188,7 +188,7 @@ def profile_decode(llm: LLM, prompt: list[int], directory: Path) -> None:
 
 
 def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device) -> dict:
-    from throughput import make_prompts
+    from benchmarks.offline.throughput import make_prompts
 
     vocab = llm.llm_engine.get_model_config().vocab_size
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, seed=0)
@@ -273,7 +273,7 @@ def main() -> int:
     parser.add_argument("--profile-dir", default=None, help="torch.profiler tables of decode")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/throughput.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/offline/throughput.py
     device_name = args.device
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"

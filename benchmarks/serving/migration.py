@@ -2,8 +2,8 @@
 stalled or drained under 16 concurrent streams, against an undisturbed run in the same
 invocation (issue 34; docs/deployment.md "What survives what").
 
-    python benchmarks/migration.py                       # default model, 3 runs
-    python benchmarks/migration.py --model DIR --max-tokens 64 --runs 1
+    python benchmarks/serving/migration.py                       # default model, 3 runs
+    python benchmarks/serving/migration.py --model DIR --max-tokens 64 --runs 1
 
 Three engine processes and tokenizer service processes on loopback, all real. Each run
 has four phases of `--streams` greedy streams (random token-id prompts, so prefix affinity
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402

@@ -2,10 +2,10 @@
 `cpu` backend's whole-step path (engine/attention/cpu_decode_step.py), fp32 and GGUF blocks,
 and the fp32 linear methods per weight shape and row bucket (engine/layers/linear_select.py).
 
-    python benchmarks/decode_step.py                    # both, default sizes
-    python benchmarks/decode_step.py --context 256 --repeats 30
-    python benchmarks/decode_step.py --quant-gemm       # only the quantized GEMM table
-    python benchmarks/decode_step.py --gemv             # only the quantized GEMV table
+    python benchmarks/cpu_paths/decode_step.py                    # both, default sizes
+    python benchmarks/cpu_paths/decode_step.py --context 256 --repeats 30
+    python benchmarks/cpu_paths/decode_step.py --quant-gemm       # only the quantized GEMM table
+    python benchmarks/cpu_paths/decode_step.py --gemv             # only the quantized GEMV table
 
 `--quant-gemm` times, for the default model's projection shapes at 32..2048 activation rows,
 the dequantize-GEMM of engine/native/quant_gemm.c on each weight type against the path it
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the repository root, for tests.engine
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,7 @@
 """The tokenizer service's footprint: how fast one more tokenizer replica is ready, and what it
 costs in memory (DESIGN.md: the tier that scales out never loads torch).
 
-    python benchmarks/tokenizer_tier.py [--model DIR_OR_GGUF] [--repeats 3]
+    python benchmarks/serving/tokenizer_tier.py [--model DIR_OR_GGUF] [--repeats 3]
 
 Starts one engine service (the default model unless --model), then, `--repeats` times, a fresh
 `pagedserve tokenizer` process in front of it, and prints per run:
@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from clients import Client  # noqa: E402

@@ -13,7 +13,7 @@ and grammar state, not of compilation (reported separately).
 decode step and the two medians rest on the same number of steps; `--schemas tests` uses the
 test suite's twelve schemas, whose answers mostly end after 10-20 tokens.
 
-    .venv/bin/python benchmarks/structured_outputs.py [--batch 64] [--max-tokens 64] [--repeats 3]
+    python benchmarks/offline/structured_outputs.py [--batch 64] [--max-tokens 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams

@@ -1,7 +1,7 @@
 """The greedy screen (engine/layers/greedy_screen.py) against the fp32 LM head.
 
-    python benchmarks/greedy_screen.py                        # fp32 and GGUF, 3 repeats
-    python benchmarks/greedy_screen.py --quantization auto --repeats 5
+    python benchmarks/cpu_paths/greedy_screen.py                        # fp32 and GGUF, 3 repeats
+    python benchmarks/cpu_paths/greedy_screen.py --quantization auto --repeats 5
 
 For each engine (`--quantization`: none = fp32 weights, auto = the default GGUF blocks):
 1. the head alone on hidden states captured from the engine's own run: the model's
@@ -20,11 +20,15 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import torch
-from chat_prompts import chat_prompts
-from throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 
+from benchmarks.offline.chat_prompts import chat_prompts
+from benchmarks.offline.throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
 from engine import LLM, SamplingParams
 from engine.sample.sampler import native_argmax
 

@@ -1,7 +1,7 @@
 """Fair sharing between tenants: first come, first served vs the virtual token counter.
 
-    python benchmarks/fairness.py                       # default model, batch of 8
-    python benchmarks/fairness.py --num-heavy 300 --plot fairness.png --output fairness.json
+    python benchmarks/offline/fairness.py                       # default model, batch of 8
+    python benchmarks/offline/fairness.py --num-heavy 300 --plot fairness.png --output fairness.json
 
 One engine (in process, `AsyncLLMEngine`, a small batch: `--max-num-seqs`) runs the same
 workload twice, with `fairness="off"` and with `fairness="vtc"`:
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from engine import AsyncLLMEngine, EngineArgs, SamplingParams  # noqa: E402
