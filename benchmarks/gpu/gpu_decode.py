@@ -1,27 +1,44 @@
 """Decode speed and offline throughput of a Llama-3.1-8B-shaped model, with and without CUDA graphs.
 
-    python benchmarks/gpu/gpu_decode.py --part decode          # batch-1 ms/token, graphs vs eager
-    python benchmarks/gpu/gpu_decode.py --part throughput      # offline tok/s, graphs vs eager
+    python benchmarks/gpu/gpu_decode.py --part decode        # batch-1 ms/token, graphs vs eager
+    python benchmarks/gpu/gpu_decode.py --part throughput    # offline tok/s, graphs vs eager
+    python benchmarks/gpu/gpu_decode.py --workloads 128x128 2048x128 1000x1000   # ISL x OSL
     python benchmarks/gpu/gpu_decode.py --part throughput --hf-prompts 16   # + transformers
     python benchmarks/gpu/gpu_decode.py --shape tiny --device cpu --part all  # a smoke run
 
-The model is built on the device from a config.json alone (`load_format="dummy"`: random
-weights, the real model's shapes and dtype, no hub, no 16 GB of files). One engine serves
-both variants: graphs on as built, then off (the runner's graphs set aside), so both see the
-same weights and the greedy tokens can be compared.
+The model is built on the device from a config.json alone (benchmarks/gpu/llama8b.py,
+`load_format="dummy"`). The engine starts as a user's does (`--kv-cache-gib 0`, the
+default: the KV cache takes what the GPU has left after a profile step). One engine serves
+both variants: graphs on as built, then off (the runner's graphs set aside), so both see
+the same weights and the greedy tokens can be compared.
 
 Batch-1 decode: ms per output token is the difference between a request of
 `1 + decode_tokens` tokens and one of 1 token, over `decode_tokens` (prefill and start-up
-cancel). Weight-bandwidth utilisation is the bytes of weights a decode step reads (every
-parameter except the input embedding, of which a step reads one row) per token time, as a
-share of the device's measured copy bandwidth (bytes read + written by a device-to-device
-copy); gpt-fast reports ~69 % at batch 1, the issue's goal is >= 75 %.
+cancel), the median of `--repeats`. Weight-bandwidth utilisation is the bytes a decode step
+reads (every parameter except the input embedding, of which a step reads one row) per token
+time, as a share of the device's measured copy bandwidth; gpt-fast reports ~69 % at batch 1.
 
-Offline throughput: `--num-prompts` random prompts of `--input-len` ids, `--output-len` new
-tokens each with ignore_eos, all submitted at once (vLLM's `bench throughput`). The figures
-published for this shape on one H100 in bf16 (1,000 prompts of 1,024 in / 128 out) are
-vLLM ~12.5k and SGLang ~16k output tokens/s. `--hf-prompts N` also runs transformers
-`generate` on the first N prompts (one batch) and ours on the same N.
+Offline throughput, per `--workloads` ISL x OSL: `--num-prompts` random prompts, OSL new
+tokens each with ignore_eos, all submitted at once (vLLM's `bench throughput`). Each
+variant first runs the whole workload once untimed (every prefill chunk size and decode
+batch size the timed runs make, so Triton's compilations and cuBLAS's choices are made),
+then `--repeats` timed runs, each from an empty prefix cache; printed: min / median / max
+and the spread (max - min over the median), the preemptions per run, and the roofline
+bound of the run (benchmarks/gpu/roofline.py: prefill at the measured matmul rate, decode
+steps at the measured copy bandwidth). For 128/128, 2048/128 and 1000/1000, TensorRT-LLM's
+published Llama-3.1-8B FP8 figures are printed beside ours (their FP8, our bf16).
+
+Why an earlier version of this script measured 14.3 s (graphs) and 13.9 s (eager) for 200 x
+(1,024 in / 128 out), where a plain `LLM.generate` of the same prompts took 8.4 s, read from
+the code (the GPU run to confirm it is part of scripts/gpu_check.sh, which prints the
+preemptions): the script gave the engine a fixed 24 GiB KV cache, 196,608 tokens of the 8B
+shape in bf16 (128 KiB per token), while the run needs 230,400 (200 x 1,152) at its end;
+about 190 requests fit at once, and as their outputs grew the scheduler preempted the
+latest ones and recomputed their 1,024-token prompts, and the last requests decoded in a
+small batch after the others. A run with enough cache (the GPU's profiled budget: ~100 GiB
+on an H200) has neither. Both variants paid it, which is why graphs did not help there.
+Also, no run but the first was warmed beyond 2 prompts, and each variant was timed once;
+both are fixed here (the warm-up run, three timed runs with their spread).
 
 Start-up (seconds until `LLM(...)` returns), the first token after it, and peak GPU
 memory are printed too. `--output-json` writes every figure.
@@ -40,57 +57,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import torch
 
+from benchmarks.gpu.llama8b import SHAPES, write_model_dir
+from benchmarks.gpu.roofline import (
+    copy_bandwidth_gbps,
+    matmul_tflops,
+    model_figures,
+    offline_bound_s,
+    sync,
+    trtllm_line,
+)
 from engine import LLM, SamplingParams
-
-SHAPES: dict[str, dict[str, Any]] = {
-    # meta-llama/Llama-3.1-8B's config.json (shapes, rope and vocabulary)
-    "llama-3.1-8b": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-        rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    # a smoke-test shape (CPU, or a quick check of the script on a GPU)
-    "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    ),
-}  # fmt: skip
-PUBLISHED_8B_H100_OUTPUT_TOK_S = {"vLLM": 12_500, "SGLang": 16_000}
-
-
-def write_config(shape: str, directory: Path) -> Path:
-    from transformers import LlamaConfig
-
-    LlamaConfig(**SHAPES[shape]).save_pretrained(directory)
-    return directory
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth_gbps(device: torch.device, num_bytes: int) -> float:
-    """Bytes read + written per second by a device-to-device copy (the best of 10)."""
-    src = torch.empty(num_bytes // 2, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best / 1e9
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -137,10 +118,7 @@ def part_decode(llm: LLM, args: argparse.Namespace, copy_gbps: float, weight_byt
     vocab = llm.llm_engine.get_model_config().vocab_size
     prompt = [100 + (i * 7919) % (vocab - 100) for i in range(args.prompt_len)]
     results = {}
-    graphs = llm.llm_engine.runner.cuda_graphs
-    variants = [("graphs", contextlib.nullcontext())] if graphs is not None else []
-    variants.append(("eager", graphs_off(llm)))
-    for name, context in variants:
+    for name, context in variants(llm):
         with context:
             result = decode_ms_per_token(llm, prompt, args.decode_tokens, args.repeats)
         ms = result["ms_per_token"]
@@ -173,10 +151,7 @@ def profile_decode(llm: LLM, prompt: list[int], directory: Path) -> None:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    graphs = llm.llm_engine.runner.cuda_graphs
-    variants = [("graphs", contextlib.nullcontext())] if graphs is not None else []
-    variants.append(("eager", graphs_off(llm)))
-    for name, context in variants:
+    for name, context in variants(llm):
         with context:
             timed_generate(llm, [prompt], 17)  # warm
             with profile(activities=activities) as prof:
@@ -187,51 +162,108 @@ def profile_decode(llm: LLM, prompt: list[int], directory: Path) -> None:
         print(f"profile of 16 decode steps [{name}] -> {directory}/decode_profile_{name}.txt")
 
 
-def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device) -> dict:
+def parse_workload(text: str) -> tuple[int, int]:
+    """`1024x128` -> (ISL, OSL)."""
+    isl, sep, osl = text.partition("x")
+    if not sep or not isl.isdigit() or not osl.isdigit() or int(isl) < 1 or int(osl) < 1:
+        raise argparse.ArgumentTypeError(f"a workload is ISLxOSL, e.g. 1024x128; got {text!r}")
+    return int(isl), int(osl)
+
+
+def preemptions(llm: LLM) -> float:
+    return llm.llm_engine.metrics.num_preemptions._value.get()
+
+
+def timed_runs(llm: LLM, prompts: list[list[int]], osl: int, repeats: int) -> dict:
+    """One untimed run of the whole workload (every shape the timed runs use), then
+    `repeats` timed ones; seconds of each, their spread, the preemptions per run."""
+    timed_generate(llm, prompts, osl)
+    seconds, preempted = [], []
+    for _ in range(repeats):
+        before = preemptions(llm)
+        elapsed, _ = timed_generate(llm, prompts, osl)
+        seconds.append(elapsed)
+        preempted.append(preemptions(llm) - before)
+    median = statistics.median(seconds)
+    return {
+        "runs_s": seconds,
+        "min_s": min(seconds),
+        "median_s": median,
+        "max_s": max(seconds),
+        "spread": (max(seconds) - min(seconds)) / median,
+        "preemptions_per_run": preempted,
+    }
+
+
+def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device, peak: dict) -> dict:
     from benchmarks.offline.throughput import make_prompts
 
-    vocab = llm.llm_engine.get_model_config().vocab_size
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab, seed=0)
-    timed_generate(llm, prompts[:2], 4)  # any first-use cost out of the timing
+    model_config = llm.llm_engine.get_model_config()
+    runner = llm.llm_engine.runner
+    figures = model_figures(model_config.hf_config, runner.dtype, runner.kv_cache_dtype)
+    max_num_seqs = llm.llm_engine.get_scheduler_config().max_num_seqs
     results: dict[str, Any] = {}
-    graphs = llm.llm_engine.runner.cuda_graphs
-    variants = [("graphs", contextlib.nullcontext())] if graphs is not None else []
-    variants.append(("eager", graphs_off(llm)))
-    for name, context in variants:
-        with context:
-            elapsed, _ = timed_generate(llm, prompts, args.output_len)
-        out_tok_s = len(prompts) * args.output_len / elapsed
-        total_tok_s = len(prompts) * (args.input_len + args.output_len) / elapsed
-        results[name] = {
-            "elapsed_s": elapsed,
-            "output_tok_s": out_tok_s,
-            "total_tok_s": total_tok_s,
-        }
+    for isl, osl in args.workloads:
+        prompts = make_prompts(args.num_prompts, isl, model_config.vocab_size, seed=0)
+        n_out = len(prompts) * osl
+        bound = offline_bound_s(
+            figures, len(prompts), isl, osl, max_num_seqs, peak["tflops"], peak["copy_gbps"]
+        )
+        label = f"offline {len(prompts)} x ({isl} in, {osl} out)"
+        workload: dict[str, Any] = {"num_prompts": len(prompts), "bound": bound}
+        for name, context in variants(llm):
+            with context:
+                runs = timed_runs(llm, prompts, osl, args.repeats)
+            runs["output_tok_s"] = n_out / runs["median_s"]
+            runs["total_tok_s"] = len(prompts) * (isl + osl) / runs["median_s"]
+            workload[name] = runs
+            print(
+                f"{label} [{name:>6}]: {runs['output_tok_s']:9.1f} output tok/s, "
+                f"{runs['total_tok_s']:9.1f} total tok/s; s min {runs['min_s']:.2f} / median "
+                f"{runs['median_s']:.2f} / max {runs['max_s']:.2f} (spread "
+                f"{100 * runs['spread']:.1f} %), preemptions {runs['preemptions_per_run']}",
+                flush=True,
+            )
+        best = min(r["median_s"] for k, r in workload.items() if k in ("graphs", "eager"))
         print(
-            f"offline {len(prompts)} x ({args.input_len} in, {args.output_len} out) [{name:>6}]: "
-            f"{out_tok_s:9.1f} output tok/s, {total_tok_s:9.1f} total tok/s ({elapsed:.1f} s)",
+            f"  roofline bound {bound['total_s']:.2f} s (prefill {bound['prefill_s']:.2f} s at "
+            f"{peak['tflops']:.3g} TFLOP/s, decode {bound['decode_s']:.2f} s at "
+            f"{peak['copy_gbps']:.0f} GB/s): the best median is {best / bound['total_s']:.2f}x "
+            "the bound",
             flush=True,
         )
-    if args.shape == "llama-3.1-8b":
-        best = max(r["output_tok_s"] for r in results.values())
-        for system, figure in PUBLISHED_8B_H100_OUTPUT_TOK_S.items():
-            print(f"  against {system}'s published ~{figure} output tok/s: {best / figure:.2f}x")
+        if args.shape == "llama-3.1-8b" and (
+            line := trtllm_line(peak["device"], isl, osl, n_out / best)
+        ):
+            print(line, flush=True)
+        results[f"{isl}x{osl}"] = workload
     if args.hf_prompts:
-        results["transformers"] = hf_generate(llm, args, prompts[: args.hf_prompts], device)
+        isl, osl = args.workloads[0]
+        prompts = make_prompts(args.hf_prompts, isl, model_config.vocab_size, seed=0)
+        results["transformers"] = hf_generate(llm, args, prompts, osl, device)
     return results
 
 
-def hf_generate(llm: LLM, args: argparse.Namespace, prompts: list[list[int]], device) -> dict:
+def variants(llm: LLM) -> list[tuple[str, Any]]:
+    """("graphs", as built) when the engine captured graphs, and ("eager", graphs set aside)."""
+    graphs = llm.llm_engine.runner.cuda_graphs
+    found = [("graphs", contextlib.nullcontext())] if graphs is not None else []
+    return [*found, ("eager", graphs_off(llm))]
+
+
+def hf_generate(
+    llm: LLM, args: argparse.Namespace, prompts: list[list[int]], osl: int, device
+) -> dict:
     """transformers `generate` on the same shape (its own random weights: speed only), one
     batch of `prompts`, against ours on the same prompts."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[args.shape])
+    config = LlamaConfig(**SHAPES[args.shape])  # the shape's own vocabulary
     dtype = getattr(torch, llm.llm_engine.get_model_config().dtype)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
     ids = torch.tensor(prompts, device=device)  # equal lengths: no padding
-    kwargs = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len)
+    kwargs = dict(do_sample=False, max_new_tokens=osl, min_new_tokens=osl)
     with torch.inference_mode():
         model.generate(input_ids=ids[:1], max_new_tokens=2, min_new_tokens=2)  # warm-up
         sync(device)
@@ -242,8 +274,9 @@ def hf_generate(llm: LLM, args: argparse.Namespace, prompts: list[list[int]], de
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    ours_s, _ = timed_generate(llm, prompts, args.output_len)
-    n = len(prompts) * args.output_len
+    timed_generate(llm, prompts, osl)  # warm, as the transformers run was
+    ours_s, _ = timed_generate(llm, prompts, osl)
+    n = len(prompts) * osl
     print(
         f"transformers generate, {len(prompts)} prompts in one batch: {n / hf_s:9.1f} output "
         f"tok/s; ours on the same: {n / ours_s:9.1f} ({hf_s / ours_s:.2f}x)",
@@ -252,38 +285,50 @@ def hf_generate(llm: LLM, args: argparse.Namespace, prompts: list[list[int]], de
     return {"hf_output_tok_s": n / hf_s, "ours_output_tok_s": n / ours_s}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--part", choices=["decode", "throughput", "all"], default="all")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--kv-cache-gib", type=float, default=24.0, help="0: profile the GPU")
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=0.0, help="0 (default): what the GPU has left"
+    )
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--prompt-len", type=int, default=128, help="batch-1 decode's prompt")
     parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant")
     parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--workloads", type=parse_workload, nargs="+", default=[(1024, 128)], help="ISLxOSL"
+    )
     parser.add_argument("--hf-prompts", type=int, default=0, help="transformers on N prompts")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--profile-dir", default=None, help="torch.profiler tables of decode")
-    args = parser.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/offline/throughput.py
-    device_name = args.device
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_name)
-    copy_gbps = copy_bandwidth_gbps(device, 2 << 30 if device.type == "cuda" else 256 << 20)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{where}: device copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+
+def measure_device(device: torch.device) -> dict:
+    """The copy bandwidth and matmul rate of the device (the roofline's two ceilings)."""
+    on_gpu = device.type == "cuda"
+    copy_gbps = copy_bandwidth_gbps(device, 2 << 30 if on_gpu else 256 << 20)
+    tflops = matmul_tflops(
+        device, 8192 if on_gpu else 512, torch.bfloat16 if on_gpu else torch.float32
+    )
+    name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
+    print(
+        f"{name}: device copy bandwidth {copy_gbps:.0f} GB/s (read + write), "
+        f"{'bf16' if on_gpu else 'fp32'} matmul {tflops:.3g} TFLOP/s",
+        flush=True,
+    )
+    return {"device": name, "copy_gbps": copy_gbps, "tflops": tflops}
+
+
+def start_engine(args: argparse.Namespace, device_name: str) -> tuple[LLM, float, float]:
+    """The engine over a dummy model directory: (llm, seconds to ready, first token s)."""
     kv_bytes = int(args.kv_cache_gib * 2**30) or None
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_config(args.shape, Path(tmp))
+        model_dir = write_model_dir(args.shape, Path(tmp))
         start = time.perf_counter()
         llm = LLM(
             model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
@@ -293,30 +338,44 @@ def main() -> int:
         )  # fmt: skip
         start_s = time.perf_counter() - start
         first_s, _ = timed_generate(llm, [[100] * args.prompt_len], 1)
+    return llm, start_s, first_s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+    device_name = args.device
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    peak = measure_device(device)
+    llm, start_s, first_s = start_engine(args, device_name)
     runner = llm.llm_engine.runner
     weight_bytes = decode_weight_bytes(runner.model)
     graphs = runner.cuda_graphs
     results: dict[str, Any] = {
-        "device": where,
+        **peak,
         "torch": torch.__version__,
         "shape": args.shape,
         "dtype": llm.llm_engine.get_model_config().dtype,
-        "copy_gbps": copy_gbps,
         "weight_bytes_per_token": weight_bytes,
+        "kv_cache_tokens": runner.num_blocks * runner.block_size,
         "start_s": start_s,
         "first_token_s": first_s,
         "cuda_graph_sizes": graphs.captured_sizes if graphs is not None else [],
     }
     print(
         f"{args.shape} ({results['dtype']}, {weight_bytes / 1e9:.2f} GB of decode weights): "
-        f"ready in {start_s:.1f} s, first token {first_s * 1e3:.0f} ms after; CUDA graphs "
-        f"for {len(results['cuda_graph_sizes'])} batch sizes",
+        f"ready in {start_s:.1f} s, first token {first_s * 1e3:.0f} ms after; KV cache of "
+        f"{results['kv_cache_tokens']} tokens; CUDA graphs for "
+        f"{len(results['cuda_graph_sizes'])} batch sizes",
         flush=True,
     )
     if args.part in ("decode", "all"):
-        results["decode"] = part_decode(llm, args, copy_gbps, weight_bytes)
+        results["decode"] = part_decode(llm, args, peak["copy_gbps"], weight_bytes)
     if args.part in ("throughput", "all"):
-        results["throughput"] = part_throughput(llm, args, device)
+        results["throughput"] = part_throughput(llm, args, device, peak)
     if device.type == "cuda":
         results["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         print(f"peak GPU memory allocated: {results['peak_gpu_gib']:.1f} GiB")
