@@ -66,3 +66,16 @@ def test_every_benchmark_starts_as_the_gpu_check_runs_it() -> None:
     assert failed == {}
     helps = [output for path, rc, output in results if "usage:" in output]
     assert len(helps) >= 24  # every script with a main printed its usage
+
+
+def test_the_gpu_check_names_scripts_and_tests_that_exist() -> None:
+    """Every benchmark and test path scripts/gpu_check.sh runs is there (a renamed file
+    would otherwise surface only on the GPU machine), and bash parses the script."""
+    import re
+
+    script = ROOT / "scripts" / "gpu_check.sh"
+    text = script.read_text()
+    paths = set(re.findall(r"\b((?:benchmarks|tests)/[\w/]+\.py)", text))
+    assert {"benchmarks/gpu/serving_sweep.py", "benchmarks/gpu/gpu_decode.py"} <= paths
+    assert sorted(p for p in paths if not (ROOT / p).is_file()) == []
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

@@ -199,14 +199,22 @@ def timed_runs(llm: LLM, prompts: list[list[int]], osl: int, repeats: int) -> di
     }
 
 
-def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device, peak: dict) -> dict:
+def part_throughput(
+    llm: LLM,
+    args: argparse.Namespace,
+    device: torch.device,
+    peak: dict,
+    results: dict[str, Any],
+    on_progress: Any = None,
+) -> dict:
+    """Each workload's runs into `results`; `on_progress()` after each (the caller saves
+    what it has)."""
     from benchmarks.offline.throughput import make_prompts
 
     model_config = llm.llm_engine.get_model_config()
     runner = llm.llm_engine.runner
     figures = model_figures(model_config.hf_config, runner.dtype, runner.kv_cache_dtype)
     max_num_seqs = llm.llm_engine.get_scheduler_config().max_num_seqs
-    results: dict[str, Any] = {}
     for index, (isl, osl, count) in enumerate(args.workloads):
         prompts = make_prompts(count or args.num_prompts, isl, model_config.vocab_size, seed=0)
         n_out = len(prompts) * osl
@@ -242,6 +250,8 @@ def part_throughput(llm: LLM, args: argparse.Namespace, device: torch.device, pe
         ):
             print(line, flush=True)
         results[f"{isl}x{osl}"] = workload
+        if on_progress is not None:
+            on_progress()
     if args.hf_prompts:
         isl, osl, _ = args.workloads[0]
         prompts = make_prompts(args.hf_prompts, isl, model_config.vocab_size, seed=0)
@@ -382,15 +392,21 @@ def main() -> int:
         f"{len(results['cuda_graph_sizes'])} batch sizes",
         flush=True,
     )
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(results, indent=2, default=str))
+
     if args.part in ("decode", "all"):
         results["decode"] = part_decode(llm, args, peak["copy_gbps"], weight_bytes)
+        save()
     if args.part in ("throughput", "all"):
-        results["throughput"] = part_throughput(llm, args, device, peak)
+        results["throughput"] = {}
+        part_throughput(llm, args, device, peak, results["throughput"], save)
     if device.type == "cuda":
         results["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         print(f"peak GPU memory allocated: {results['peak_gpu_gib']:.1f} GiB")
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(results, indent=2, default=str))
+    save()
     return 0
 
 

@@ -16,7 +16,7 @@ process.
    `--output-len` prompts (max(8, min(2c, 128), c) of them, all sent at once, at most c in
    flight), reporting TTFT, TPOT and output tok/s, and the CPU seconds each service process
    (engine, tokenizer) used during the level per 1,000 output tokens (psutil: user + system,
-   the process and its children).
+   the process and its children; the level's two warm-up requests counted in both).
 4. The services stopped, the same requests (the same seed gives the same token ids) through
    `LLM(model=DIR, load_format="dummy")` in this process, c in flight at a time (the LLM's
    engine driven step by step: TTFT and TPOT per request as the services report them), and
@@ -50,6 +50,7 @@ import psutil
 from benchmarks.gpu.llama8b import SHAPES, default_tokenizer_dir, describe, write_model_dir
 
 CHAT_PROMPT = "Why is the sky blue?"
+NUM_WARMUPS = 2  # requests bench serve sends first, untimed, at each level
 
 
 def _free_port() -> int:
@@ -153,7 +154,7 @@ def served_level(services: Services, args: argparse.Namespace, c: int, log_dir: 
     bench = services.client(
         "bench", "serve", "--num-prompts", str(num_requests(c)),
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--max-concurrency", str(c), "--request-rate", "inf", "--num-warmups", "2",
+        "--max-concurrency", str(c), "--request-rate", "inf", "--num-warmups", str(NUM_WARMUPS),
         "--disable-tqdm", "--save-result", "--result-dir", str(log_dir),
         "--result-filename", name,
         timeout=args.level_timeout,
@@ -164,7 +165,8 @@ def served_level(services: Services, args: argparse.Namespace, c: int, log_dir: 
     result = json.loads((log_dir / name).read_text())
     if result["failed"]:
         raise RuntimeError(f"{result['failed']} requests failed: {result['errors'][:3]}")
-    tokens_k = result["total_output_tokens"] / 1000
+    # the CPU seconds include the warm-up requests' tokens too (ignore_eos: output_len each)
+    tokens_k = (result["total_output_tokens"] + NUM_WARMUPS * args.output_len) / 1000
     return {
         "requests": result["completed"],
         "ttft_ms": result["median_ttft_ms"],
@@ -235,6 +237,12 @@ def _row(label: str, r: dict) -> str:
     )
 
 
+def save(args: argparse.Namespace, results: dict) -> None:
+    """Written after every stage: a run cut short by its time limit keeps what it measured."""
+    if args.output_json:
+        args.output_json.write_text(json.dumps(results, indent=2))
+
+
 def run_in_process(model_dir: Path, args: argparse.Namespace, vocab: int, results: dict) -> None:
     from clients.bench import random_dataset
     from engine import LLM
@@ -244,11 +252,12 @@ def run_in_process(model_dir: Path, args: argparse.Namespace, vocab: int, result
     results["in_process_ready_s"] = time.perf_counter() - start
     for c in args.concurrency:
         requests = random_dataset(num_requests(c), args.input_len, args.output_len, 0.0, vocab)
-        in_process_level(llm, requests[:2], 2)  # warm-up, as bench serve's --num-warmups
+        in_process_level(llm, requests[:NUM_WARMUPS], NUM_WARMUPS)  # as bench serve's
         llm.llm_engine.reset_prefix_cache()
         r = in_process_level(llm, requests, c)
         results["levels"][str(c)]["in_process"] = r
         print(_row(f"c={c} in process", r), flush=True)
+        save(args, results)
     largest = max(args.concurrency)
     requests = random_dataset(num_requests(largest), args.input_len, args.output_len, 0.0, vocab)
     results["llm_generate"] = generate_all(llm, requests)
@@ -290,12 +299,12 @@ def main() -> int:
                 r = served_level(services, args, c, log_dir)
                 results["levels"][str(c)] = {"served": r}
                 print(_row(f"c={c} served", r), flush=True)
+                save(args, results)
         finally:
             services.stop()
         if not args.skip_in_process:
             run_in_process(model_dir, args, vocab, results)
-    if args.output_json:
-        args.output_json.write_text(json.dumps(results, indent=2))
+    save(args, results)
     return 0
 
 
