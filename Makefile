@@ -45,10 +45,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) benchmarks/throughput.py --hf-baseline --single-stream --repeats 3
+	$(PY) benchmarks/offline/throughput.py --hf-baseline --single-stream --repeats 3
 
 bench-grpc: $(STAMP)
-	$(PY) benchmarks/grpc_overhead.py
+	$(PY) benchmarks/serving/grpc_overhead.py
 
 clean:
 	rm -rf $(VENV)

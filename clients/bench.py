@@ -1,5 +1,5 @@
 """`pagedserve bench serve`: a serving benchmark against the public API (after
-`vllm bench serve`). Also `python benchmarks/serve.py`.
+`vllm bench serve`). Also `python benchmarks/serving/serve.py`.
 
     pagedserve bench serve --num-prompts 32 --random-input-len 64 --random-output-len 64 \\
         --request-rate inf --max-concurrency 16 --save-result
@@ -308,7 +308,7 @@ def main_serve(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python benchmarks/serve.py ...`: the same as `pagedserve bench serve ...`."""
-    parser = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__)
+    """`python benchmarks/serving/serve.py ...`: the same as `pagedserve bench serve ...`."""
+    parser = argparse.ArgumentParser(prog="benchmarks/serving/serve.py", description=__doc__)
     add_serve_args(parser)
     return main_serve(parser.parse_args(argv))

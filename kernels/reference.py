@@ -120,7 +120,7 @@ def ref_moe_experts(
 ) -> torch.Tensor:
     """A mixture-of-experts MLP as transformers computes it (one-hot mask, a Python loop
     over the experts hit, gather and index_add each): the reference of the grouped paths
-    (engine/layers/moe.py) and the baseline of benchmarks/moe.py. w13 [E, 2 I, H] holds
+    (engine/layers/moe.py) and the baseline of benchmarks/cpu_paths/moe.py. w13 [E, 2 I, H] holds
     each expert's gate | up rows, w2 [E, H, I]; weights and ids are [T, top_k]."""
     out = torch.zeros_like(x)
     mask = F.one_hot(ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # [E, top_k, T]

@@ -1,31 +1,44 @@
 #!/usr/bin/env bash
-# The GPU run of issue 33 as one non-interactive command (docs/gpu.md): about 8 minutes on
-# one H100 or H200, every result under $OUT, printed as it goes. Each part has its own
-# timeout, capped by what is left of the whole budget (GPU_CHECK_BUDGET seconds, 480), so a
-# hang costs that part only. The parts, most important first:
+# The GPU check as one non-interactive command (docs/gpu.md): about 8 minutes on one H100 or
+# H200. Each part has its own timeout, capped by what is left of the whole budget
+# (GPU_CHECK_BUDGET seconds, 480), so a hang costs that part only. The parts, most
+# important first:
 #
-#   env          nvidia-smi; torch, triton, CUDA and driver versions
-#   wheels       installs .gpu_wheels/ (scripts/gpu_wheels.sh, carried) if present
-#   tests_gpu    the CUDA-graph token test, the Triton backend against torch, sleep on CUDA
-#   decode       batch-1 decode of the Llama-3.1-8B shape, graphs vs eager, + a profile
-#   kernels      benchmarks/kernels.py: bandwidth of each kernel
-#   throughput   offline throughput of the 8B shape, graphs vs eager, + transformers
+#   env            nvidia-smi; torch, triton, CUDA and driver versions
+#   wheels         installs .gpu_wheels/ (scripts/gpu_wheels.sh) if present
+#   tests_gpu      the CUDA-graph tokens, the default GPU start, the Triton backend against
+#                  torch, sleep on CUDA
+#   serving        benchmarks/gpu/serving_sweep.py: both services started as README and
+#                  docker/compose.gpu.yml start them (default flags), health, a chat answer,
+#                  `pagedserve bench serve` at concurrency 1, 16, 64, 256 (128 in / 256 out)
+#                  with the services' CPU seconds, beside the same requests in process
+#   throughput     benchmarks/gpu/gpu_decode.py: batch-1 decode (graphs vs eager, a profile),
+#                  then offline throughput per ISL x OSL (x prompts): a warm-up run and three
+#                  timed runs each, the spread, the roofline bound, TensorRT-LLM's FP8 table
 #   tests_kernels  tests/kernels at full size
+#   kernels        benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
 #
-#   OUT=/tmp/out scripts/gpu_check.sh             # everything
-#   OUT=/tmp/out scripts/gpu_check.sh decode kernels   # only these parts
+#   OUT=/tmp/out scripts/gpu_check.sh                    # everything
+#   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
+#   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh               # the whole wiring, tiny, on a CPU
 #
-#   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh decode throughput   # the wiring, tiny, on CPU
-#
-# $OUT/summary.txt lists each part's exit status and seconds; $OUT/<part>.log its output.
+# $OUT holds at most 5 files: summary.txt (each part's exit status and seconds),
+# console.log (everything printed), serving.json, gpu_decode.json, and logs.tar.gz (each
+# part's log, the JUnit XML of the tests, the services' log, the profile tables).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-480}
+SMOKE=${GPU_CHECK_SMOKE:-0}
+# A smoke run on a CPU is slower than the GPU run it stands for: its limits are SCALE times.
+if [ "$SMOKE" = 1 ]; then BUDGET=${GPU_CHECK_BUDGET:-1500}; SCALE=4; else BUDGET=${GPU_CHECK_BUDGET:-480}; SCALE=1; fi
+WORKLOADS=${GPU_CHECK_WORKLOADS:-1024x128x200 128x128x256 2048x128x32}
 mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/gpu_check_work.XXXXXX)  # everything but the five files: tarred at exit
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
+exec > >(tee "$OUT/console.log") 2>&1
+trap 'tar -czf "$OUT/logs.tar.gz" -C "$WORK" . && rm -rf "$WORK"' EXIT
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,10 +51,10 @@ wanted() {  # wanted NAME: true when no parts were named, or NAME was
     return 1
 }
 
-# part NAME LIMIT CMD...: runs CMD under `timeout`, output to the screen and $OUT/NAME.log
+# part NAME LIMIT CMD...: runs CMD under `timeout`, output to the screen and $WORK/NAME.log
 # (a shell function as CMD runs in a child bash: the functions below are exported).
 part() {
-    local name=$1 limit=$2 left rc began
+    local name=$1 limit=$(($2 * SCALE)) left rc began
     shift 2
     wanted "$name" || [ "$name" = wheels ] || return 0
     left=$((BUDGET - ($(date +%s) - START)))
@@ -52,19 +65,19 @@ part() {
     [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name (timeout ${limit}s, $((BUDGET - left))s into the run) ==="
     began=$(date +%s)
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 124 ] && rc="124 (timed out)"
     echo "=== $name: rc=$rc in $(($(date +%s) - began))s" | tee -a "$SUMMARY"
 }
 
 env_report() {
-    nvidia-smi
+    nvidia-smi || echo "no nvidia-smi"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
-        --format=csv
+        --format=csv 2>/dev/null
     "$PY" - <<'EOF'
-import platform, torch
-print("python", platform.python_version())
+import os, platform, torch
+print("python", platform.python_version(), "CPUs", os.cpu_count())
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version())
 try:
     import triton
@@ -82,39 +95,47 @@ EOF
 
 install_wheels() {
     if ! ls .gpu_wheels/*.whl >/dev/null 2>&1; then
-        echo "no .gpu_wheels/ carried: using the image's packages only"
+        echo "no .gpu_wheels/: using the image's packages only"
         return 0
     fi
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/gpu_site .gpu_wheels/*.whl || return 1
     PYTHONPATH="/tmp/gpu_site:$PYTHONPATH" "$PY" -c \
-        "import gguf, opentelemetry.sdk, xgrammar, grpc, google.protobuf as p, engine; print('imports ok; protobuf', p.__version__)"
+        "import gguf, opentelemetry.sdk, xgrammar, grpc, psutil, google.protobuf as p, engine; print('imports ok; protobuf', p.__version__)"
 }
 
 export -f env_report install_wheels
 export PY
 PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider -o faulthandler_timeout=60)
-DECODE_ARGS=(--part decode --cuda-graph-sizes 1 2 4 8 --profile-dir "$OUT/profile"
-    --output-json "$OUT/decode.json")
-THROUGHPUT_ARGS=(--part throughput --num-prompts 200 --input-len 1024 --output-len 128
-    --hf-prompts 16 --output-json "$OUT/throughput.json")
+TESTS_GPU=(tests/engine/worker/test_cuda_graph_tokens.py
+    tests/engine/worker/test_cuda_default_start.py
+    tests/kernels/test_engine_triton_backend.py
+    tests/engine/front/test_sleep.py::test_cuda_sleep_gives_device_memory_back)
+TESTS_KERNELS=(tests/kernels)
+SERVING_ARGS=(--concurrency 1 16 64 256 --input-len 128 --output-len 256)
+# shellcheck disable=SC2206  # the workloads are words
+DECODE_ARGS=(--part all --workloads $WORKLOADS --hf-prompts 16 --profile-dir "$WORK/profile")
+KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
 
-if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then  # a tiny model and sizes: checks the wiring
-    SMALL=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1)
-    DECODE_ARGS+=("${SMALL[@]}" --decode-tokens 8)
-    THROUGHPUT_ARGS+=("${SMALL[@]}" --num-prompts 8 --input-len 64 --output-len 8 --hf-prompts 4)
+if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
+    SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
+    DECODE_ARGS=(--part all --shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 2
+        --decode-tokens 4 --prompt-len 16 --workloads 16x4x4 32x4x2 --hf-prompts 2
+        --profile-dir "$WORK/profile")
+    TESTS_GPU=("${TESTS_GPU[@]:0:2}")  # collected and skipped: the Triton backend's tests
+    TESTS_KERNELS=(tests/kernels/test_fused_moe.py)  # take minutes in the interpreter
+    KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py --help)  # CUDA only: does it start?
 fi
 
 part env 30 bash -c env_report
 part wheels 60 bash -c install_wheels  # always: every later part imports the engine
 [ -d /tmp/gpu_site ] && export PYTHONPATH="/tmp/gpu_site:$PYTHONPATH"
-part tests_gpu 120 "${PYTEST[@]}" --junitxml="$OUT/tests_gpu.xml" \
-    tests/engine/worker/test_cuda_graph_tokens.py \
-    tests/kernels/test_engine_triton_backend.py \
-    tests/engine/front/test_sleep.py::test_cuda_sleep_gives_device_memory_back
-part decode 110 "$PY" benchmarks/gpu_decode.py "${DECODE_ARGS[@]}"
-part kernels 50 "$PY" benchmarks/kernels.py
-part throughput 110 "$PY" benchmarks/gpu_decode.py "${THROUGHPUT_ARGS[@]}"
-part tests_kernels 150 "${PYTEST[@]}" --junitxml="$OUT/tests_kernels.xml" tests/kernels
+part tests_gpu 120 "${PYTEST[@]}" --junitxml="$WORK/tests_gpu.xml" "${TESTS_GPU[@]}"
+part serving 170 "$PY" benchmarks/gpu/serving_sweep.py "${SERVING_ARGS[@]}" \
+    --output-json "$OUT/serving.json" --log-dir "$WORK/serving"
+part throughput 140 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}" \
+    --output-json "$OUT/gpu_decode.json"
+part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TESTS_KERNELS[@]}"
+part kernels 40 "${KERNELS[@]}"
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

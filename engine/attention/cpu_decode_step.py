@@ -36,7 +36,7 @@ from engine.native.quant import QuantizedWeight, fp32_weight
 
 # Decode batches up to this size take the whole-step path on quantized weights; larger
 # ones are compute-bound enough that dequantize + GEMM wins. On fp32 weights the modules'
-# oneDNN GEMM beat our row kernels from 4 rows on (benchmarks/decode_step.py, 1 thread of
+# oneDNN GEMM beat our row kernels from 4 rows on (benchmarks/cpu_paths/decode_step.py, 1 thread of
 # an AVX-512 EPYC: 0.7x at 4 and 8 rows, 1.2x at 2), so fp32 stops at MAX_ROWS_FP32.
 MAX_ROWS = 8
 MAX_ROWS_FP32 = 2

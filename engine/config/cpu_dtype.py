@@ -7,7 +7,7 @@ GEMMs) uses. Elsewhere every bf16 op widens to fp32 and narrows back, and fp32 w
 kernels is faster; vLLM's CPU backend makes the same choice. Decided at run time from the
 flags the kernel reports in /proc/cpuinfo (torch's `get_cpu_capability` says AVX512 on both
 kinds of machine, so it cannot tell them apart). An ISA capped below bf16 for the libraries
-(`ONEDNN_MAX_CPU_ISA`, as `benchmarks/throughput.py --emulate-isa avx2` sets it) counts as
+(`ONEDNN_MAX_CPU_ISA`, as `benchmarks/offline/throughput.py --emulate-isa avx2` sets it) counts as
 no native bf16, so an emulated AVX2 machine resolves as a real one would.
 
 Torch-free: read by `EngineArgs.create_engine_config` (engine_config.py).

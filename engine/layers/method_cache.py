@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_tile")
 # Settings that narrow the ISA the libraries and our kernels use below what the CPU has
-# (an emulated AVX2-only machine, benchmarks/throughput.py --emulate-isa): part of the key.
+# (an emulated AVX2-only machine, benchmarks/offline/throughput.py --emulate-isa): part of the key.
 _ISA_LIMIT_ENVS = (
     "ATEN_CPU_CAPABILITY",
     "MKL_ENABLE_INSTRUCTIONS",

@@ -37,7 +37,7 @@ KERNEL_CACHE_DIR_ENV = "PAGEDSERVE_KERNEL_CACHE_DIR"
 NATIVE_KERNELS_ENV = "PAGEDSERVE_NATIVE_CPU_KERNELS"
 # The -march the kernels are compiled for ("native" unless set): "x86-64-v3" builds the
 # AVX2 code an AVX2-only CPU would get, so a benchmark can emulate one on an AVX-512 part
-# (benchmarks/throughput.py --emulate-isa avx2).
+# (benchmarks/offline/throughput.py --emulate-isa avx2).
 NATIVE_MARCH_ENV = "PAGEDSERVE_NATIVE_MARCH"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # Compiled into the same library; quant_kernels.c includes quant_rows.h once per ISA.

@@ -6,7 +6,7 @@
  * instructions per weight; a single row takes the factored loop (fused_row_factored).
  * The AVX2 path's kernels; AVX-512 CPUs take quant_fused_avx512.h. Widening the quant
  * bytes from memory (below) instead of shuffling a loaded register made one-row GEMVs
- * 1.2-1.3x faster on a Zen 4 (benchmarks/decode_step.py --gemv).
+ * 1.2-1.3x faster on a Zen 4 (benchmarks/cpu_paths/decode_step.py --gemv).
  */
 #include <immintrin.h>
 

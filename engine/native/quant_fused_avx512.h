@@ -11,7 +11,7 @@
  * the same operands), so the weights are bit for bit those of the other paths. Per block:
  * one widening of the 16 quant bytes, two permutes and the FMAs, where the AVX2 kernel
  * widens, converts and scales four registers: ~1.3x per one-row GEMV on a Zen 4 core
- * (benchmarks/decode_step.py --gemv).
+ * (benchmarks/cpu_paths/decode_step.py --gemv).
  */
 #include <immintrin.h>
 

@@ -43,6 +43,7 @@ import torch
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config.cuda_graph import CudaGraphConfig
 from engine.layers.moe import FusedMoE
+from engine.worker.device_runtime import DeviceRuntime, Replay
 from engine.worker.inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -188,12 +189,14 @@ class DecodeGraphs:
         max_seq_len: int,
         block_size: int,
         device: torch.device,
+        runtime: DeviceRuntime,
     ) -> None:
         self.config = config
         self.max_blocks_per_req, self.max_seq_len = max_blocks_per_req, max_seq_len
         self.block_size, self.device = block_size, device
+        self.runtime = runtime  # torch.cuda on a GPU (engine/worker/device_runtime.py)
         self.buffers: DecodeInputBuffers | None = None
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (graph, output)
+        self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}  # size -> (replay, output)
         self._pool: Any = None
         self.num_replays = 0  # steps served by a graph (tests and the stats read it)
 
@@ -220,9 +223,10 @@ class DecodeGraphs:
             self.block_size,
             self.device,
         )
+        runtime = self.runtime
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        self._pool = torch.cuda.graph_pool_handle()
+        free_before = runtime.mem_get_info()[0]
+        self._pool = runtime.graph_pool()
         for size in reversed(self.config.capture_sizes):
             metadata = self.buffers.metadata(size, self.max_seq_len)
             input_ids, positions = self.buffers.input_ids[:size], self.buffers.positions[:size]
@@ -230,13 +234,14 @@ class DecodeGraphs:
             # outside the capture, which must record launches only. Every row is padding:
             # it writes only the padding block.
             forward(input_ids, positions, metadata)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = forward(input_ids, positions, metadata)  # [size, hidden_size]
-            self._graphs[size] = (graph, output)
-        torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+            runtime.synchronize()
+            self._graphs[size] = runtime.capture_graph(
+                # bound now: the runtime may call it again (a replay that reruns it)
+                lambda i=input_ids, p=positions, m=metadata: forward(i, p, m),  # [size, hidden]
+                self._pool,
+            )
+        runtime.synchronize()
+        used = free_before - runtime.mem_get_info()[0]
         logger.info(
             "Captured %d CUDA graphs for decode batches of %d..%d in %.1f s (%.0f MiB).",
             len(self._graphs),
@@ -251,8 +256,8 @@ class DecodeGraphs:
         valid until the next replay."""
         assert self.buffers is not None
         n = self.buffers.load(inputs)
-        graph, output = self._graphs[size]
-        graph.replay()
+        replay, output = self._graphs[size]
+        replay()
         self.num_replays += 1
         return output[:n]
 

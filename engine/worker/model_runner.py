@@ -37,6 +37,7 @@ from engine.sample import Sampler
 from engine.sample.sampler import select_argmax
 from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
 from engine.worker.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
+from engine.worker.device_runtime import device_runtime
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
 from engine.worker.malloc_tuning import keep_freed_memory_mapped
@@ -101,9 +102,13 @@ class ModelRunner:
         self.profiler = TorchProfiler(self.device, self.ranks.rank)  # start/stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
         self.lora_manager: LoRAManager | None = None  # set by the Worker with enable_lora
+        # Memory figures and graph capture on a GPU; None on the CPU (device_runtime.py).
+        self.runtime = device_runtime(self.device)
         self.cuda_graphs = self._make_decode_graphs()  # None: every step runs eagerly
-        self.num_blocks = self._determine_num_blocks(config.cache_config)
+        # Empty until initialize_kv_cache. Set before the sizing: the GPU budget's profile
+        # step runs a forward on scratch caches, and _forward tells them from these.
         self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = self._determine_num_blocks(config.cache_config)
         if allocate_kv_cache:
             self.initialize_kv_cache(self.num_blocks)
 
@@ -140,7 +145,7 @@ class ModelRunner:
 
     def _make_decode_graphs(self) -> DecodeGraphs | None:
         graph_config = self.config.cuda_graph_config
-        if not graph_config.enabled:  # CPU, enforce_eager, or no size left after capping
+        if not graph_config.enabled or self.runtime is None:  # CPU, enforce_eager, ...
             return None
         reason = graphs_unsupported_reason(
             self.attn_backend,
@@ -154,7 +159,7 @@ class ModelRunner:
         max_len = self.config.scheduler_config.max_model_len
         return DecodeGraphs(
             graph_config, math.ceil(max_len / self.block_size), max_len, self.block_size,
-            self.device,
+            self.device, self.runtime,
         )  # fmt: skip
 
     @property
@@ -277,7 +282,7 @@ class ModelRunner:
         else:
             if cache_config.kv_cache_memory_bytes is not None:
                 budget, source = cache_config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-            elif self.device.type == "cuda":
+            elif self.runtime is not None:  # a GPU
                 budget, source = self._gpu_kv_budget(cache_config.gpu_memory_utilization), "GPU"
             else:
                 budget = default_cpu_kv_cache_bytes(max_useful * per_block)
@@ -301,13 +306,17 @@ class ModelRunner:
         return num_blocks
 
     def _gpu_kv_budget(self, utilization: float) -> int:
-        """Memory left for the cache after the model and a worst-case forward pass."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        """Memory left for the cache after the model and a worst-case forward pass: this
+        process's peak (weights + the profile step's activations and scratch cache) and
+        what other processes hold, out of `utilization` of the device."""
+        runtime = self.runtime
+        assert runtime is not None
+        runtime.empty_cache()
+        runtime.reset_peak_memory_stats()
         self._profile_run()
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        other = total - free - torch.cuda.memory_reserved(self.device)  # other processes
+        free, total = runtime.mem_get_info()
+        peak = runtime.max_memory_allocated()
+        other = total - free - runtime.memory_reserved()  # other processes
         return int(total * utilization) - peak - max(other, 0)
 
     def _profile_request(self) -> tuple[list[int], int, list[int]]:
@@ -333,7 +342,8 @@ class ModelRunner:
         caches = self._allocate_kv_caches(len(request[2]))
         self._dummy_forward([request], caches)
         del caches
-        torch.cuda.synchronize(self.device)
+        if self.runtime is not None:
+            self.runtime.synchronize()
 
     # ---- the step ---------------------------------------------------------------------
 

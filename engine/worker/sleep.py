@@ -30,6 +30,7 @@ import torch
 from engine.loader.model_loader import load_model
 
 if TYPE_CHECKING:
+    from engine.worker.device_runtime import DeviceRuntime
     from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,11 @@ class SleepMode:
         if level == 2:
             runner.model = None  # type: ignore[assignment]
             tags.add("weights")
-        elif runner.device.type == "cuda":
-            self._host_weights = _offload(runner.model)
+        elif runner.runtime is not None:  # a GPU: the weights wait in host memory
+            self._host_weights = _offload(runner.model, runner.runtime)
             tags.add("weights")
         self.level, self.sleeping_tags = level, tags
-        _release_memory(runner.device)
+        _release_memory(runner.runtime)
         logger.info("Sleeping (level %d): released %s.", level, " and ".join(sorted(tags)))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -85,7 +86,7 @@ class SleepMode:
                     runner.lora_manager.attach(runner.model)
             else:
                 assert self._host_weights is not None
-                _restore(runner.model, self._host_weights, runner.device)
+                _restore(runner.model, self._host_weights, runner)
                 self._host_weights = None
             self.sleeping_tags.discard("weights")
         if "kv_cache" in wanted & self.sleeping_tags:
@@ -109,21 +110,21 @@ def _check_tags(tags: list[str] | None) -> set[str]:
     return set(tags)
 
 
-def _offload(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _offload(model: torch.nn.Module, runtime: DeviceRuntime) -> dict[str, torch.Tensor]:
     """Moves every parameter and buffer to host memory (pinned: the copy back is fast);
     on the device each keeps an empty placeholder of its dtype."""
     host = {}
     for name, tensor in _tensors(model):
-        host[name] = tensor.detach().to("cpu").pin_memory()
+        host[name] = runtime.to_host(tensor)
         tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     return host
 
 
-def _restore(model: torch.nn.Module, host: dict[str, torch.Tensor], device: torch.device) -> None:
+def _restore(model: torch.nn.Module, host: dict[str, torch.Tensor], runner: ModelRunner) -> None:
     for name, tensor in _tensors(model):
-        tensor.data = host[name].to(device, non_blocking=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        tensor.data = host[name].to(runner.device, non_blocking=True)
+    if runner.runtime is not None:
+        runner.runtime.synchronize()
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -141,11 +142,11 @@ def _reload(runner: ModelRunner) -> torch.nn.Module:
     )  # fmt: skip
 
 
-def _release_memory(device: torch.device) -> None:
+def _release_memory(runtime: DeviceRuntime | None) -> None:
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    if runtime is not None:
+        runtime.synchronize()
+        runtime.empty_cache()
     _malloc_trim()
 
 

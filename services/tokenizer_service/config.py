@@ -25,7 +25,7 @@ class TokenizerServerConfig:
     engine_dns_refresh_s: float = 5.0
     route_prefix_blocks: int = 4  # affinity key: the prompt's first (up to) N full blocks
     route_max_queue_imbalance: int = 4  # leave the affinity replica when its queue is longer
-    route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/routing.py)
+    route_policy: str = "affinity"  # or "round_robin" (a baseline: benchmarks/serving/routing.py)
     # Streams that survive their replica (services/tokenizer_service/replicas/migration.py):
     # each request moves at most this often (0: never); a replica that holds streams but has
     # sent nothing on any of them this long is stalled (0: never).

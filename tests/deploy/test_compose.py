@@ -400,7 +400,7 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
         ".git/HEAD",
         ".venv/bin/python",
         "tests/conftest.py",
-        "benchmarks/throughput.py",
+        "benchmarks/offline/throughput.py",
         "engine/__pycache__/llm.cpython-311.pyc",
         "docker-compose.yml",
     ):

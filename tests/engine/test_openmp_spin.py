@@ -2,7 +2,7 @@
 
 libgomp reads GOMP_SPINCOUNT once, when torch loads it, so the default must be in the
 environment before the first `import torch`: importing `engine` puts it there
-(benchmarks/noisy_neighbours.py measures why: docs/benchmarks.md "Noisy neighbours")."""
+(benchmarks/offline/noisy_neighbours.py measures why: docs/benchmarks.md "Noisy neighbours")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The MoE grouped GEMM (one call per projection over rows sorted by expert): the Triton
-kernel (in the interpreter on CPU) and the native C kernel against the torch reference,
-and the whole expert computation of each against transformers' per-expert loop."""
+kernel (on CUDA tensors on a GPU, in the interpreter on CPU tensors without one) and the
+native C kernel against the torch reference (on the CPU), and the whole expert computation
+of each against transformers' per-expert loop."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from engine.layers.moe import (
 )
 from engine.layers.ops import silu_and_mul
 from kernels.reference import ref_moe_experts
+from tests.kernels._helpers import device
 from tests.triton_utils import import_triton
+
+
+def _on(impl, *tensors):
+    """The tensors where `impl` runs: the Triton kernels' device (CUDA when present), the
+    CPU for the native kernel and the torch reference."""
+    target = device() if impl == "triton" else torch.device("cpu")
+    return [None if t is None else t.to(target) for t in tensors]
 
 
 def _problem(num_tokens, num_experts, top_k, n, k, dtype=torch.float32, seed=0):
@@ -48,12 +57,13 @@ SHAPES = [(3, 8, 2, 40, 32), (37, 4, 2, 96, 64), (64, 8, 2, 33, 72), (1, 5, 3, 1
 def test_grouped_gemm_matches_the_reference(impl, shape):
     x, w, rows = _problem(*shape)
     expected = torch_grouped_gemm(x, rows.token, w, rows.offsets)
-    got = _grouped(impl)(x, rows.token, w, rows.offsets)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    got = _grouped(impl)(*_on(impl, x, rows.token, w), rows.offsets)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=1e-5)
     # Without a row map, output row i reads x row i (the down projection's case).
     flat = x[rows.token]
+    flat_on, w_on = _on(impl, flat, w)
     torch.testing.assert_close(
-        _grouped(impl)(flat, None, w, rows.offsets),
+        _grouped(impl)(flat_on, None, w_on, rows.offsets).cpu(),
         torch_grouped_gemm(flat, None, w, rows.offsets),
         atol=2e-5,
         rtol=1e-5,
@@ -66,8 +76,8 @@ def test_triton_grouped_gemm_fp16():
 
     x, w, rows = _problem(20, 4, 2, 48, 64, dtype=torch.float16)
     expected = torch_grouped_gemm(x.float(), rows.token, w.float(), rows.offsets)
-    got = moe_grouped_gemm(x, rows.token, w, rows.offsets)
-    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+    got = moe_grouped_gemm(*_on("triton", x, rows.token, w), rows.offsets)
+    torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("impl", ["torch", "native", "triton"])
@@ -79,8 +89,9 @@ def test_experts_match_transformers_per_expert_loop(impl):
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
     weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=gen), top_k, False)
     gemm = torch_grouped_gemm if impl == "torch" else _grouped(impl)
-    got = moe_experts(x, w13, w2, weights, ids, gemm, silu_and_mul)
-    torch.testing.assert_close(got, ref_moe_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    got = moe_experts(*_on(impl, x, w13, w2, weights, ids), gemm, silu_and_mul)
+    expected = ref_moe_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_routing_matches_transformers_routers():

@@ -1,7 +1,7 @@
 """`load_format="dummy"`: an engine from a config.json alone, with random weights.
 
 The GPU benchmarks build a Llama-3.1-8B-shaped model this way on a machine without the hub
-(benchmarks/gpu_decode.py). Here a tiny config: the engine serves tokens, every weight is
+(benchmarks/gpu/gpu_decode.py). Here a tiny config: the engine serves tokens, every weight is
 drawn in vLLM's range (none left uninitialised), and the same seed draws the same model."""
 
 from __future__ import annotations
