@@ -299,3 +299,25 @@ def test_on_a_tie_the_key_with_fewer_waiting_requests_goes_first() -> None:
     assert vtc.counter("user") == vtc.counter("batch")
     assert queue.pop().request_id == "user-1"
     assert queue.pop().fairness_key == "batch" and len(queue) == 4
+
+
+def test_a_small_batch_is_shared_two_to_one_request_by_request() -> None:
+    """Batch of 4, two keys of weights 2 and 1 with alike requests all queued at once (the
+    batch turns over in lockstep). Admission must share the slots 3+1, 3+1, 2+2 (8:4), so
+    every window of three requests' length serves 2:1 of the output tokens: with a counter
+    that moved only as tokens came, a batch that freed went to one key whole (4+0, then
+    0+4) and the first window served 1:1."""
+    scheduler, clients = make_scheduler(max_num_batched_tokens=256), Clients()
+    for _ in range(32):
+        for key, weight in (("gold", 2.0), ("gold", 2.0), ("bronze", 1.0)):
+            scheduler.add_request(clients.request(key, num_prompt=16, max_tokens=32, weight=weight))
+    windows: list[Counter[str]] = []
+    for number in range(96 * 5):  # 5 windows of 3 requests' length, both keys backlogged
+        if number % 96 == 0:
+            windows.append(Counter())
+        output = scheduler.schedule()
+        scheduler.update(output, fake_run(output))
+        served = scheduler.fairness.drain_served()
+        windows[-1].update({key: tokens.output for key, tokens in served.items()})
+    ratios = [window["gold"] / max(1, window["bronze"]) for window in windows]
+    assert all(2 * 0.8 <= ratio <= 2 * 1.2 for ratio in ratios), ratios
