@@ -13,7 +13,7 @@ Admission reserves. The scheduler admits whole requests, and a request keeps its
 until it ends, so a counter that only moved as tokens arrive would let one key take every
 slot that frees in a step (its counter does not move until the tokens come), and the batch
 would swing between keys in waves of whole requests: with a batch of 4, two keys at 2:1
-ran 4+0 and 0+4 for a request's length each instead of 3+1 and 2+2. So an admitted request
+ran 4+0, then 0+4, a request's length each, instead of 3+1, 3+1, 2+2. So an admitted request
 reserves the output it is expected to make (its remaining `max_tokens`, at most the mean
 output of its key's finished requests), and the order reads each key's `virtual` counter:
 charged + reserved, over the weight. A delivered token moves cost from reserved to charged;
@@ -35,7 +35,7 @@ The scheduler asks three things of it:
                      starved either
 
 Work-conserving by construction: the order only decides who goes first; a single
-backlogged key gets the whole batch. Requests without a key share `DEFAULT_KEY`, so an
+backlogged key gets the whole batch. Requests without a key share `DEFAULT_KEY` (""), so an
 engine without tenants orders exactly as the plain policy does.
 
 Keys that go idle level with or behind the others are forgotten (they would be lifted on
@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from engine.core.request import Request
 from engine.core.request_queue import RequestQueue, create_request_queue
 
-DEFAULT_KEY = ""  # the key of requests that name none
 # Output tokens a request reserves at most before its key has a finished request to go by.
 MAX_RESERVED_OUTPUT = 256
 _MEAN_DECAY = 0.8  # the mean output of a key's finished requests: an exponential mean
