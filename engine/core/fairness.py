@@ -32,7 +32,10 @@ The scheduler asks three things of it:
                      of the backlogged keys when a request arrives (else of the keys with
                      running requests, else of the level the last active key left at), so
                      credit saved while idle cannot buy a burst, and the newcomer is not
-                     starved either
+                     starved either; a key that still had requests running keeps up to one
+                     request's cost of lag per request it has in the engine (a client that
+                     sends the next request when one ends is backlogged, though its queue
+                     was empty for a moment: lifted all the way, it lost its share)
 
 Work-conserving by construction: the order only decides who goes first; a single
 backlogged key gets the whole batch. Requests without a key share `DEFAULT_KEY` (""), so an
@@ -102,10 +105,29 @@ class VirtualTokenCounter:
             state = self.keys[key] = KeyState()
         state.weight = request.fairness_weight
         if state.num_waiting == 0:  # returning from idle (or from only running requests)
-            lifted = self._floor(exclude=key) - state.reserved / state.weight
-            state.counter = max(state.counter, lifted)
+            floor = self._floor(exclude=key)
+            if state.num_unfinished:
+                # Still running: a client that sends its next request when one ends is
+                # backlogged, though its queue was empty for a moment. It keeps a lag of up
+                # to one request's cost per request it has in the engine (what admitting
+                # whole requests leaves), not more.
+                floor -= state.num_unfinished * self._expected_cost(request, state) / state.weight
+            state.counter = max(state.counter, floor - state.reserved / state.weight)
         state.num_unfinished += 1
         return state
+
+    def _expected_output(self, request: Request, state: KeyState) -> float:
+        """The output tokens `request` is expected to make yet: its remaining max_tokens,
+        at most its key's mean output (or MAX_RESERVED_OUTPUT before it has one)."""
+        max_tokens = request.max_tokens
+        if not max_tokens:
+            return 0.0
+        limit = state.mean_output if state.mean_output is not None else MAX_RESERVED_OUTPUT
+        return max(0.0, min(float(max_tokens - request.num_output_tokens), limit))
+
+    def _expected_cost(self, request: Request, state: KeyState) -> float:
+        output = self.output_weight * self._expected_output(request, state)
+        return self.prompt_weight * request.num_prompt_tokens + output
 
     def on_finished(self, request: Request) -> None:
         """The request finished (stopped, capped or aborted) and left the scheduler."""
@@ -142,12 +164,11 @@ class VirtualTokenCounter:
         """The request leaves the waiting queue for the batch: it reserves the output it is
         expected to make (weighted), which its key's place in the orders counts at once."""
         state = self.keys.get(request.fairness_key)
-        max_tokens = request.max_tokens
-        if state is None or not max_tokens:
+        if state is None:
             return
-        expected = float(max_tokens - request.num_output_tokens)
-        limit = state.mean_output if state.mean_output is not None else MAX_RESERVED_OUTPUT
-        cost = self.output_weight * max(0.0, min(expected, limit))
+        cost = self.output_weight * self._expected_output(request, state)
+        if not cost:
+            return
         self._reserved[request.request_id] = cost
         state.reserved += cost
 

@@ -3,12 +3,12 @@ tokenizer service with an API-key file of two tenants, `gold` of weight 2 and `b
 weight 1, both flooding the engine at once.
 
 Gold queues twice as many requests as bronze, all alike (the same prompt length and
-`max_tokens`, ignore_eos), so served 2:1 the two floods end together. The measure: each time
-another quarter of bronze's requests has finished, the output tokens gold has received over
-bronze's, which must be 2 within 20 % every time. It counts tokens, not seconds, so a loaded
-machine changes nothing but the run time. Before admission reserved a request's expected
-output (engine/core/fairness.py) the four quarters measured 1.02, 1.51, 1.67, 1.75; after,
-2.00 each.
+`max_tokens`, ignore_eos), so served 2:1 the two floods end together. The measure: from the
+moment both tenants have been served, each time another 4 of bronze's requests have
+finished, the output tokens gold has received over bronze's, which must be 2 within 20 %
+every time. It counts tokens, not seconds, so a loaded machine changes nothing but the run
+time. Before admission reserved a request's expected output (engine/core/fairness.py) the
+five measured 1.32, 1.56, 1.68, 1.75, 2.00; after, 2.00 each (two runs).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ KEY_FILE = f"""\
 {BRONZE}  bronze  weight=1
 """
 MAX_NUM_SEQS = 4
-NUM_BRONZE = 16  # gold queues twice as many
+NUM_BRONZE = 20  # gold queues twice as many
 PROMPT_LEN = 16
 MAX_TOKENS = 32
 
@@ -58,12 +58,14 @@ def address(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 class Flood:
-    """Both tenants' requests at once; the output tokens received per tenant, and a copy of
-    them each time a quarter of bronze's requests has finished."""
+    """Both tenants' requests at once; the output tokens received per tenant, counted from
+    the moment both have been served a token (before that, whichever tenant's requests
+    reached the engine first filled the batch), at every 4th of bronze's requests done."""
 
     def __init__(self) -> None:
         self.received = {"gold": 0, "bronze": 0}
         self.left = {"gold": 2 * NUM_BRONZE, "bronze": NUM_BRONZE}
+        self.start: dict[str, int] | None = None
         self.cuts: list[dict[str, int]] = []
 
     async def one(self, client: AsyncClient, tenant: str, number: int) -> None:
@@ -73,13 +75,17 @@ class Flood:
         )
         async for delta in stream:
             self.received[tenant] += len(delta.token_ids)
+            if self.start is None and all(self.received.values()):
+                self.start = dict(self.received)
         self.left[tenant] -= 1
-        if tenant == "bronze" and self.left[tenant] % (NUM_BRONZE // 4) == 0:
-            self.cuts.append(dict(self.received))
+        if tenant == "bronze" and self.left[tenant] % 4 == 0 and self.start is not None:
+            self.cuts.append({t: n - self.start[t] for t, n in self.received.items()})
 
     async def run(self, address: str) -> list[dict[str, int]]:
         gold = AsyncClient(address, api_key=GOLD, timeout=600)
         bronze = AsyncClient(address, api_key=BRONZE, timeout=600)
+        for client in (gold, bronze):  # both connected before the flood
+            await client.generate_text(token_ids=[5, 6], max_tokens=1)
         calls = []
         for number in range(NUM_BRONZE):  # interleaved: neither tenant queues first
             calls += [self.one(gold, "gold", 2 * number), self.one(gold, "gold", 2 * number + 1)]
@@ -94,7 +100,7 @@ class Flood:
 
 def test_weights_two_to_one_are_served_two_to_one(address: str) -> None:
     cuts = asyncio.run(Flood().run(address))
-    ratios = [cut["gold"] / cut["bronze"] for cut in cuts]
-    print("gold:bronze output tokens at each quarter of bronze's flood:", ratios)
-    assert len(ratios) == 4
+    ratios = [round(cut["gold"] / cut["bronze"], 2) for cut in cuts]
+    print("gold:bronze output tokens at every 4th of bronze's requests done:", ratios)
+    assert len(ratios) >= 3, cuts
     assert all(2 * 0.8 <= ratio <= 2 * 1.2 for ratio in ratios), cuts
