@@ -22,6 +22,14 @@ the heavy tenant's last request finished, and the total throughput (prompt + out
 per second, and output tokens per second). The served tokens are the engine's own
 `pagedserve:tenant_served_tokens_total`, sampled every `--sample-interval` s; `--plot`
 draws them over time for both policies, side by side.
+
+    python benchmarks/fairness.py --weights 2,1 --max-num-seqs 4 --num-heavy 24
+
+`--weights A,B` measures weighted sharing instead: tenant "a" of weight A and tenant "b" of
+weight B both flood the engine at once (under "vtc" only) with alike requests
+(`--heavy-prompt`, `--heavy-max-tokens`, ignore_eos), b `--num-heavy` of them and a A/B
+times as many, so served A:B the floods end together. Printed: a's output tokens over b's
+each time another quarter of b's requests has finished (A/B when the weights hold).
 """
 
 from __future__ import annotations
@@ -186,6 +194,41 @@ class Run:
         }
 
 
+async def weighted(args: argparse.Namespace) -> list[float]:
+    """Both tenants flood at once; a's output tokens over b's at each quarter of b's flood."""
+    weight_a, weight_b = (float(w) for w in args.weights.split(","))
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=args.model, max_num_seqs=args.max_num_seqs, fairness="vtc", seed=0)
+    )
+    rng, vocab = random.Random(args.seed), engine.engine.config.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.heavy_max_tokens, ignore_eos=True)
+    counts = {"a": round(args.num_heavy * weight_a / weight_b), "b": args.num_heavy}
+    received, cuts = {"a": 0, "b": 0}, []
+
+    async def one(tenant: str, weight: float, request_id: str) -> None:
+        prompt, seen = [rng.randrange(3, vocab) for _ in range(args.heavy_prompt)], 0
+        async for output in engine.generate(
+            {"prompt_token_ids": prompt},
+            params,
+            request_id,
+            fairness_key=tenant,
+            fairness_weight=weight,
+        ):
+            num_tokens = len(output.outputs[0].token_ids)  # cumulative outputs
+            received[tenant] += num_tokens - seen
+            seen = num_tokens
+        counts[tenant] -= 1
+        if tenant == "b" and counts["b"] % max(1, args.num_heavy // 4) == 0:
+            cuts.append(received["a"] / max(1, received["b"]))
+
+    calls = [one("a", weight_a, f"a{i}") for i in range(counts["a"])]
+    calls += [one("b", weight_b, f"b{i}") for i in range(counts["b"])]
+    rng.shuffle(calls)  # interleaved: neither tenant queues first
+    await asyncio.gather(*calls)
+    engine.shutdown()
+    return cuts
+
+
 def plot(results: list[dict], output: str) -> None:
     import matplotlib
 
@@ -226,7 +269,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="PNG of served tokens over time")
     parser.add_argument("--output", default=None, help="JSON of both runs")
+    parser.add_argument("--weights", default=None, help="A,B: weighted sharing (see above)")
     args = parser.parse_args()
+    if args.weights:
+        cuts = asyncio.run(weighted(args))
+        print(f"a:b output tokens at each quarter of b's flood (weights {args.weights}):")
+        print(" ".join(f"{ratio:.2f}" for ratio in cuts))
+        return 0
 
     results = []
     for policy in ("off", "vtc"):

@@ -7,10 +7,23 @@ counter that grows by the tokens it is served, divided by its weight:
 
 Prompt tokens are charged when a step computes them (prefix-cache hits cost nothing, a
 prompt recomputed after a preemption is not charged twice); output tokens when they are
-appended. The scheduler asks three things of it:
+appended.
+
+Admission reserves. The scheduler admits whole requests, and a request keeps its slot
+until it ends, so a counter that only moved as tokens arrive would let one key take every
+slot that frees in a step (its counter does not move until the tokens come), and the batch
+would swing between keys in waves of whole requests: with a batch of 4, two keys at 2:1
+ran 4+0, then 0+4, a request's length each, instead of 3+1, 3+1, 2+2. So an admitted request
+reserves the output it is expected to make (its remaining `max_tokens`, at most the mean
+output of its key's finished requests), and the order reads each key's `virtual` counter:
+charged + reserved, over the weight. A delivered token moves cost from reserved to charged;
+what is left is released when the request ends or is preempted. The charge itself is
+unchanged: the shares are decided by what was delivered.
+
+The scheduler asks three things of it:
 
     waiting order    `FairQueue.peek`: the head (by the fcfs/priority policy) of the
-                     backlogged key with the smallest counter; ties go to the key with
+                     backlogged key with the smallest virtual counter; ties go to the key with
                      fewer waiting requests (an interactive user with one request goes
                      before a batch job level with it), then to the earlier head
     running order    `order_running`: by counter, stable, so a preemption (which takes the
@@ -19,10 +32,13 @@ appended. The scheduler asks three things of it:
                      of the backlogged keys when a request arrives (else of the keys with
                      running requests, else of the level the last active key left at), so
                      credit saved while idle cannot buy a burst, and the newcomer is not
-                     starved either
+                     starved either; a key that still had requests running keeps up to one
+                     request's cost of lag per request it has in the engine (a client that
+                     sends the next request when one ends is backlogged, though its queue
+                     was empty for a moment: lifted all the way, it lost its share)
 
 Work-conserving by construction: the order only decides who goes first; a single
-backlogged key gets the whole batch. Requests without a key share `DEFAULT_KEY`, so an
+backlogged key gets the whole batch. Requests without a key share `DEFAULT_KEY` (""), so an
 engine without tenants orders exactly as the plain policy does.
 
 Keys that go idle level with or behind the others are forgotten (they would be lifted on
@@ -37,7 +53,9 @@ from dataclasses import dataclass
 from engine.core.request import Request
 from engine.core.request_queue import RequestQueue, create_request_queue
 
-DEFAULT_KEY = ""  # the key of requests that name none
+# Output tokens a request reserves at most before its key has a finished request to go by.
+MAX_RESERVED_OUTPUT = 256
+_MEAN_DECAY = 0.8  # the mean output of a key's finished requests: an exponential mean
 
 
 @dataclass(slots=True)
@@ -46,6 +64,13 @@ class KeyState:
     weight: float = 1.0  # the latest request's weight
     num_waiting: int = 0
     num_unfinished: int = 0  # waiting or running
+    reserved: float = 0.0  # weighted tokens its running requests are expected to make yet
+    mean_output: float | None = None  # output tokens of its finished requests, on average
+
+    @property
+    def virtual(self) -> float:
+        """What the orders read: served and reserved, per unit of weight."""
+        return self.counter + self.reserved / self.weight
 
 
 @dataclass(slots=True)
@@ -67,6 +92,7 @@ class VirtualTokenCounter:
         # engine with no unfinished requests starts.
         self._idle_level = 0.0
         self._prompt_charged: dict[str, int] = {}  # request id -> prompt tokens charged
+        self._reserved: dict[str, float] = {}  # request id -> weighted output cost reserved
         self._served: dict[str, ServedTokens] = {}
 
     # ---- requests come and go -----------------------------------------------------------
@@ -79,31 +105,89 @@ class VirtualTokenCounter:
             state = self.keys[key] = KeyState()
         state.weight = request.fairness_weight
         if state.num_waiting == 0:  # returning from idle (or from only running requests)
-            state.counter = max(state.counter, self._floor(exclude=key))
+            floor = self._floor(exclude=key)
+            if state.num_unfinished:
+                # Still running: a client that sends its next request when one ends is
+                # backlogged, though its queue was empty for a moment. It keeps a lag of up
+                # to one request's cost per request it has in the engine (what admitting
+                # whole requests leaves), not more.
+                floor -= state.num_unfinished * self._expected_cost(request, state) / state.weight
+            state.counter = max(state.counter, floor - state.reserved / state.weight)
         state.num_unfinished += 1
         return state
+
+    def _expected_output(self, request: Request, state: KeyState) -> float:
+        """The output tokens `request` is expected to make yet: its remaining max_tokens,
+        at most its key's mean output (or MAX_RESERVED_OUTPUT before it has one)."""
+        max_tokens = request.max_tokens
+        if not max_tokens:
+            return 0.0
+        limit = state.mean_output if state.mean_output is not None else MAX_RESERVED_OUTPUT
+        return max(0.0, min(float(max_tokens - request.num_output_tokens), limit))
+
+    def _expected_cost(self, request: Request, state: KeyState) -> float:
+        output = self.output_weight * self._expected_output(request, state)
+        return self.prompt_weight * request.num_prompt_tokens + output
 
     def on_finished(self, request: Request) -> None:
         """The request finished (stopped, capped or aborted) and left the scheduler."""
         self._prompt_charged.pop(request.request_id, None)
+        self.on_preempted(request)  # releases what it still held in reserve
         state = self.keys.get(request.fairness_key)
         if state is None:
             return
+        if request.sampling_params is not None:
+            num_output = request.num_output_tokens
+            mean = state.mean_output
+            state.mean_output = (
+                num_output if mean is None else _MEAN_DECAY * mean + (1 - _MEAN_DECAY) * num_output
+            )
         state.num_unfinished -= 1
         if state.num_unfinished > 0:
             return
-        self._idle_level = max(self._idle_level, state.counter)
-        if state.counter <= self._floor(exclude=request.fairness_key):
+        self._idle_level = max(self._idle_level, state.virtual)
+        if state.virtual <= self._floor(exclude=request.fairness_key):
             del self.keys[request.fairness_key]  # nothing it would keep on return
 
     def _floor(self, exclude: str) -> float:
         """Where a key returning from idle starts: the smallest counter of the backlogged
         keys, else of the keys with running requests, else the idle level."""
-        backlogged = [s.counter for k, s in self.keys.items() if s.num_waiting and k != exclude]
+        backlogged = [s.virtual for k, s in self.keys.items() if s.num_waiting and k != exclude]
         if backlogged:
             return min(backlogged)
-        active = [s.counter for k, s in self.keys.items() if s.num_unfinished and k != exclude]
+        active = [s.virtual for k, s in self.keys.items() if s.num_unfinished and k != exclude]
         return min(active) if active else self._idle_level
+
+    # ---- reserving ----------------------------------------------------------------------
+
+    def on_admitted(self, request: Request) -> None:
+        """The request leaves the waiting queue for the batch: it reserves the output it is
+        expected to make (weighted), which its key's place in the orders counts at once."""
+        state = self.keys.get(request.fairness_key)
+        if state is None:
+            return
+        cost = self.output_weight * self._expected_output(request, state)
+        if not cost:
+            return
+        self._reserved[request.request_id] = cost
+        state.reserved += cost
+
+    def on_preempted(self, request: Request) -> None:
+        """The request left the batch (preempted, or ended): its reserve is released."""
+        cost = self._reserved.pop(request.request_id, 0.0)
+        state = self.keys.get(request.fairness_key)
+        if cost and state is not None:
+            state.reserved = max(0.0, state.reserved - cost)
+
+    def _consume_reserve(self, request: Request, cost: float) -> None:
+        held = self._reserved.get(request.request_id)
+        if not held:
+            return
+        used = min(held, cost)
+        self._reserved[request.request_id] = held - used
+        state = self.keys.get(request.fairness_key)
+        if state is not None:
+            state.reserved = max(0.0, state.reserved - used)
 
     # ---- charging -----------------------------------------------------------------------
 
@@ -118,8 +202,10 @@ class VirtualTokenCounter:
         self._charge(request.fairness_key, end - start, 0)
 
     def on_output(self, request: Request, num_output_tokens: int) -> None:
+        """Output tokens delivered: charged, and taken from the request's reserve."""
         if num_output_tokens > 0:
             self._charge(request.fairness_key, 0, num_output_tokens)
+            self._consume_reserve(request, self.output_weight * num_output_tokens)
 
     def _charge(self, key: str, num_prompt: int, num_output: int) -> None:
         state = self.keys.get(key)
@@ -138,8 +224,9 @@ class VirtualTokenCounter:
         return served
 
     def counter(self, key: str) -> float:
+        """The key's virtual counter (served and reserved, per unit of weight)."""
         state = self.keys.get(key)
-        return state.counter if state is not None else self._floor(exclude=key)
+        return state.virtual if state is not None else self._floor(exclude=key)
 
     # ---- orders -------------------------------------------------------------------------
 
@@ -197,7 +284,7 @@ class FairQueue(RequestQueue):
             if not queue:
                 continue
             state = self.vtc.keys[key]
-            rank = (state.counter, state.num_waiting, policy_order(self.policy, queue.peek()))
+            rank = (state.virtual, state.num_waiting, policy_order(self.policy, queue.peek()))
             if best is None or rank < best:
                 best_key, best = key, rank
         if best_key is None:

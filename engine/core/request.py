@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.sampling_params import SamplingParams
+from engine.core.engine_request import EngineRequest
 from engine.pooling_params import PoolingParams
 
 
@@ -125,6 +126,41 @@ class Request:
         # Structured outputs: the grammar state (engine.structured_output.request), set by
         # the engine for a constrained request; the scheduler only calls its methods.
         self.structured_output: Any = None
+
+    @classmethod
+    def from_engine_request(
+        cls,
+        request: EngineRequest,
+        prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        *,
+        cache_salt: str | None,
+        seed: int = 0,
+        index: int = 0,
+        output_token_ids: Sequence[int] = (),
+        request_id: str | None = None,
+    ) -> Request:
+        """Sample `index` of `request` (vLLM's `Request.from_engine_core_request`): its
+        options as the front gave them; `params` is the engine's checked copy, `request_id`
+        the sample's id (the request's own unless n > 1)."""
+        sampling = params if isinstance(params, SamplingParams) else None
+        return cls(
+            request_id if request_id is not None else request.request_id,
+            prompt_token_ids,
+            sampling,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            seed=seed,
+            cache_salt=cache_salt,
+            parent_id=request.request_id,
+            index=index,
+            trace_headers=request.trace_headers,
+            pooling_params=params if sampling is None else None,
+            lora_request=request.lora_request,
+            output_token_ids=output_token_ids,
+            fairness_key=request.fairness_key,
+            fairness_weight=request.fairness_weight,
+        )
 
     @property
     def arrival_time(self) -> float:

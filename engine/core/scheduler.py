@@ -201,6 +201,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            self.fairness.on_admitted(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -258,6 +259,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        self.fairness.on_preempted(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -28,6 +28,7 @@ from engine.config.engine_config import (
     SchedulerConfig,
 )
 from engine.config.parallel import ParallelConfig
+from engine.core.engine_request import EngineRequest
 from engine.front.engine_commands import (
     END_OF_STREAM,
     AbortCommand,
@@ -288,17 +289,19 @@ class AsyncLLMEngine:
             raise TypeError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
             )
-        stream = self._stream_outputs(
+        request = EngineRequest.build(
+            request_id,
             prompt,
             sampling_params,
-            request_id,
+            time.time(),
             lora_request,
             trace_headers,
             priority,
-            resumed_output_token_ids=resumed_output_token_ids,
-            fairness_key=fairness_key,
-            fairness_weight=fairness_weight,
+            resumed_output_token_ids,
+            fairness_key,
+            fairness_weight,
         )
+        stream = self._stream_outputs(request)
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
@@ -320,16 +323,18 @@ class AsyncLLMEngine:
             raise TypeError(
                 f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}."
             )
-        stream = self._stream_outputs(
+        request = EngineRequest.build(
+            request_id,
             prompt,
             pooling_params,
-            request_id,
+            time.time(),
             lora_request,
             trace_headers,
             priority,
             fairness_key=fairness_key,
             fairness_weight=fairness_weight,
         )
+        stream = self._stream_outputs(request)
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
@@ -350,34 +355,10 @@ class AsyncLLMEngine:
         finally:
             self.engine.shutdown()
 
-    async def _stream_outputs(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | PoolingParams,
-        request_id: str,
-        lora_request: Any,
-        trace_headers: Mapping[str, str] | None,
-        priority: int,
-        *,
-        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
-        fairness_key: str | None = None,
-        fairness_weight: float = 1.0,
-    ) -> AsyncGenerator[Any, None]:
+    async def _stream_outputs(self, request: EngineRequest) -> AsyncGenerator[Any, None]:
+        request_id = request.request_id
         stream = OutputStream(request_id, asyncio.get_running_loop())
-        self._loop_thread.submit(
-            AddCommand(
-                stream,
-                prompt,
-                params,
-                time.time(),
-                lora_request,
-                trace_headers,
-                priority,
-                resumed_output_token_ids=resumed_output_token_ids,
-                fairness_key=fairness_key,
-                fairness_weight=fairness_weight,
-            )
-        )
+        self._loop_thread.submit(AddCommand(stream, request))
         done = False
         try:
             while True:

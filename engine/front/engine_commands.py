@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.api.sampling_params import SamplingParams
-from engine.pooling_params import PoolingParams
+from engine.core.engine_request import EngineRequest
 
 if TYPE_CHECKING:
-    from engine.front.llm_engine import LLMEngine, PromptType
+    from engine.front.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -66,18 +65,10 @@ def put_all(items: list[tuple[OutputStream, Any]]) -> None:
 
 @dataclass
 class AddCommand:
+    """A request for the engine thread, built and checked on the caller's side."""
+
     stream: OutputStream
-    prompt: PromptType
-    params: SamplingParams | PoolingParams
-    arrival_time: float
-    lora_request: Any
-    trace_headers: Mapping[str, str] | None
-    priority: int
-    resumed_output_token_ids: Mapping[int, Sequence[int]] | None = (
-        None  # engine/processing/resume.py
-    )
-    fairness_key: str | None = None
-    fairness_weight: float = 1.0
+    request: EngineRequest
 
 
 @dataclass

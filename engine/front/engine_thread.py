@@ -267,18 +267,7 @@ class EngineThread:
             )
             return
         try:
-            self.engine.add_request(
-                request_id,
-                command.prompt,
-                command.params,
-                arrival_time=command.arrival_time,
-                lora_request=command.lora_request,
-                trace_headers=command.trace_headers,
-                priority=command.priority,
-                resumed_output_token_ids=command.resumed_output_token_ids,
-                fairness_key=command.fairness_key,
-                fairness_weight=command.fairness_weight,
-            )
+            self.engine.add_engine_request(command.request)
         except Exception as exc:  # a bad request fails alone; the caller gets the error
             stream.put(exc)
             return

@@ -11,7 +11,8 @@ With pipeline parallelism up to `pipeline_parallel_size` steps are submitted bef
 oldest is collected, so the stages work on different batches at once (vLLM's virtual
 engines); a request is in at most one of them.
 
-Beside this file: `add_request`'s arguments become `Request`s in request_builder.py, the
+Beside this file: `add_request`'s arguments become one `EngineRequest`
+(engine/core/engine_request.py), which request_builder.py turns into `Request`s; the
 metrics, stats line and spans are recorded by engine_recorder.py, and the LoRA, sleep-mode
 and profiling methods come from llm_engine_admin.py.
 """
@@ -39,6 +40,7 @@ from engine.config.engine_config import (
 )
 from engine.config.parallel import ParallelConfig
 from engine.config.rope import rope_regime
+from engine.core.engine_request import EngineRequest
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -239,16 +241,7 @@ class LLMEngine(LLMEngineAdminMixin):
         request that was generating elsewhere: only the listed outputs continue, each from
         its tokens so far, which count as output for every limit, penalty, stop check and
         the seeded sampler's position (engine/processing/resume.py)."""
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
-        if lora_request is not None:
-            self._require_lora()
-            self._ensure_lora(lora_request)  # loads and checks it if new
-        self.request_builder.check_params(params, priority)
-        fairness_key = self.request_builder.check_fairness(fairness_key, fairness_weight)
-        if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
-        new = self.request_builder.build(
+        request = EngineRequest.build(
             request_id,
             prompt,
             params,
@@ -256,10 +249,23 @@ class LLMEngine(LLMEngineAdminMixin):
             lora_request,
             trace_headers,
             priority,
-            resumed_output_token_ids=resumed_output_token_ids,
-            fairness_key=fairness_key,
-            fairness_weight=fairness_weight,
+            resumed_output_token_ids,
+            fairness_key,
+            fairness_weight,
         )
+        self.add_engine_request(request)
+
+    def add_engine_request(self, request: EngineRequest) -> None:
+        """Queues a request the front has built (`EngineRequest.build`, as `add_request`
+        does and `AsyncLLMEngine.generate` on its own side)."""
+        request_id = request.request_id
+        if request.lora_request is not None:
+            self._require_lora()
+            self._ensure_lora(request.lora_request)  # loads and checks it if new
+        self.request_builder.check_priority(request)
+        if self.output_processor.has_request(request_id) or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request.")
+        new = self.request_builder.build(request)
         params, headers, samples = new.params, new.trace_headers, new.samples
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling_request(new.text, samples[0])
