@@ -23,7 +23,7 @@ per second, and output tokens per second). The served tokens are the engine's ow
 `pagedserve:tenant_served_tokens_total`, sampled every `--sample-interval` s; `--plot`
 draws them over time for both policies, side by side.
 
-    python benchmarks/fairness.py --weights 2,1 --max-num-seqs 4 --num-heavy 24
+    python benchmarks/offline/fairness.py --weights 2,1 --max-num-seqs 4 --num-heavy 24
 
 `--weights A,B` measures weighted sharing instead: tenant "a" of weight A and tenant "b" of
 weight B both flood the engine at once (under "vtc" only) with alike requests
