@@ -11,7 +11,7 @@ README's `bench serve --max-concurrency 256` sends them; then `step()` until don
 wall seconds and the process's CPU seconds (all threads; on a loaded machine the CPU
 seconds are what the step costs, the wall seconds what it took). For each budget
 (`max_num_batched_tokens`; `default` = the engine's own) the longest step's wall and CPU
-seconds, the median step, and the whole burst's wall time: median and range over
+seconds, the median step, and the whole burst's wall and CPU time: median and range over
 `--repeats` runs, budgets alternating run by run.
 """
 
@@ -39,7 +39,7 @@ def _burst(engine: LLMEngine, ns: argparse.Namespace, run: int) -> dict[str, flo
         engine.add_request(f"r{run}-{i}", {"prompt_token_ids": ids}, params)
     walls: list[float] = []
     cpus: list[float] = []
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         wall, cpu = time.perf_counter(), time.process_time()
         engine.step()
@@ -47,6 +47,7 @@ def _burst(engine: LLMEngine, ns: argparse.Namespace, run: int) -> dict[str, flo
         cpus.append(time.process_time() - cpu)
     return {
         "total_s": time.perf_counter() - start,
+        "total_cpu_s": time.process_time() - start_cpu,
         "max_wall_s": max(walls),
         "max_cpu_s": max(cpus),
         "median_wall_s": statistics.median(walls),
@@ -79,7 +80,10 @@ def main() -> int:
             engine.reset_prefix_cache()
             results[budget].append(_burst(engine, ns, run))
     print(f"cpu: {os.cpu_count()} cores; load average before the end: {os.getloadavg()}")
-    print("budget    tokens/step  steps  longest step wall s  its CPU s  median step s  burst s")
+    print(
+        "budget    tokens/step  steps  longest step wall s  its CPU s  median step s  "
+        "burst s  burst CPU s"
+    )
     for budget, runs in results.items():
         sched = engines[budget].get_scheduler_config()
         print(
@@ -87,7 +91,8 @@ def main() -> int:
             f"{_spread([r['max_wall_s'] for r in runs]):>19}  "
             f"{_spread([r['max_cpu_s'] for r in runs]):>9}  "
             f"{_spread([r['median_wall_s'] for r in runs]):>13}  "
-            f"{_spread([r['total_s'] for r in runs])}"
+            f"{_spread([r['total_s'] for r in runs])}  "
+            f"{_spread([r['total_cpu_s'] for r in runs])}"
         )
     return 0
 
