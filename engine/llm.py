@@ -18,6 +18,7 @@ from engine.api.sampling_params import (
     generation_config_defaults,
 )
 from engine.config.engine_config import EngineArgs
+from engine.config.step_budget import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from engine.front.llm_engine import LLMEngine, PromptType
 from engine.pooling_params import PoolingParams
 
@@ -33,6 +34,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("disable_log_stats", True)
+        if kwargs.get("enable_chunked_prefill", True):
+            # Offline: throughput over step latency (engine/config/step_budget.py).
+            kwargs.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 

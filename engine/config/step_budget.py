@@ -9,14 +9,22 @@ parameters): a step of 2048 prompt tokens costs ~8 CPU-seconds (~4 s of wall tim
 with the machine loaded), one of 256 decode rows ~1.4 CPU-seconds (~0.7 s). So on the CPU the
 budget is the decode batch (`max_num_seqs`, 256 by default), not more than 2048: one token
 for every running sequence fits, and a prompt is prefilled in chunks of that size (the same
-total work, so the same time to first token, in steps of under a second). A GPU takes
+total work, so about the same time to first token, in steps of under a second). A GPU takes
 2048-token steps in milliseconds: there the budget stays 2048, as before. Without chunked
 prefill a whole prompt must fit in one step, so the budget is at least `max_model_len`.
+
+Short steps cost throughput: the same 256-request burst took 66 CPU-seconds at 256 tokens a
+step against 52 at 2048 (benchmarks/offline/step_times.py), since most steps mix decode rows
+with a prefill chunk and fewer run as pure decode steps. A server takes that for streams that
+never wait seconds for a token; offline batch work does not: the offline `LLM` keeps 2048
+unless told otherwise (vLLM's `LLM` class, too, defaults to a larger budget than its API
+server).
 """
 
 from __future__ import annotations
 
 GPU_DEFAULT = 2048
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048  # the offline `LLM`'s default on every device
 CPU_MIN, CPU_MAX = 256, 2048
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineArgs
+from engine import LLM, EngineArgs
 from engine.config.step_budget import default_max_num_batched_tokens
 from tests.model_utils import make_tiny_llama
 
@@ -36,3 +36,12 @@ def test_engine_args_apply_it(tmp_path) -> None:
     assert sched.max_num_batched_tokens == 300
     given = EngineArgs(model=model, max_num_batched_tokens=1000).create_engine_config()
     assert given.scheduler_config.max_num_batched_tokens == 1000
+
+
+def test_the_offline_llm_keeps_2048(tmp_path) -> None:
+    """Offline batch work wants throughput: `LLM` keeps 2048 unless told otherwise."""
+    model = str(make_tiny_llama(tmp_path / "tiny", max_position_embeddings=128))
+    llm = LLM(model, device="cpu", kv_cache_memory_bytes=1 << 22)
+    assert llm.llm_engine.get_scheduler_config().max_num_batched_tokens == 2048
+    llm = LLM(model, device="cpu", kv_cache_memory_bytes=1 << 22, max_num_batched_tokens=64)
+    assert llm.llm_engine.get_scheduler_config().max_num_batched_tokens == 64

@@ -6,6 +6,7 @@ service that cannot start exits non-zero. Real processes and real gRPC servers o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import subprocess
@@ -110,16 +111,11 @@ def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in in_use.stderr
 
 
-def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) -> None:
-    """A logits processor that blocks holds one step without using the CPU; the watchdog
-    thread (0.5 s without progress) reports it while the event loop still answers, and
-    SERVING comes back once the step returns."""
-    release = threading.Event()
-
-    def block(output_ids, logits):
-        release.wait(120)
-        return logits
-
+@contextlib.contextmanager
+def _watched_engine(tiny_model_dir, processor, max_tokens: int):
+    """An in-process engine service with a 0.5 s stall timeout, and a request whose steps
+    run `processor` (a logits processor): yields (server, channel, the request's future,
+    resolving to its number of tokens)."""
     loop = LoopThread()
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(model=str(tiny_model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
@@ -132,16 +128,34 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
         return server
 
     async def generate() -> int:
-        params = SamplingParams(max_tokens=2, logits_processors=[block])
-        outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6]}, params, "stuck")]
+        params = SamplingParams(max_tokens=max_tokens, logits_processors=[processor])
+        outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6]}, params, "r")]
         return len(outputs[-1].outputs[0].token_ids)
 
     server = loop.run(start())
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            serving = health_pb2.HealthCheckResponse.SERVING
-            assert _health(channel) == serving
-            done = asyncio.run_coroutine_threadsafe(generate(), loop.loop)
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            yield server, channel, asyncio.run_coroutine_threadsafe(generate(), loop.loop)
+    finally:
+        loop.run(server.stop(0))
+        engine.shutdown()
+        loop.close()
+
+
+def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) -> None:
+    """A logits processor that blocks holds one step without using the CPU; the watchdog
+    thread (0.5 s without progress) reports it while the event loop still answers, and
+    SERVING comes back once the step returns."""
+    release = threading.Event()
+
+    def block(output_ids, logits):
+        release.wait(120)
+        return logits
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    try:
+        with _watched_engine(tiny_model_dir, block, max_tokens=2) as (_, channel, done):
             assert wait_for(lambda: _health(channel) != serving, timeout=60)
             details = engine_pb2_grpc.EngineServiceStub(channel).Health(
                 common_pb2.HealthRequest(), timeout=10
@@ -152,9 +166,6 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
             assert wait_for(lambda: _health(channel) == serving, timeout=60)
     finally:
         release.set()
-        loop.run(server.stop(0))
-        engine.shutdown()
-        loop.close()
 
 
 def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
@@ -171,36 +182,12 @@ def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
             x = x * 1.0000001 + 1e-9
         return logits
 
-    loop = LoopThread()
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=str(tiny_model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
-    )
-
-    async def start() -> EngineServer:
-        server = EngineServer(EngineServerConfig(address="127.0.0.1:0", engine_stall_timeout_s=0.5))
-        await server.start()
-        await server.attach_engine(engine)
-        return server
-
-    async def generate() -> int:
-        params = SamplingParams(max_tokens=1, logits_processors=[busy])
-        outputs = [o async for o in engine.generate({"prompt_token_ids": [5, 6]}, params, "busy")]
-        return len(outputs[-1].outputs[0].token_ids)
-
-    server = loop.run(start())
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            serving = health_pb2.HealthCheckResponse.SERVING
-            done = asyncio.run_coroutine_threadsafe(generate(), loop.loop)
-            assert in_step.wait(120)
-            statuses = []
-            while not done.done():
-                statuses.append(_health(channel))
-                time.sleep(0.1)
-            assert done.result(120) == 1
-            assert statuses and set(statuses) == {serving}, statuses
-            assert not server.watchdog.stalled and server.servicer.stalled_s == 0.0
-    finally:
-        loop.run(server.stop(0))
-        engine.shutdown()
-        loop.close()
+    with _watched_engine(tiny_model_dir, busy, max_tokens=1) as (server, channel, done):
+        assert in_step.wait(120)
+        statuses = []
+        while not done.done():
+            statuses.append(_health(channel))
+            time.sleep(0.1)
+        assert done.result(120) == 1
+        assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}, statuses
+        assert not server.watchdog.stalled and server.servicer.stalled_s == 0.0
