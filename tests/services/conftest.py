@@ -163,5 +163,6 @@ def stack(tiny_model_dir: Path) -> Iterator[ServiceStack]:
 
 @pytest.fixture(scope="session")
 def offline_llm(tiny_model_dir: Path) -> LLM:
-    """The in-process reference: the same model and engine arguments."""
-    return LLM(model=str(tiny_model_dir), **ENGINE_KWARGS)
+    """The in-process reference: the same model and engine arguments (the served engine's
+    step budget too: the offline `LLM` would take larger steps by default)."""
+    return LLM(model=str(tiny_model_dir), max_num_batched_tokens=None, **ENGINE_KWARGS)
