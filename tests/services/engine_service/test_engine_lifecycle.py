@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import AsyncLLMEngine, EngineArgs, SamplingParams
+from engine.front.step_delay import StepDelay
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.migration import MIGRATE_METADATA_KEY, REASON_DRAINED, migrate_reason
 from services.engine_service.server import EngineServer, EngineServerConfig
@@ -176,10 +177,7 @@ def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
 
     def busy(output_ids, logits):
         in_step.set()
-        deadline = time.monotonic() + 6.0
-        x = 1.0
-        while time.monotonic() < deadline:
-            x = x * 1.0000001 + 1e-9
+        StepDelay("busy", 6.0).apply()  # the engine's own busy-step hook: 6 s on the CPU
         return logits
 
     with _watched_engine(tiny_model_dir, busy, max_tokens=1) as (server, channel, done):
