@@ -199,9 +199,7 @@ class LightTokenizer:
         """transformers' `apply_chat_template` for one conversation (tokenized without
         special tokens, as transformers does: the template writes them)."""
         if continue_final_message and add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt are not compatible"
-            )
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
         text = render_chat(
             self.get_chat_template(tools),
             list(conversation),
@@ -221,9 +219,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def read_chat_template(
-    model_dir: Path, config: Mapping[str, Any]
-) -> str | dict[str, str] | None:
+def read_chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
     """The chat template(s) as transformers finds them: `chat_template.jinja` and
     `additional_chat_templates/*.jinja` first, then `chat_template.json`, then the config."""
     templates: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """One request's stream on the tokenizer service: token-id deltas in, text deltas out.
 
-Each of the n outputs has its own `engine.api.detokenizer.IncrementalDetokenizer`, which
-never
+Each of the n outputs has its own incremental detokenizer (`engine.api.detokenizer`; stepped in
+Rust by `engine.api.stream_detokenizer` where the tokenizer has a Rust backend), which never
 emits half a UTF-8 character, applies the stop strings and holds back a tail that could
 still become one. Tokens are fed one at a time when there are stop strings, so an output
 ends on exactly the token that completed its stop string (as offline `LLM.generate` does).
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.detokenizer import IncrementalDetokenizer
+from engine.api.stream_detokenizer import make_detokenizer
 from pagedserve.v1 import common_pb2, engine_pb2, generation_pb2
 from services.common.finish_reasons import FINISH_REASON_NAMES
 from services.tokenizer_service.sampling import RequestSampling
@@ -72,7 +73,7 @@ class TextStream:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.outputs = [
             _Output(
-                IncrementalDetokenizer(
+                make_detokenizer(
                     tokenizer,
                     prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
