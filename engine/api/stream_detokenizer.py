@@ -7,11 +7,13 @@ algorithm in Rust (prefix and read offsets, text held back while it ends in U+FF
 per token, so the text is the same: tests/engine/api/test_stream_detokenizer.py checks it
 against the Python one over random token ids of several tokenizers, deltas and final text.
 
-One difference is bridged here: where the window's new text does not start with its old text
-(a decoder that rewrites earlier characters, e.g. byte-fallback pieces that only form a
-character together), Rust raises where Python slices by length. Then this token is decoded
-the Python way from the offsets mirrored here, and Rust takes over again, with a fresh stream
-primed with the window, at the next token that emits text.
+Two differences are bridged here. Where the window's new text does not start with its old
+text (a decoder that rewrites earlier characters, e.g. byte-fallback pieces that only form a
+character together), Rust raises where Python slices by length; and a stream primed with
+ids whose text ends in U+FFFD (half a character of the prompt) starts from an empty prefix.
+In both cases tokens are decoded the Python way from the offsets mirrored here, and Rust
+takes over again, with a fresh stream primed with the window, at the next token that emits
+text.
 
 Stop strings, the held-back tail and `get_text` are the base class's (only the new text plus
 the longest stop string's length is searched).
@@ -45,11 +47,14 @@ class StreamDetokenizer(IncrementalDetokenizer):
         self.backend = backend
         self._stream: DecodeStream | None = self._new_stream()
 
-    def _new_stream(self) -> DecodeStream:
-        """A stream primed with the window: its text is the prefix, its read offset the end."""
-        return DecodeStream(
-            self.token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens
-        )
+    def _new_stream(self) -> DecodeStream | None:
+        """A stream primed with the window: its text is the prefix, its read offset the end.
+        None (Python steps) while the window's text ends in U+FFFD: a primed stream then
+        takes an empty prefix, where Python compares with that text."""
+        window = self.token_ids[self.prefix_offset :]
+        if window and self._decode(window).endswith(_REPLACEMENT_CHAR):
+            return None
+        return DecodeStream(window, skip_special_tokens=self.skip_special_tokens)
 
     def _append(self, new_token_ids: list[int]) -> None:
         backend = self.backend
