@@ -16,7 +16,9 @@ takes over again, with a fresh stream primed with the window, at the next token 
 text.
 
 Stop strings, the held-back tail and `get_text` are the base class's (only the new text plus
-the longest stop string's length is searched).
+the longest stop string's length is searched). `spaces_between_special_tokens` changes
+neither path: a Rust-backed tokenizer's `decode` has no such option (transformers applies it
+only to its slow Python tokenizers, which have no Rust backend and keep the Python path).
 """
 
 from __future__ import annotations

@@ -251,14 +251,33 @@ def light_unsupported(model_dir: Path) -> str | None:
         return f"tokenizer_class {cls!r} rebuilds its pipeline in transformers"
     if config.get("auto_map"):
         return "the tokenizer is remote code (auto_map)"
+    if config.get("fix_mistral_regex"):
+        return "fix_mistral_regex asks transformers to patch the pre-tokenizer"
     return None
 
 
+class LightUnsupported(ValueError):
+    """The files need transformers' tokenizer; the message says why."""
+
+
+def _check_added_tokens(backend: Tokenizer, config: Mapping[str, Any]) -> None:
+    """tokenizer_config.json's `added_tokens_decoder` must agree with tokenizer.json (both
+    written by one save): transformers would add a token it lacks, at an id of its choosing."""
+    decoder = config.get("added_tokens_decoder") or {}
+    for index, token in decoder.items():
+        content = _token_text(token)
+        if content is None or backend.token_to_id(content) != int(index):
+            raise LightUnsupported(
+                f"added_tokens_decoder[{index}] = {content!r} is not that id in tokenizer.json"
+            )
+
+
 def load_light_tokenizer(model_dir: Path) -> LightTokenizer:
-    """The light tokenizer of `model_dir`; check `light_unsupported` first."""
+    """The light tokenizer of `model_dir`; LightUnsupported where it needs transformers."""
     reason = light_unsupported(model_dir)
     if reason is not None:
-        raise ValueError(f"{model_dir}: {reason}")
+        raise LightUnsupported(reason)
     config = _read_json(model_dir / "tokenizer_config.json")
     backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    _check_added_tokens(backend, config)
     return LightTokenizer(backend, config, read_chat_template(model_dir, config))

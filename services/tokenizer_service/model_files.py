@@ -28,7 +28,7 @@ from engine.api.model_files import (
     gguf_cache_path,
     load_tokenizer,
 )
-from services.tokenizer_service.light_tokenizer import light_unsupported, load_light_tokenizer
+from services.tokenizer_service.light_tokenizer import LightUnsupported, load_light_tokenizer
 
 logger = logging.getLogger("services.tokenizer_service.model_files")
 
@@ -70,13 +70,15 @@ def load_text_model_files(model: str | None) -> TextModelFiles:
 def load_model_tokenizer(model_dir: Path) -> Any:
     """The light tokenizer where `model_dir`'s files allow, else transformers'."""
     if os.environ.get(BACKEND_ENV, "").lower() == "transformers":
-        reason: str | None = f"{BACKEND_ENV}=transformers"
+        reason = f"{BACKEND_ENV}=transformers"
     else:
-        reason = light_unsupported(model_dir)
-    if reason is None:
-        tokenizer: Any = load_light_tokenizer(model_dir)
-        logger.info("tokenizer: tokenizers + jinja2", extra={"path": str(model_dir)})
-        return tokenizer
+        try:
+            tokenizer: Any = load_light_tokenizer(model_dir)
+        except LightUnsupported as exc:
+            reason = str(exc)
+        else:
+            logger.info("tokenizer: tokenizers + jinja2", extra={"path": str(model_dir)})
+            return tokenizer
     logger.info("tokenizer: transformers (%s)", reason, extra={"path": str(model_dir)})
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from services.tokenizer_service.light_tokenizer import (
     LightTokenizer,
+    LightUnsupported,
     light_unsupported,
     load_light_tokenizer,
 )
@@ -181,6 +183,32 @@ def test_what_needs_transformers_is_left_to_it(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert sum("transformers" in line and "LlamaTokenizer" in line for line in lines) == 1
     assert any("tokenizers + jinja2" in line for line in lines)
+
+
+def _edit_config(directory: Path, **fields: object) -> Path:
+    path = directory / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return directory
+
+
+def test_config_that_transformers_acts_on_is_left_to_it(tmp_path):
+    """An added token tokenizer.json lacks (transformers adds it, at an id of its choosing)
+    and `fix_mistral_regex` go to transformers; added tokens that agree stay light."""
+    agree = _edit_config(
+        make_family_tokenizer("qwen2", tmp_path / "agree"),
+        added_tokens_decoder={"2": {"content": "<|im_end|>", "special": True}},
+    )
+    assert isinstance(load_model_tokenizer(agree), LightTokenizer)
+    lacking = _edit_config(
+        make_family_tokenizer("qwen2", tmp_path / "lacking"),
+        added_tokens_decoder={"999": {"content": "<|new|>", "special": True}},
+    )
+    with pytest.raises(LightUnsupported, match="added_tokens_decoder"):
+        load_light_tokenizer(lacking)
+    hf = load_model_tokenizer(lacking)
+    assert not isinstance(hf, LightTokenizer)
+    regex = _edit_config(make_family_tokenizer("qwen2", tmp_path / "regex"), fix_mistral_regex=True)
+    assert "fix_mistral_regex" in light_unsupported(regex)
 
 
 def test_the_escape_hatch_loads_transformers(tmp_path, monkeypatch):
