@@ -127,7 +127,11 @@ def _train_bpe(
     trainer = BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if pre_tokenizer else [],
+        initial_alphabet=(
+            pre_tokenizers.ByteLevel.alphabet()
+            if isinstance(pre_tokenizer, pre_tokenizers.ByteLevel)
+            else []
+        ),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -160,7 +164,6 @@ def _byte_fallback(special: list[str], bos: str, gemma: bool = False) -> Tokeniz
     vocab: dict[str, int] = data["model"]["vocab"]
     for byte in range(256):
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    # Drop the trainer's byte-level alphabet pieces from the merges' point of view: keep them.
     model = models.BPE(
         vocab=vocab,
         merges=[
