@@ -43,9 +43,17 @@ BLOCK_K = 32  # a multiple of PACK; GROUP_SIZE need not be a multiple of it
 
 @triton.jit
 def _dequantized_slab(
-    qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, mask_k, mask_n, stride_q, stride_s,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    offs_k,
+    offs_n,
+    mask_k,
+    mask_n,
+    stride_q,
+    stride_s,
     GROUP_SIZE: tl.constexpr,  # int
-):  # fmt: skip
+):
     """W[offs_k, offs_n] in fp32: [BLOCK_K, BLOCK_N]."""
     mask = mask_k[:, None] & mask_n[None, :]
     packed = tl.load(qweight_ptr + (offs_k // 8)[:, None] * stride_q + offs_n[None, :], mask=mask)
@@ -91,9 +99,17 @@ def _int4_gemm_kernel(
             other=0.0,
         )
         w = _dequantized_slab(
-            qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, mask_k, mask_n, stride_q,
-            stride_s, GROUP_SIZE,
-        )  # fmt: skip
+            qweight_ptr,
+            scales_ptr,
+            zeros_ptr,
+            offs_k,
+            offs_n,
+            mask_k,
+            mask_n,
+            stride_q,
+            stride_s,
+            GROUP_SIZE,
+        )
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     out = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -119,14 +135,24 @@ def _int4_dequantize_kernel(
     mask_k = offs_k < K
     mask_n = offs_n < N
     w = _dequantized_slab(
-        qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, mask_k, mask_n, stride_q, stride_s,
+        qweight_ptr,
+        scales_ptr,
+        zeros_ptr,
+        offs_k,
+        offs_n,
+        mask_k,
+        mask_n,
+        stride_q,
+        stride_s,
         GROUP_SIZE,
-    )  # fmt: skip
+    )
     out = out_ptr + offs_k.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
 
-def _check_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> tuple[int, int]:  # fmt: skip
+def _check_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> tuple[int, int]:
     """(K, N) of a valid INT4 weight; ValueError naming the first bad argument."""
     check_ndim("qweight", qweight, 2, "[K / 8, N]")
     check_dtype("qweight", qweight, (torch.int32,))
