@@ -1,10 +1,9 @@
 """An INT4 checkpoint (AWQ / GPTQ) streamed into the model: each projection's packed tensors
 are collected, decoded (engine/loader/int4_packing.py) and then either
 
-- kept in INT4 (`keep`: engine/layers/int4_linear.py's installer; on CUDA, where the Triton
-  kernels run), or
+- kept in INT4 (`keep`: engine/layers/int4_installer.py; see `Int4Loading` for where), or
 - dequantized to the model's dtype and passed on as ``<module>.weight`` to the generic
-  loader (on CPU: no INT4 kernel there yet; the log says so once).
+  loader (the log says so once).
 
 Checkpoint names per quantized module ``<m>``: ``<m>.qweight``, ``<m>.qzeros``,
 ``<m>.scales`` and (GPTQ) ``<m>.g_idx``; its ``<m>.bias`` and every other tensor pass
@@ -23,7 +22,12 @@ from typing import Any
 import torch
 
 from engine.config.int4_checkpoint import Int4Scheme
+from engine.layers.int4_installer import Int4Installer
+from engine.layers.quantization import CPUQuantizedLinearMethod
+from engine.loader.int4_native import fits_q4_0, int4_to_q4_0
 from engine.loader.int4_packing import Int4Weight, awq_to_int4, dequantize_int4, gptq_to_int4
+from engine.native import native_kernels_available
+from engine.native.quant import concat_rows
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ def int4_checkpoint_weights(
         yield from finish(prefix, pending[prefix])
     if num_dequantized:
         logger.info(
-            "Dequantized %d %s INT4 projections to %s at load (no INT4 kernel on this device).",
+            "Dequantized %d %s INT4 projections to %s at load (no INT4 kernel for them here).",
             num_dequantized,
             scheme.method.upper(),
             str(dtype).removeprefix("torch."),
@@ -107,20 +111,37 @@ def int4_checkpoint_weights(
 class Int4Loading:
     """One model's INT4 load: made on the meta-built model (so kept projections never get
     float storage), then `wrap`s the checkpoint stream; `finish` checks every kept layer
-    got all its shards."""
+    got all its shards. Where projections stay INT4:
+
+        CUDA                                  Triton (engine/layers/int4_linear.py)
+        CPU, fp32, symmetric, no act-order    native Q4_0 blocks (engine/loader/int4_native.py)
+        otherwise                             dequantized at load to the model's dtype
+    """
 
     def __init__(
         self, model: torch.nn.Module, scheme: Int4Scheme, model_dir: Path, device: torch.device
     ) -> None:
         self.scheme = scheme
         self.dtype = next(model.parameters()).dtype
-        self.installer: Any = None
+        self.installer: Int4Installer | None = None
+        self.kind = "dequantized"
+        make_method: Callable[[str, list[Int4Weight]], Any] | None = None
         if int4_kept_packed(device):
-            # Triton, imported only where the kernels run.
-            from engine.layers.int4_linear import Int4Installer
-
-            self.installer = Int4Installer(model, model.packed_modules_mapping, device)
+            make_method, self.kind = _triton_method, "Triton kernels"
+        elif (
+            device.type == "cpu"
+            and self.dtype == torch.float32
+            and fits_q4_0(scheme)
+            and native_kernels_available()
+        ):
+            make_method, self.kind = _native_method, "native Q4_0 blocks"
+        if make_method is not None:
+            self.installer = Int4Installer(model, model.packed_modules_mapping, device, make_method)
             self.installer.prepare(quantized_modules(model_dir))
+
+    @property
+    def native(self) -> bool:
+        return self.kind == "native Q4_0 blocks"
 
     def wrap(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         return int4_checkpoint_weights(weights, self.scheme, self.dtype, self.installer)
@@ -129,7 +150,20 @@ class Int4Loading:
         if self.installer is not None:
             self.installer.check_complete()
             logger.info(
-                "Kept %d projections in INT4 (%s, Triton kernels).",
+                "Kept %d projections in INT4 (%s, %s).",
                 self.installer.num_installed,
                 self.scheme.method.upper(),
+                self.kind,
             )
+
+
+def _triton_method(name: str, parts: list[Int4Weight]) -> Any:
+    # Triton: imported only where its kernels run.
+    from engine.layers.int4_linear import Int4LinearMethod
+
+    return Int4LinearMethod(parts)
+
+
+def _native_method(name: str, parts: list[Int4Weight]) -> CPUQuantizedLinearMethod:
+    blocks = [int4_to_q4_0(f"{name} (shard {i})", part) for i, part in enumerate(parts)]
+    return CPUQuantizedLinearMethod([concat_rows(blocks)])

@@ -117,7 +117,7 @@ def load_model(
         num_planned = model.pack_weights()  # fp32 weights only: quantized layers have none
         if num_planned:
             logger.info("Chose the fp32 GEMM method of %d weight matrices.", num_planned)
-        if quantization is not None and int4 is None:
+        if quantization is not None and (int4 is None or int4.native):
             num_int8 = plan_quantized_routes(model)
             if num_int8:
                 logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
 from engine.config.int4_checkpoint import Int4Scheme
-from engine.layers.int4_linear import Int4Installer, Int4LinearMethod
+from engine.layers.int4_installer import Int4Installer
+from engine.layers.int4_linear import Int4LinearMethod
 from engine.layers.linear import Linear
 from engine.loader import int4_weights
 from engine.loader.int4_packing import gptq_to_int4
@@ -71,9 +72,8 @@ def test_installer_fuses_shards_in_checkpoint_order(checkpoints) -> None:
     scheme = Int4Scheme("gptq", 32, True, 1, True)
     layer = Linear(128, 256, bias=False, output_sizes=(128, 64, 64))
     model = torch.nn.ModuleDict({"self_attn": torch.nn.ModuleDict({"qkv_proj": layer})})
-    installer = Int4Installer(
-        model, {"qkv_proj": ("q_proj", "k_proj", "v_proj")}, torch.device("cpu")
-    )
+    packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    installer = Int4Installer(model, packed, device(), lambda name, parts: Int4LinearMethod(parts))
     installer.prepare(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])
     assert layer.weight.numel() == 0
     reference = load_file(ref_dir / "model.safetensors")

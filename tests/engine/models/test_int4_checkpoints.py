@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints (made by tests/engine/int4_checkpoints.py in the Hub's layout)
 served by the engine against transformers on the same model with the dequantized weights
-(DESIGN.md's top-5 rule), under every scheduling regime; on the CPU the projections are
-dequantized at load, and the Triton INT4 path (CUDA's) is forced through the interpreter."""
+(DESIGN.md's top-5 rule), under every scheduling regime; on the CPU symmetric GPTQ stays
+4-bit in the native Q4_0 blocks and the others are dequantized at load (the Triton path,
+CUDA's, is forced through the interpreter in tests/engine/layers/test_int4_linear.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ def test_matches_transformers_on_the_dequantized_model(case, tiny_llama, tmp_pat
         llm, unconstrained = run(quant_dir, prompts)
     method = "awq" if case.startswith("awq") else "gptq"
     assert llm.llm_engine.get_model_config().quantization == method
-    assert "Dequantized 14" in caplog.text  # 7 projections x 2 layers, said once
+    # Symmetric GPTQ stays INT4 in the native Q4_0 blocks (4 fused projections x 2 layers);
+    # the others are dequantized (7 checkpoint projections x 2 layers), said once.
+    kept = "Kept 8 projections in INT4 (GPTQ, native Q4_0 blocks)"
+    expected = kept if CASES[case].get("sym") else "Dequantized 14"
+    assert expected in caplog.text
     assert_close_to_reference(reference, ours_greedy(unconstrained))
     if case not in ALL_REGIMES:
         return
