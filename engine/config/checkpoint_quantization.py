@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.config.int4_checkpoint import parse_awq, parse_gptq
+from engine.config.int4_checkpoint import Int4Scheme, parse_awq, parse_gptq
 
 CHECKPOINT_FORMATS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "awq": parse_awq,
@@ -96,3 +96,10 @@ def resolve_checkpoint_quantization(
             f"got {world_size}."
         )
     return method
+
+
+def stays_quantized_on_cpu(hf_config: Any) -> bool:
+    """Whether the checkpoint's weights can stay quantized in the native CPU kernels, which
+    take fp32 activations: `dtype="auto"` then stays fp32 on a bf16 CPU, as for GGUF blocks."""
+    scheme = checkpoint_quantization(hf_config)
+    return isinstance(scheme, Int4Scheme) and scheme.fits_q4_0

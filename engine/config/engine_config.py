@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.api.model_files import load_generation_config, load_hf_config
-from engine.config.checkpoint_quantization import resolve_checkpoint_quantization
+from engine.config.checkpoint_quantization import (
+    resolve_checkpoint_quantization,
+    stays_quantized_on_cpu,
+)
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device, resolve_dtype
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
@@ -302,7 +305,10 @@ class EngineArgs:
             self.quantization, hf_config, parallel_config.world_size
         )
         cpu_bf16 = self.dtype == "auto" and dtype == "bfloat16" and device == "cpu"
-        if cpu_bf16 and checkpoint_method is None:
+        if cpu_bf16 and checkpoint_method is not None:
+            if stays_quantized_on_cpu(hf_config):  # native Q4_0 blocks compute in fp32
+                dtype = "float32"
+        elif cpu_bf16:
             # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
             # greedy screen): where they will run, "auto" stays fp32 (cpu_dtype.py).
             kept = resolve_quantization(

@@ -39,6 +39,12 @@ class Int4Scheme:
     desc_act: bool  # GPTQ act-order: `g_idx` maps input channels to groups in any order
     modules_not_converted: tuple[str, ...] = ()  # module names kept in floats (AWQ)
 
+    @property
+    def fits_q4_0(self) -> bool:
+        """Whether every weight repacks exactly into the native CPU kernels' Q4_0 blocks
+        (d (q - 8) per 32 inputs: symmetric, no act-order; engine/loader/int4_native.py)."""
+        return not self.zero_point and not self.desc_act
+
     def __post_init__(self) -> None:
         if self.method not in INT4_METHODS:
             raise ValueError(

@@ -23,7 +23,7 @@ Q4_0_VALUES = 32
 
 def fits_q4_0(scheme: Int4Scheme) -> bool:
     """Whether every weight of the scheme repacks exactly (symmetric, no act-order)."""
-    return not scheme.zero_point and not scheme.desc_act
+    return scheme.fits_q4_0
 
 
 def int4_to_q4_0(name: str, weight: Int4Weight) -> QuantizedWeight:

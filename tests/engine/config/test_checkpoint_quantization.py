@@ -12,6 +12,7 @@ from engine.config.checkpoint_quantization import (
     checkpoint_quantization,
     refuse_unserved_method,
     resolve_checkpoint_quantization,
+    stays_quantized_on_cpu,
 )
 from engine.config.int4_checkpoint import Int4Scheme
 
@@ -85,3 +86,12 @@ def test_requested_quantization_must_agree_with_the_checkpoint() -> None:
         resolve_checkpoint_quantization("gptq", _config(None))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         resolve_checkpoint_quantization("auto", _config(AWQ), world_size=2)
+
+
+def test_only_symmetric_gptq_without_act_order_stays_quantized_on_cpu() -> None:
+    assert stays_quantized_on_cpu(_config(GPTQ))
+    assert stays_quantized_on_cpu(_config({**GPTQ, "group_size": -1}))
+    assert not stays_quantized_on_cpu(_config({**GPTQ, "desc_act": True}))
+    assert not stays_quantized_on_cpu(_config({**GPTQ, "sym": False}))
+    assert not stays_quantized_on_cpu(_config(AWQ))
+    assert not stays_quantized_on_cpu(_config(None))
