@@ -95,6 +95,12 @@ def _check_shape(
         )
 
 
+def _float_dtype(name: str, tensor: torch.Tensor) -> torch.dtype:
+    if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: expected fp16, bf16 or fp32, got {tensor.dtype}.")
+    return tensor.dtype
+
+
 def _groups(scheme: Int4Scheme, in_features: int, name: str) -> tuple[int, int]:
     """(group size, number of groups) of a projection with `in_features` inputs."""
     group_size = in_features if scheme.group_size == -1 else scheme.group_size
@@ -118,7 +124,7 @@ def awq_to_int4(
     group_size, num_groups = _groups(scheme, k, name)
     _check_shape(f"{name}.qweight", qweight, (k, n // PACK), torch.int32)
     _check_shape(f"{name}.qzeros", qzeros, (num_groups, n // PACK), torch.int32)
-    _check_shape(f"{name}.scales", scales, (num_groups, n), scales.dtype)
+    _check_shape(f"{name}.scales", scales, (num_groups, n), _float_dtype(f"{name}.scales", scales))
     codes = unpack_columns(qweight, AWQ_ORDER)  # [K, N]
     zeros = unpack_columns(qzeros, AWQ_ORDER).to(scales.dtype)  # [G, N]
     return Int4Weight(pack_rows(codes), scales, zeros, group_size, None)
@@ -135,7 +141,7 @@ def gptq_to_int4(
     """One GPTQ projection `name` in our layout (act-order rows sorted by group)."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     group_size, num_groups = _groups(scheme, k, name)
-    _check_shape(f"{name}.scales", scales, (num_groups, n), scales.dtype)
+    _check_shape(f"{name}.scales", scales, (num_groups, n), _float_dtype(f"{name}.scales", scales))
     if scheme.zero_point:
         if qzeros is None:
             raise ValueError(f"{name}.qzeros is missing (sym=false needs zero points).")
@@ -143,6 +149,14 @@ def gptq_to_int4(
         stored = unpack_columns(qzeros, tuple(range(PACK))).to(torch.int32)  # [G, N]
         zeros = ((stored + scheme.zero_offset) & 0xF).to(scales.dtype)  # v1: z - 1 wraps back
     else:
+        if qzeros is not None:  # what a symmetric checkpoint stores must say 8
+            _check_shape(f"{name}.qzeros", qzeros, (num_groups, n // PACK), torch.int32)
+            stored = unpack_columns(qzeros, tuple(range(PACK))).to(torch.int32)
+            if not bool(((stored + scheme.zero_offset) & 0xF == SYMMETRIC_ZERO).all()):
+                raise ValueError(
+                    f"{name}.qzeros: sym=true, but the stored zero points are not "
+                    f"{SYMMETRIC_ZERO} (a checkpoint with zero points labelled symmetric?)."
+                )
         zeros = torch.full((num_groups, n), SYMMETRIC_ZERO, dtype=scales.dtype)
     default = torch.arange(k, dtype=torch.int64) // group_size
     perm = None

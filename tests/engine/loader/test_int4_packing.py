@@ -153,3 +153,28 @@ def test_unsorted_groups_of_unequal_size_are_refused(tiny_llama, tmp_path) -> No
             g_idx,
             _scheme("gptq", 64),
         )
+
+
+def test_symmetric_label_on_zero_point_weights_is_refused(tiny_llama, tmp_path) -> None:
+    """A checkpoint with zero points but `sym: true` is refused, not decoded with z = 8."""
+    quant_dir, _ = write_int4_checkpoint(tiny_llama, tmp_path, "gptq", group_size=64)
+    tensors = load_file(quant_dir / "model.safetensors")
+    prefix = "model.layers.0.mlp.up_proj"
+    with pytest.raises(ValueError, match=r"up_proj\.qzeros: sym=true, but the stored zero"):
+        gptq_to_int4(
+            prefix,
+            tensors[f"{prefix}.qweight"],
+            tensors[f"{prefix}.qzeros"],
+            tensors[f"{prefix}.scales"],
+            tensors[f"{prefix}.g_idx"],
+            _scheme("gptq", 64, sym=True),
+        )
+    with pytest.raises(ValueError, match=r"up_proj\.scales: expected fp16, bf16 or fp32"):
+        gptq_to_int4(
+            prefix,
+            tensors[f"{prefix}.qweight"],
+            tensors[f"{prefix}.qzeros"],
+            tensors[f"{prefix}.scales"].to(torch.int32),
+            tensors[f"{prefix}.g_idx"],
+            _scheme("gptq", 64),
+        )
