@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.int4_gemm import int4_dequantize, int4_gemm
-from kernels.int4_reference import ref_int4_dequantize, ref_int4_gemm
+from kernels.reference import ref_int4_dequantize, ref_int4_gemm
 from tests.kernels._helpers import DTYPES, device, pick
 from tests.triton_utils import import_triton
 
