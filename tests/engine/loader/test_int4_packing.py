@@ -178,3 +178,20 @@ def test_symmetric_label_on_zero_point_weights_is_refused(tiny_llama, tmp_path) 
             tensors[f"{prefix}.g_idx"],
             _scheme("gptq", 64),
         )
+
+
+def test_modules_kept_in_floats_pass_through(tiny_llama, tmp_path) -> None:
+    """AWQ's `modules_to_not_convert`: a module stored as a float `.weight` beside INT4 ones
+    reaches the loader untouched, and the INT4 modules are still decoded."""
+    quant_dir, ref_dir = write_int4_checkpoint(tiny_llama, tmp_path, "awq")
+    tensors = load_file(quant_dir / "model.safetensors")
+    reference = load_file(ref_dir / "model.safetensors")
+    prefix = "model.layers.0.self_attn.q_proj"
+    for leaf in ("qweight", "qzeros", "scales"):
+        del tensors[f"{prefix}.{leaf}"]
+    float_weight = torch.randn(128, 128)
+    tensors[f"{prefix}.weight"] = float_weight
+    ours = dict(int4_checkpoint_weights(tensors.items(), _scheme("awq"), torch.float32))
+    assert ours[f"{prefix}.weight"] is float_weight
+    down = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(ours[down], reference[down], atol=0, rtol=0)
