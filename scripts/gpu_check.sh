@@ -17,6 +17,9 @@
 #                  timed runs each, the spread, the roofline bound, TensorRT-LLM's FP8 table
 #   tests_kernels  tests/kernels at full size
 #   kernels        benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
+#   int4           benchmarks/gpu/int4_decode.py: the 8B shape from a random INT4 (GPTQ)
+#                  checkpoint: batch-1 ms/token, a decode step at batch 200, offline tok/s
+#                  beside TensorRT-LLM's FP8 table (its JSON goes into logs.tar.gz)
 #
 #   OUT=/tmp/out scripts/gpu_check.sh                    # everything
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
@@ -116,6 +119,8 @@ SERVING_ARGS=(--concurrency 1 16 64 256 --input-len 128 --output-len 256)
 # shellcheck disable=SC2206  # the workloads are words
 DECODE_ARGS=(--part all --workloads $WORKLOADS --hf-prompts 16 --profile-dir "$WORK/profile")
 KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
+INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats 1
+    --decode-tokens 64 --batch-requests 200)
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -125,6 +130,8 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     TESTS_GPU=("${TESTS_GPU[@]:0:2}")  # collected and skipped: the Triton backend's tests
     TESTS_KERNELS=(tests/kernels/test_fused_moe.py)  # take minutes in the interpreter
     KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py --help)  # CUDA only: does it start?
+    INT4_ARGS=(--part all --shape tiny --group-size 32 --max-model-len 256 --kv-cache-gib 0.05
+        --repeats 2 --decode-tokens 4 --prompt-len 16 --batch-requests 8 --workloads 16x4x4)
 fi
 
 part env 30 bash -c env_report
@@ -137,5 +144,7 @@ part throughput 140 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}" \
     --output-json "$OUT/gpu_decode.json"
 part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TESTS_KERNELS[@]}"
 part kernels 40 "${KERNELS[@]}"
+part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \
+    --output-json "$WORK/int4_decode.json"
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

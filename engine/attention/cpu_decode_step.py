@@ -67,6 +67,8 @@ class CPUDecodeStep:
         windows = {layer.self_attn.sliding_window for layer in model.model.layers}
         if layers is None or len(windows) > 1:
             return None
+        if any(not _native_parts(layer[role]) for layer in layers for role in LINEAR_ROLES):
+            return None  # e.g. INT4 layers (engine/layers/int4_linear.py): Triton's
         return cls(model, layers)
 
     def applies(self, metadata: AttentionMetadata) -> bool:
@@ -188,6 +190,12 @@ class CPUDecodeStep:
                 layer[role] = (fields[role].bias, parts)
             layers.append(layer)
         return step_layer_table(layers), keep
+
+
+def _native_parts(layer: Any) -> bool:
+    """Whether the row kernels can take the projection: fp32, or native quantized parts."""
+    method = layer.quant_method
+    return method is None or all(isinstance(p, QuantizedWeight) for p in method.parts)
 
 
 def _parts(layer: Any) -> list[QuantizedWeight]:

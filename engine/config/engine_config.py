@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.api.model_files import load_generation_config, load_hf_config
+from engine.config.checkpoint_quantization import (
+    resolve_checkpoint_quantization,
+    stays_quantized_on_cpu,
+)
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device, resolve_dtype
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
@@ -39,7 +43,8 @@ class ModelConfig:
     max_logprobs: int = 20
     eos_token_ids: set[int] = field(default_factory=set)
     generation_config: dict[str, Any] = field(default_factory=dict)
-    quantization: str | None = None  # resolved: None, "gguf" or "int8"
+    # resolved: None, "gguf", "int8", or a quantized checkpoint's method ("awq", "gptq")
+    quantization: str | None = None
     gguf_file: Path | None = None  # the .gguf file the model came from, if it did
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights (benchmarks)
     # vLLM's --served-model-name: the names clients may use; the first is reported.
@@ -249,6 +254,8 @@ class EngineArgs:
     # on CPU); "gguf" (the GGUF file's blocks); "int8" (per-channel weight-only). See
     # engine/layers/quantization.py. Blocks use a quarter to an eighth of fp32's memory and
     # decode faster at small batches; prefill and large batches dequantize chunks for MKL.
+    # A quantized checkpoint (AWQ, GPTQ: engine/config/checkpoint_quantization.py) takes
+    # "auto" or its own method's name.
     quantization: str | None = "auto"
     # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
     # unset fields come from a sentence-transformers model directory, else LAST, normalize.
@@ -293,7 +300,15 @@ class EngineArgs:
             verify_parallel_config(hf_config, parallel_config, self)
         gguf_file = gguf_source(self.model)
         dtype = resolve_dtype(self.dtype, hf_config, device)
-        if self.dtype == "auto" and dtype == "bfloat16" and device == "cpu":
+        # A quantized checkpoint's own method (checkpoint_quantization.py), or None.
+        checkpoint_method = resolve_checkpoint_quantization(
+            self.quantization, hf_config, parallel_config.world_size
+        )
+        cpu_bf16 = self.dtype == "auto" and dtype == "bfloat16" and device == "cpu"
+        if cpu_bf16 and checkpoint_method is not None:
+            if stays_quantized_on_cpu(hf_config):  # native Q4_0 blocks compute in fp32
+                dtype = "float32"
+        elif cpu_bf16:
             # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
             # greedy screen): where they will run, "auto" stays fp32 (cpu_dtype.py).
             kept = resolve_quantization(
@@ -312,7 +327,7 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
-        quantization = resolve_quantization(
+        quantization = checkpoint_method or resolve_quantization(
             self.quantization, gguf_file, device, dtype, parallel_config.world_size
         )
         if self.load_format not in ("auto", "dummy"):

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.config.checkpoint_quantization import checkpoint_quantization, refuse_unserved_method
+from engine.config.int4_checkpoint import INT4_METHODS
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
@@ -22,6 +24,7 @@ from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
 from engine.loader.dummy_weights import fill_dummy_weights
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
+from engine.loader.int4_weights import Int4Loading
 from engine.loader.safetensors_reader import read_safetensors
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.registry import get_model_class
@@ -73,10 +76,12 @@ def load_model(
     `op_impl` overrides the op implementation chosen from the backend, device and dtype.
     `quantization` keeps the projections quantized (engine/layers/quantization.py):
     "gguf" fills them from `gguf_file`'s blocks before any fp32 storage exists; "int8"
-    quantizes each projection as soon as it is loaded. `load_format="dummy"` reads no
+    quantizes each projection as soon as it is loaded; "awq" / "gptq" read the checkpoint's
+    INT4 tensors (engine/loader/int4_weights.py). `load_format="dummy"` reads no
     weights: every parameter is drawn from `seed` (engine/loader/dummy_weights.py).
     """
     model_class = get_model_class(hf_config)
+    refuse_unserved_method(hf_config)  # after the family's own check_config
     if op_impl is None:
         op_impl = select_op_impl(attn_backend.name, device, dtype)
     with torch.device("meta"):
@@ -85,6 +90,9 @@ def load_model(
     kept: set[str] = set()
     if quantization == "gguf":
         kept, checks = _install_gguf(model, hf_config, device, gguf_file)
+    int4 = None
+    if quantization in INT4_METHODS:  # before storage: kept INT4 layers get none
+        int4 = Int4Loading(model, checkpoint_quantization(hf_config), model_dir, device)
     model = model.to_empty(device=device)
     if load_format == "dummy":  # EngineArgs allows it only without quantization
         fill_dummy_weights(model, seed)
@@ -94,18 +102,22 @@ def load_model(
         if weights is None:
             several = get_parallel_rank().world_size > 1  # a rank reads only its slices
             weights = iter_safetensors(model_dir, skip=kept, lazy=several)
+        if int4 is not None:
+            weights = int4.wrap(weights)
         _load_checkpoint(model, weights, kept, quantization)
+        if int4 is not None:
+            int4.finish()
     if quantization == "gguf":
         check_gguf_blocks(model_dir, checks)
         logger.info("Kept %d GGUF tensors quantized, read from %s.", len(kept), gguf_file)
-    elif quantization is not None:
+    elif quantization is not None and int4 is None:
         num_quantized = sum(m.quant_method is not None for _, m in projection_layers(model))
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
         num_planned = model.pack_weights()  # fp32 weights only: quantized layers have none
         if num_planned:
             logger.info("Chose the fp32 GEMM method of %d weight matrices.", num_planned)
-        if quantization is not None:
+        if quantization is not None and (int4 is None or int4.native):
             num_int8 = plan_quantized_routes(model)
             if num_int8:
                 logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)
@@ -119,7 +131,7 @@ def _load_checkpoint(
     quantization: str | None,
 ) -> None:
     on_loaded = None
-    if quantization is not None and quantization != "gguf":
+    if quantization is not None and quantization not in ("gguf", *INT4_METHODS):
         on_loaded = quantize_on_load(model, quantization)
     model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
 

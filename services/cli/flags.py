@@ -41,7 +41,8 @@ _FLAG_HELP = {
     "load_format": "auto (the checkpoint) or dummy (random weights from config.json alone, "
     "for benchmarks)",
     "quantization": "weights kept quantized: auto (a .gguf model on CPU, the default model "
-    "included, keeps its GGUF blocks; else none), none (fp32 on CPU), gguf, int8",
+    "included, keeps its GGUF blocks; an AWQ / GPTQ checkpoint its INT4 weights; else none), "
+    "none (fp32 on CPU), gguf, int8, awq, gptq (a checkpoint's own method)",
     "fairness": "sharing between tenants: vtc (each tenant's share of the batch in "
     "proportion to its API-key-file weight) or off (first come, first served)",
     "fairness_prompt_token_weight": "vtc's cost of a computed prompt token",
