@@ -252,6 +252,7 @@ class EngineRelay:
             async for msg in call:
                 tracking.started()
                 replica.watch.heard()
+                self.metrics.engine_messages.inc()
                 response = stream.process(msg)
                 if response is not None:
                     await context.write(response)
