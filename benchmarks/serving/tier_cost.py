@@ -132,13 +132,18 @@ async def _stream_all(address: str, prompts: list[list[int]], output_len: int) -
 
 
 def _engine_messages(metrics_port: int) -> float:
-    """The tokenizer service's `pagedserve:engine_messages` counter (NaN if it has none)."""
+    """The tokenizer service's `pagedserve:engine_messages` counter, summed over its
+    workers (NaN if it has none)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    for line in text.splitlines():
-        if line.startswith("pagedserve:engine_messages_total "):
-            return float(line.split()[1])
-    return float("nan")
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(
+            ("pagedserve:engine_messages_total ", "pagedserve:engine_messages_total{")
+        )
+    ]
+    return sum(values) if values else float("nan")
 
 
 def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
