@@ -2,7 +2,7 @@
 services, so what is left is the two gRPC hops, detokenization and the client.
 
     python benchmarks/serving/tier_cost.py                  # 64 streams x 256 tokens, 3 runs
-    python benchmarks/serving/tier_cost.py --workers 2      # `pagedserve tokenizer --workers 2`
+    python benchmarks/serving/tier_cost.py --workers 2 --channels 8   # 2 tokenizer processes
 
 The zero-cost model: a random Llama with 1 layer, hidden size 64 and the default model's
 tokenizer (49,152 tokens, so the head still costs something), written to a temporary Hugging
@@ -18,6 +18,12 @@ the public API (random token-id prompts, greedy, `ignore_eos`). Per run it print
   of the real processes, their children included; the client's own `process_time`) per
   output token. On a machine with few cores CPU time is the comparable figure: the wall
   time also counts waiting for a core.
+
+`--openai`: the same burst through the OpenAI door too, `pagedserve gateway` (the smg
+gateway, over vLLM's engine protocol) in front of a fresh `pagedserve engine`, streamed
+`/v1/completions` (the prompts decoded to text: smg takes no token ids) from one client
+thread per stream; smg's CPU stands
+where the tokenizer service's did, and a message is an SSE chunk.
 
 Then the median and the spread (max - min) of each figure over the runs, and the served
 throughput as a share of `LLM.generate`'s.
@@ -111,23 +117,30 @@ def run_in_process(model: Path, prompts: list[list[int]], args: argparse.Namespa
     return {"runs": runs}
 
 
-async def _stream_all(address: str, prompts: list[list[int]], output_len: int) -> tuple[int, int]:
-    """All prompts at once; (output tokens, messages) received."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.TextGenerationServiceStub(channel)
-        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+async def _stream_all(
+    address: str, prompts: list[list[int]], output_len: int, num_channels: int = 1
+) -> tuple[int, int]:
+    """All prompts at once, spread over `num_channels` connections (tokenizer workers
+    share out connections, not calls); (output tokens, messages) received."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(num_channels)]
+    stubs = [generation_pb2_grpc.TextGenerationServiceStub(c) for c in channels]
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
-        async def one(prompt: list[int]) -> tuple[int, int]:
-            request = generation_pb2.GenerateRequest(
-                token_ids=common_pb2.TokenIds(ids=prompt), sampling_params=params
-            )
-            num_tokens = num_messages = 0
-            async for response in stub.Generate(request):
-                num_tokens += len(response.token_ids)
-                num_messages += 1
-            return num_tokens, num_messages
+    async def one(i: int, prompt: list[int]) -> tuple[int, int]:
+        request = generation_pb2.GenerateRequest(
+            token_ids=common_pb2.TokenIds(ids=prompt), sampling_params=params
+        )
+        num_tokens = num_messages = 0
+        async for response in stubs[i % num_channels].Generate(request):
+            num_tokens += len(response.token_ids)
+            num_messages += 1
+        return num_tokens, num_messages
 
-        results = await asyncio.gather(*(one(p) for p in prompts))
+    try:
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    finally:
+        for channel in channels:
+            await channel.close()
     return sum(t for t, _ in results), sum(m for _, m in results)
 
 
@@ -173,7 +186,9 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
                 time.process_time(),
             )
             start = time.perf_counter()
-            num_tokens, num_messages = asyncio.run(_stream_all(address, prompts, args.output_len))
+            num_tokens, num_messages = asyncio.run(
+                _stream_all(address, prompts, args.output_len, args.channels)
+            )
             wall = time.perf_counter() - start
             used = (
                 process_tree_cpu_s(engine.pid) - cpu[0],
@@ -200,6 +215,107 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
     return {"runs": runs}
 
 
+def _stream_openai(port: int, model: Path, prompts: list[str], output_len: int) -> tuple:
+    """All prompts at once through smg's `/v1/completions` (streamed), one thread each;
+    (output tokens, SSE chunks with text) received."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: str) -> tuple[int, int]:
+        body = {
+            "model": str(model),
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        num_tokens = num_chunks = 0
+        with urllib.request.urlopen(req, timeout=600) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    num_chunks += 1
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+        return num_tokens, num_chunks
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, prompts))
+    return sum(t for t, _ in results), sum(c for _, c in results)
+
+
+def run_openai(model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """The same burst through the OpenAI door: `pagedserve gateway` (smg) in front of
+    `pagedserve engine`, over vLLM's engine protocol; smg's process tree stands where the
+    tokenizer service stood. smg takes text prompts only: the token-id prompts decoded."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    texts = [tokenizer.decode(p) for p in prompts]
+    port, engine_port = _free_port(), _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
+    base = [sys.executable, "-m", "services"]
+    engine_argv = [*base, "engine", "--model", str(model), "--log-level", "WARNING"]
+    engine_argv += ["--engine-addr", f"127.0.0.1:{engine_port}"]
+    engine_argv += [f"--max-num-seqs={args.max_num_seqs}", "--seed=0"]
+    gateway_argv = [*base, "gateway", "--engine-addr", f"127.0.0.1:{engine_port}"]
+    gateway_argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    engine = subprocess.Popen(engine_argv, env=env, cwd=ROOT)
+    runs = []
+    gateway = None
+    try:
+        if not wait_until_serving(f"127.0.0.1:{engine_port}", [engine], timeout=900):
+            raise RuntimeError("the engine service did not become healthy")
+        gateway = subprocess.Popen(gateway_argv, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while True:  # smg is ready once a completion goes through
+            try:
+                _stream_openai(port, model, texts[:1], 2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or gateway.poll() is not None:
+                    raise RuntimeError("the gateway did not come up") from None
+                time.sleep(1.0)
+        for _ in range(args.repeats):
+            cpu = (
+                process_tree_cpu_s(engine.pid),
+                process_tree_cpu_s(gateway.pid),
+                time.process_time(),
+            )
+            start = time.perf_counter()
+            num_tokens, num_chunks = _stream_openai(port, model, texts, args.output_len)
+            wall = time.perf_counter() - start
+            used = (
+                process_tree_cpu_s(engine.pid) - cpu[0],
+                process_tree_cpu_s(gateway.pid) - cpu[1],
+                time.process_time() - cpu[2],
+            )
+            runs.append(
+                {
+                    "tokens_per_s": num_tokens / wall,
+                    "client_msgs_per_token": num_chunks / num_tokens,
+                    "engine_cpu_us_per_token": 1e6 * used[0] / num_tokens,
+                    "gateway_cpu_us_per_token": 1e6 * used[1] / num_tokens,
+                    "client_cpu_us_per_token": 1e6 * used[2] / num_tokens,
+                }
+            )
+    finally:
+        for child in (gateway, engine):
+            if child is not None:
+                child.terminate()
+                child.wait(60)
+    return {"runs": runs}
+
+
 def _summary(name: str, runs: list[dict]) -> dict[str, float]:
     medians = {}
     for key in runs[0]:
@@ -219,7 +335,13 @@ def main() -> int:
     parser.add_argument(
         "--workers", type=int, default=None, help="the tokenizer's --workers (its default)"
     )
+    parser.add_argument(
+        "--channels", type=int, default=1, help="client connections the streams share (1)"
+    )
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument(
+        "--openai", action="store_true", help="also through the OpenAI door (smg gateway)"
+    )
     args = parser.parse_args()
     prompts = make_prompts(args.streams, args.input_len, seed=0)
     with tempfile.TemporaryDirectory(prefix="tier-cost-") as tmp:
@@ -229,9 +351,14 @@ def main() -> int:
             for run in offline["runs"]:
                 print("LLM.generate", json.dumps({k: round(v, 2) for k, v in run.items()}))
         served = run_services(model, prompts, args)
+        door = run_openai(model, prompts, args) if args.openai else None
     for run in served["runs"]:
         print("services", json.dumps({k: round(v, 3) for k, v in run.items()}))
     served_median = _summary("services", served["runs"])
+    if door is not None:
+        for run in door["runs"]:
+            print("openai door", json.dumps({k: round(v, 3) for k, v in run.items()}))
+        _summary("openai door", door["runs"])
     if not args.skip_in_process:
         offline_median = _summary("LLM.generate", offline["runs"])
         share = served_median["tokens_per_s"] / offline_median["tokens_per_s"]
