@@ -45,7 +45,11 @@ WORKER_ENV = "PAGEDSERVE_TOKENIZER_WORKER"
 def default_workers() -> int:
     """Half the cores this process may run on (at least 1): the other half is left to the
     engine service and the clients that share the host in the usual single-node set-up."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    if hasattr(os, "sched_getaffinity"):
+        num_cores = len(os.sched_getaffinity(0))
+    else:  # macOS: no affinity call
+        num_cores = os.cpu_count() or 1
+    return max(1, num_cores // 2)
 
 
 def worker_identity() -> tuple[int, int] | None:
