@@ -38,6 +38,7 @@ from engine.front.engine_commands import (
 )
 from engine.front.engine_thread import EngineThread, raise_if_dead
 from engine.front.llm_engine import LLMEngine, PromptType
+from engine.front.output_merge import merge_outputs
 from engine.lora.request import LoRARequest
 from engine.observability.kv_event_publisher import KVEventBatch, KVEventSubscription
 from engine.pooling_params import PoolingParams
@@ -45,6 +46,8 @@ from engine.processing.input_processor import InputProcessor
 from engine.structured_output.config import DecodingConfig
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]
+
+_NOTHING = object()  # no item held back
 
 
 class AsyncLLMEngine:
@@ -360,9 +363,14 @@ class AsyncLLMEngine:
         stream = OutputStream(request_id, asyncio.get_running_loop())
         self._loop_thread.submit(AddCommand(stream, request))
         done = False
+        kind = getattr(request.params, "output_kind", None)  # None: a pooling request
+        held: Any = _NOTHING  # what came after outputs that were merged: handled next
         try:
             while True:
-                item = await stream.queue.get()
+                if held is _NOTHING:
+                    item = await stream.queue.get()
+                else:
+                    item, held = held, _NOTHING
                 if item is END_OF_STREAM:
                     done = True
                     return
@@ -371,6 +379,13 @@ class AsyncLLMEngine:
                     if isinstance(item, EngineDeadError):
                         raise_if_dead(item)
                     raise item
+                # Behind the engine: every output queued since the last read goes as one.
+                while kind is not None and not item.finished and not stream.queue.empty():
+                    following = stream.queue.get_nowait()
+                    if not isinstance(following, RequestOutput):
+                        held = following
+                        break
+                    item = merge_outputs(item, following, kind)
                 done = item.finished
                 yield item
                 if done:

@@ -192,6 +192,16 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_workers_arg(tokenizer: argparse.ArgumentParser) -> None:
+    tokenizer.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer service processes sharing --port (SO_REUSEPORT), each with its own "
+        "engine connections (default: half the cores, at least 1)",
+    )
+
+
 def _add_observability_args(parser: argparse.ArgumentParser, command: str) -> None:
     """`--metrics-port` of each service (0: no endpoint) and the engine's stats log. `serve`
     has one port per child: `--metrics-port` (tokenizer), `--engine-metrics-port` (engine)."""
@@ -234,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(sub)
     for sub in (serve, tokenizer):
         _add_tokenizer_args(sub)
+    _add_workers_arg(tokenizer)
     for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):
         add_security_args(sub, name)
     for name, sub in (("serve", serve), ("engine", engine), ("tokenizer", tokenizer)):

@@ -115,6 +115,7 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
 
     if not needs_torch(ns.model):  # before anything imports transformers
         hide_torch()
+    from services.cli.tokenizer_workers import worker_identity
     from services.common.grpc_server import on_sighup, wait_for_signal
     from services.common.tracing import TOKENIZER_SERVICE_NAME, setup_tracing
     from services.tokenizer_service.model_files import load_text_model_files
@@ -122,6 +123,12 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
 
     setup_tracing(TOKENIZER_SERVICE_NAME)  # flushed at exit by the provider itself
     files = await asyncio.to_thread(load_text_model_files, ns.model)
+    worker = worker_identity()  # one of `--workers N` (services/cli/tokenizer_workers.py)
+    metrics_address = _metrics_address(ns.host, ns.metrics_port)
+    metrics_name_prefix = ns.metrics_name_prefix
+    if worker is not None:  # its metrics go out through the first process, renamed there
+        metrics_address = _metrics_address("127.0.0.1", worker[1])
+        metrics_name_prefix = "pagedserve"
     server = TokenizerServer(
         TokenizerServerConfig(
             address=f"{ns.host}:{ns.port}",
@@ -130,8 +137,8 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             max_prompt_tokens=ns.max_prompt_tokens,
             max_message_bytes=ns.max_message_bytes,
             shutdown_grace_s=ns.shutdown_grace,
-            metrics_address=_metrics_address(ns.host, ns.metrics_port),
-            metrics_name_prefix=ns.metrics_name_prefix,
+            metrics_address=metrics_address,
+            metrics_name_prefix=metrics_name_prefix,
             route_policy=ns.route_policy,
             migration_limit=ns.migration_limit,
             engine_stall_timeout_s=ns.engine_stall_timeout,
@@ -139,6 +146,7 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             engine_tls=engine_link_tls_from(ns),
             api_key_file=ns.api_key_file,
             limits=request_limits_from(ns),
+            reuse_port=worker is not None,
         ),
         files,
     )
@@ -168,6 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_gateway(ns)
     from services.common.errors import ConfigError
 
+    if ns.command == "tokenizer":
+        from services.cli.tokenizer_workers import default_workers, run_workers, worker_identity
+
+        if worker_identity() is None and (ns.workers or default_workers()) > 1:
+            ns.workers = ns.workers or default_workers()
+            return run_workers(ns, args)
     runner = run_engine if ns.command == "engine" else run_tokenizer
     try:
         return asyncio.run(runner(ns))

@@ -32,8 +32,11 @@ TRACE_METADATA_KEYS = ("traceparent", "tracestate")
 def create_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    reuse_port: bool = False,
 ) -> grpc.aio.Server:
-    """A grpc.aio server whose messages may be up to `max_message_bytes` each way."""
+    """A grpc.aio server whose messages may be up to `max_message_bytes` each way;
+    `reuse_port`: it shares its port with the other processes that ask the same
+    (`pagedserve tokenizer --workers`)."""
     if max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}.")
     return grpc.aio.server(
@@ -41,8 +44,8 @@ def create_server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-            # Fail loudly when the port is taken instead of sharing it with another server.
-            ("grpc.so_reuseport", 0),
+            # Unless asked to share, fail loudly when the port is taken.
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ],
     )
 

@@ -78,6 +78,11 @@ class TokenizerMetrics(RpcMetrics):
         self.streamed_tokens = Counter(
             "pagedserve:streamed_tokens", "Output tokens streamed to clients.", registry=r
         )
+        self.engine_messages = Counter(
+            "pagedserve:engine_messages",
+            "Generate messages received from the engines (several tokens each when merged).",
+            registry=r,
+        )
         self.streamed_text_chars = Counter(
             "pagedserve:streamed_text_chars",
             "Characters of output text streamed to clients.",

@@ -37,3 +37,4 @@ class TokenizerServerConfig:
     engine_tls: EngineLinkTLS = field(default_factory=EngineLinkTLS)  # to the engine
     api_key_file: str | None = None  # None: no keys, every caller is let in
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may cost
+    reuse_port: bool = False  # a worker of `--workers N`: the port is shared (SO_REUSEPORT)

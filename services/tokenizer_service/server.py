@@ -48,7 +48,7 @@ class TokenizerServer:
         keys = ApiKeys.from_file(config.api_key_file) if config.api_key_file else None
         self.guard = TenantGuard(keys) if keys is not None else None
         interceptors = [self.guard, WireGuard()] if self.guard is not None else [WireGuard()]
-        self.server = create_server(config.max_message_bytes, interceptors)
+        self.server = create_server(config.max_message_bytes, interceptors, config.reuse_port)
         self.health = HealthReporter(self.server, [TEXT_GENERATION_SERVICE])
         engine_tls = config.engine_tls
         self.backend = EnginePool(

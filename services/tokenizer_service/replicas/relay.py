@@ -7,8 +7,9 @@ relay of engine messages to the client through the request's `TextStream`.
                          a Generate stream's replica lost after that (`migration.Moved`:
                          killed, stalled, drained)? the stream continues on another replica,
                          resumed with its tokens so far (replicas/migration.py)
-                         ├─▶ Generate: one streaming call per replica, relayed message by
-                         │   message into the request's one TextStream
+                         ├─▶ Generate: one streaming call per replica, read ahead and
+                         │   relayed into the request's one TextStream (what waited while the
+                         │   client was behind goes as one message: replicas/merging_reader.py)
                          └─▶ Encode: one call per input, all on the same replica
 """
 
@@ -29,6 +30,7 @@ from services.common.grpc_server import ENGINE_SERVICE, trace_headers, trace_met
 from services.common.metrics import TokenizerMetrics
 from services.tokenizer_service.replicas import migration
 from services.tokenizer_service.replicas.engine_client import EngineBackend
+from services.tokenizer_service.replicas.merging_reader import MergingReader
 from services.tokenizer_service.replicas.migration import (
     HeldStream,
     Moved,
@@ -248,10 +250,16 @@ class EngineRelay:
     ) -> None:
         """Engine messages → client messages until every output has ended; `Moved` when
         the replica is lost first (the call broke, was handed back, or was given up)."""
+
+        def heard() -> None:
+            tracking.started()
+            replica.watch.heard()
+            self.metrics.engine_messages.inc()
+
+        # Read ahead: what came while the client was behind goes out in one message.
+        messages = MergingReader(call, heard)
         try:
-            async for msg in call:
-                tracking.started()
-                replica.watch.heard()
+            async for msg in messages:
                 response = stream.process(msg)
                 if response is not None:
                     await context.write(response)
@@ -276,6 +284,8 @@ class EngineRelay:
                 if reason is not None:
                     raise Moved(reason, exc) from None
                 raise await replica.translate(exc) from None
+        finally:
+            messages.close()
         # The engine stream ended (or an Abort cancelled it) with outputs left open.
         for response in stream.abort_unfinished():
             await context.write(response)

@@ -1,0 +1,84 @@
+"""An engine Generate call read ahead of the relay, its waiting messages merged: when the
+client is behind (its writes slow, or this process busy), every token the engine sent
+since the relay's last turn goes to the client in one message per output, as the engine
+service does toward us (engine/front/output_merge.py). A relay that keeps up gets the
+engine's messages one by one, as they came.
+
+    engine call ──▶ reader task ──▶ pending {index: merged message} ──▶ relay (process, write)
+
+The reader ends with the call; the call's error (a broken or cancelled call) is raised to
+the relay after the messages that came before it, so a stream that moves to another replica
+has taken in every token the old one sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagedserve.v1 import engine_pb2
+
+
+def merge_engine_messages(
+    first: engine_pb2.EngineGenerateResponse, later: engine_pb2.EngineGenerateResponse
+) -> engine_pb2.EngineGenerateResponse:
+    """`later` appended to `first` (one output index), in place: tokens and logprobs
+    concatenated; the finish, stop reason, usage (a running count) and cumulative logprob
+    of the later one."""
+    first.token_ids.extend(later.token_ids)
+    first.logprobs.extend(later.logprobs)
+    first.prompt_logprobs.extend(later.prompt_logprobs)
+    first.finish_reason = later.finish_reason
+    if later.HasField("stop_reason"):
+        first.stop_reason.CopyFrom(later.stop_reason)
+    first.usage.CopyFrom(later.usage)
+    if later.HasField("cumulative_logprob"):
+        first.cumulative_logprob = later.cumulative_logprob
+    return first
+
+
+class MergingReader:
+    """Async-iterates an engine Generate call's messages, merged per output index while
+    they wait. `on_message` runs for each message as it arrives (liveness, counters)."""
+
+    def __init__(self, call: Any, on_message: Any) -> None:
+        self._pending: dict[int, engine_pb2.EngineGenerateResponse] = {}
+        self._arrived = asyncio.Event()
+        self._error: BaseException | None = None
+        self._done = False
+        self._task = asyncio.ensure_future(self._read(call, on_message))
+
+    async def _read(self, call: Any, on_message: Any) -> None:
+        try:
+            async for msg in call:
+                on_message()
+                earlier = self._pending.get(msg.index)
+                if earlier is None:
+                    self._pending[msg.index] = msg
+                else:
+                    merge_engine_messages(earlier, msg)
+                self._arrived.set()
+        except BaseException as exc:  # the relay raises it, in its own task
+            self._error = exc
+        finally:
+            self._done = True
+            self._arrived.set()
+
+    def __aiter__(self) -> MergingReader:
+        return self
+
+    async def __anext__(self) -> engine_pb2.EngineGenerateResponse:
+        while not self._pending:
+            if self._done:
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    raise error
+                raise StopAsyncIteration
+            self._arrived.clear()
+            await self._arrived.wait()
+        index = next(iter(self._pending))
+        return self._pending.pop(index)
+
+    def close(self) -> None:
+        """Stops reading (the relay is done with the call, or went away)."""
+        self._task.cancel()
