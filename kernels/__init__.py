@@ -17,11 +17,13 @@ from kernels.reference import (
     ref_paged_attention,
     ref_rms_norm,
     ref_rotary,
+    ref_rotary_cos_sin,
     ref_silu_and_mul,
     ref_write_kv_cache,
 )
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary, build_cos_sin_cache
+from kernels.rotary_kv import rotary_cos_sin_, rotary_write_kv_cache
 
 __all__ = [
     "apply_rotary",
@@ -30,9 +32,12 @@ __all__ = [
     "ref_paged_attention",
     "ref_rms_norm",
     "ref_rotary",
+    "ref_rotary_cos_sin",
     "ref_silu_and_mul",
     "ref_write_kv_cache",
     "rms_norm",
+    "rotary_cos_sin_",
+    "rotary_write_kv_cache",
     "silu_and_mul",
     "write_kv_cache",
 ]

@@ -10,10 +10,13 @@ that suits it::
              the GPU is idle
 
 Both launches write into one output tensor. A layer's sliding window, soft-cap and
-attention sinks go to both.
+attention sinks go to both. Before them, one launch per layer rotates q and k and writes the
+step's keys and values into the cache (`forward_rotary`, kernels/rotary_kv.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +56,25 @@ class TritonAttentionBackend(AttentionBackend):
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
         self._kernels.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def forward_rotary(
+        self,
+        qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]: (c | c)
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]: (-s | s)
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+        num_heads: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """One launch rotates q and k from the engine's cos/sin (every rope type) and writes
+        the rotated keys and the values into the cache; the layer's `rotate` is not needed."""
+        self._kernels.rotary_write_kv_cache(
+            qk, value, cos, sin, kv_cache, metadata.slot_mapping, num_heads
+        )
+        return self.attend(qk[:, :num_heads], kv_cache, metadata, params)
 
     def attend(
         self,
