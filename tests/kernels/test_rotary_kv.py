@@ -135,3 +135,22 @@ def test_launcher_rejects_a_cos_sin_of_another_shape() -> None:
         rotary_write_kv_cache(
             qk, qk[:, :2], good, good, kv_cache, torch.zeros(4, dtype=torch.int64), 2
         )
+
+
+@pytest.mark.parametrize("name", ["default", "llama3", "yarn-mscale", "longrope"])
+def test_triton_rotary_gathers_the_same_cos_sin(name: str) -> None:
+    """The Triton op path gathers (c | c), (-s | s) from one table per dtype in one kernel; the
+    values are those the torch path builds per forward, bit for bit (longrope, length
+    dependent, still builds them per forward)."""
+    positions = torch.tensor([0, 5, 16, 63, 5], device=device())
+    lengths = positions + 2 * MAX_POS
+    for dtype in (torch.float32, torch.float16):
+        want = RotaryEmbedding(HEAD_DIM, MAX_POS, 10000.0, ROPES[name], "torch").cos_sin(
+            positions, dtype, lengths
+        )
+        got = RotaryEmbedding(HEAD_DIM, MAX_POS, 10000.0, ROPES[name], "triton").cos_sin(
+            positions, dtype, lengths
+        )
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape == (5, 1, HEAD_DIM) and g.stride(-1) == 1
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
