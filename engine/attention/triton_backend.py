@@ -1,11 +1,12 @@
 """The `triton` attention backend: the paged-attention and KV-write kernels of `kernels/`.
 
-A step's batch is split into two launches of the same kernel, so each gets a tile shape
-that suits it::
+A step's batch is split into two launches, each with the kernel that suits it::
 
     tokens: | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |
             '-- decode ---' '------ prefill ------'
-             1-token tiles,   64-row tiles
+             paged_attention:  flash_prefill: FlashAttention-2 tiles
+             1-token tiles,    (autotuned BLOCK_M x BLOCK_N, causal
+             GQA rows packed,  tile skipping, unmasked full tiles)
              split-KV when
              the GPU is idle
 
@@ -101,14 +102,13 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
-            self._kernels.paged_attention(
+            self._kernels.flash_prefill(
                 query,
                 kv_cache,
                 metadata.block_tables[num_decodes:num_reqs],
                 metadata.seq_lens[num_decodes:num_reqs],
                 metadata.query_start_loc[num_decodes : num_reqs + 1],
                 max_query_len=metadata.max_query_len,
-                max_seq_len=metadata.max_seq_len,
                 scale=params.scale,
                 out=out,
                 **params.kernel_options(),
