@@ -56,12 +56,51 @@ def _configs() -> list[triton.Config]:
         (64, 64, 4, 3),
         (64, 128, 8, 2),
         (64, 32, 4, 4),
+        (64, 64, 8, 2),  # head_dim 256 (Gemma 2)
+        (64, 32, 8, 2),
         (32, 32, 4, 2),
     ]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in shapes
     ]
+
+
+# Per-thread registers the q, accumulator and score tiles may take (of 255), estimated as
+# below: at head_dim 128 in bf16, 160 (BLOCK_M 128 x BLOCK_N 128, 8 warps) compiles for sm_90
+# without spills and 224 (128 x 32, 4 warps) spills (tests/kernels/sm90_compile_check.py).
+MAX_TILE_REGISTERS = 160
+SHARED_MEMORY_BYTES = 227 * 1024  # Hopper's per-block maximum (Ampere: 163 KiB)
+
+
+def prune_configs(
+    configs: list[triton.Config], head_dim: int, element_bytes: int
+) -> list[triton.Config]:
+    """The configurations whose tiles fit the registers and the shared memory at this head
+    size and dtype (fp32 and head_dim 256 need smaller tiles than 16-bit at 128); at least
+    the smallest one is kept."""
+    head_dim_padded = max(16, next_power_of_2(head_dim))
+
+    def fits(config: triton.Config) -> bool:
+        m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        threads = config.num_warps * 32
+        registers = (m * head_dim_padded + m * n) // threads  # acc + scores, fp32
+        registers += m * head_dim_padded * element_bytes // 4 // threads  # q
+        # K and V tiles per pipeline stage, and q (what sm_90 builds allocate).
+        shared = (2 * n * config.num_stages + m) * head_dim_padded * element_bytes
+        # fp32 dots run on the FMA units, their operands in registers: half the budget
+        # (64 x 64 with 4 warps at head_dim 128 spills 8 KiB).
+        budget = MAX_TILE_REGISTERS if element_bytes < 4 else MAX_TILE_REGISTERS // 2
+        return registers <= budget and shared <= SHARED_MEMORY_BYTES
+
+    kept = [c for c in configs if fits(c)]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    query = kwargs.get("query_ptr", named_args.get("query_ptr"))
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    return prune_configs(configs, head_dim, query.element_size())
 
 
 @triton.jit
@@ -133,7 +172,11 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "QUERIES_PER_KV", "query_len_bucket"])
+@triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM", "QUERIES_PER_KV", "query_len_bucket"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _flash_prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]

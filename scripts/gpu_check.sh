@@ -15,6 +15,10 @@
 #   throughput     benchmarks/gpu/gpu_decode.py: batch-1 decode (graphs vs eager, a profile),
 #                  then offline throughput per ISL x OSL (x prompts): a warm-up run and three
 #                  timed runs each, the spread, the roofline bound, TensorRT-LLM's FP8 table
+#   step_kernels   benchmarks/gpu/step_kernels.py: prefill attention TFLOP/s (B=4 x 2048,
+#                  flash_prefill vs the old tiles vs SDPA), rotary + KV write of a batch-200
+#                  decode step (torch / kernel / fused, in a CUDA graph), the profile of a
+#                  batch-200 decode step with the aten kernels left
 #   tests_kernels  tests/kernels at full size
 #   kernels        benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
 #
@@ -22,9 +26,10 @@
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
 #   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh               # the whole wiring, tiny, on a CPU
 #
-# $OUT holds at most 5 files: summary.txt (each part's exit status and seconds),
-# console.log (everything printed), serving.json, gpu_decode.json, and logs.tar.gz (each
-# part's log, the JUnit XML of the tests, the services' log, the profile tables).
+# $OUT holds at most 6 files: summary.txt (each part's exit status and seconds),
+# console.log (everything printed), serving.json, gpu_decode.json, step_kernels.json and
+# logs.tar.gz (each part's log, the JUnit XML of the tests, the services' log, the profile
+# tables).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -116,6 +121,7 @@ SERVING_ARGS=(--concurrency 1 16 64 256 --input-len 128 --output-len 256)
 # shellcheck disable=SC2206  # the workloads are words
 DECODE_ARGS=(--part all --workloads $WORKLOADS --hf-prompts 16 --profile-dir "$WORK/profile")
 KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
+STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -125,6 +131,7 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     TESTS_GPU=("${TESTS_GPU[@]:0:2}")  # collected and skipped: the Triton backend's tests
     TESTS_KERNELS=(tests/kernels/test_fused_moe.py)  # take minutes in the interpreter
     KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py --help)  # CUDA only: does it start?
+    STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
 fi
 
 part env 30 bash -c env_report
@@ -135,6 +142,7 @@ part serving 170 "$PY" benchmarks/gpu/serving_sweep.py "${SERVING_ARGS[@]}" \
     --output-json "$OUT/serving.json" --log-dir "$WORK/serving"
 part throughput 140 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}" \
     --output-json "$OUT/gpu_decode.json"
+part step_kernels 150 "${STEP_KERNELS[@]}" --output-json "$OUT/step_kernels.json"
 part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TESTS_KERNELS[@]}"
 part kernels 40 "${KERNELS[@]}"
 echo "=== done in $(($(date +%s) - START))s; summary:"
