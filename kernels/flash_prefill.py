@@ -59,6 +59,9 @@ def _configs() -> list[triton.Config]:
         (64, 64, 8, 2),  # head_dim 256 (Gemma 2)
         (64, 32, 8, 2),
         (32, 32, 4, 2),
+        # fp32 at head_dim 128: still spills 80 bytes a thread on sm_90 (the FMA dots), the
+        # least of those tried; fp32 is not a serving dtype on a GPU.
+        (32, 32, 8, 1),
     ]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
@@ -88,9 +91,9 @@ def prune_configs(
         registers += m * head_dim_padded * element_bytes // 4 // threads  # q
         # K and V tiles per pipeline stage, and q (what sm_90 builds allocate).
         shared = (2 * n * config.num_stages + m) * head_dim_padded * element_bytes
-        # fp32 dots run on the FMA units, their operands in registers: half the budget
-        # (64 x 64 with 4 warps at head_dim 128 spills 8 KiB).
-        budget = MAX_TILE_REGISTERS if element_bytes < 4 else MAX_TILE_REGISTERS // 2
+        # fp32 dots run on the FMA units, their operands in registers: a quarter of the
+        # budget (at head_dim 128, 64 x 64 spills 8 KiB with 4 warps and 7 KiB with 8).
+        budget = MAX_TILE_REGISTERS if element_bytes < 4 else MAX_TILE_REGISTERS // 4
         return registers <= budget and shared <= SHARED_MEMORY_BYTES
 
     kept = [c for c in configs if fits(c)]
@@ -143,18 +146,15 @@ def _attend_tiles(
             + (kv_pos % BLOCK_SIZE) * stride_cache_slot
             + kv_head * stride_cache_head
         )  # [BLOCK_N]
-        k_t = tl.load(
-            key_cache_ptr + kv_offsets[None, :] + dims[:, None],
-            mask=dim_valid[:, None] & kv_valid[None, :],
-            other=0.0,
-        ).to(q.dtype)  # [HEAD_DIM_PADDED, BLOCK_N]
+        kv_mask = kv_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
         v = tl.load(
-            value_cache_ptr + kv_offsets[:, None] + dims[None, :],
-            mask=kv_valid[:, None] & dim_valid[None, :],
-            other=0.0,
+            value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
         ).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
 
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if HAS_SOFT_CAP:
             scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
         if MASKED:
@@ -260,13 +260,14 @@ def _flash_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, tile_lo, full_lo, seq_len, block_table_row,
-        key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2,
-        stride_cache_block, stride_cache_slot, stride_cache_head,
-        BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, SLIDING_WINDOW, HAS_SOFT_CAP,
-        True, DOT_PRECISION,
-    )  # fmt: skip
+    if SLIDING_WINDOW > 0:  # the window's edge (an empty range without a window)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, tile_lo, full_lo, seq_len, block_table_row,
+            key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2,
+            stride_cache_block, stride_cache_slot, stride_cache_head,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, SLIDING_WINDOW, HAS_SOFT_CAP,
+            True, DOT_PRECISION,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, full_lo, full_hi, seq_len, block_table_row,
         key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2,
