@@ -188,7 +188,7 @@ def _flash_prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     scale_log2,  # softmax scale * log2(e)
     soft_cap_log2,  # soft-cap * log2(e) (read when HAS_SOFT_CAP)
-    sinks_log2_ptr,  # [num_heads] fp32 sinks * log2(e) (read when HAS_SINKS)
+    sinks_ptr,  # [num_heads] sinks, any float dtype (read when HAS_SINKS)
     num_reqs,
     query_len_bucket,  # the launch's max_query_len rounded up to a power of two (tuning key)
     stride_q_token,
@@ -255,7 +255,8 @@ def _flash_prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: exp2(m_old - m_new) stays defined
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:  # one more key of logit `sink` and value zero, seen first
-        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_log2_ptr + head)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain
+        m_i = tl.zeros([BLOCK_M], tl.float32) + sink
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
@@ -327,7 +328,6 @@ def flash_prefill(
         if sinks.shape != (num_heads,):
             raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
         check_same_device(query=query, sinks=sinks)
-        sinks = sinks.to(torch.float32) * LOG2_E  # [num_heads], the kernel's log2 domain
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
 
@@ -345,7 +345,7 @@ def flash_prefill(
         out_ptr=out,
         scale_log2=scale * LOG2_E,
         soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
-        sinks_log2_ptr=out if sinks is None else sinks,  # never read without sinks
+        sinks_ptr=out if sinks is None else sinks,  # never read without sinks
         num_reqs=num_reqs,
         query_len_bucket=min(next_power_of_2(max_query_len), 4096),
         stride_q_token=query.stride(0),

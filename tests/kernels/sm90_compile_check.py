@@ -111,7 +111,7 @@ def _attention_cases() -> list[CompileCase]:
             "partial_lse_ptr": "*fp32",
             "scale_log2": "fp32",
             "soft_cap_log2": "fp32",
-            "sinks_log2_ptr": "*fp32",
+            "sinks_ptr": "*bf16",
         }
         constexprs = {
             "NUM_HEADS": 32,
@@ -168,7 +168,7 @@ def _flash_prefill_cases() -> list[CompileCase]:
             "query_start_loc_ptr": "*i32",
             "scale_log2": "fp32",
             "soft_cap_log2": "fp32",
-            "sinks_log2_ptr": "*fp32",
+            "sinks_ptr": "*bf16",
         }
         configs = flash.prune_configs(flash._configs(), head_dim, dtype.itemsize)
         for config in configs if every else configs[:1]:
