@@ -101,16 +101,20 @@ def part_prefill(smoke: bool, device: torch.device) -> dict[str, Any]:
             max_query_len=chunk, max_seq_len=chunk, scale=scale,
         )  # fmt: skip
 
-    # The same keys as contiguous [B, H, L, D] tensors for SDPA.
+    # The same keys as contiguous [B, H, L, D] tensors for SDPA, expanded to every query head
+    # (its flash kernel, the ceiling, takes no GQA layout).
     positions = torch.arange(chunk, device=device)
     flat = block_tables[:, positions // block_size].long()  # [B, L]
-    keys = kv_cache[0, flat, positions % block_size].transpose(1, 2).contiguous()
-    values = kv_cache[1, flat, positions % block_size].transpose(1, 2).contiguous()
+    group = heads // kv_heads
+    keys = kv_cache[0, flat, positions % block_size].transpose(1, 2)  # [B, Hkv, L, D]
+    keys = keys.repeat_interleave(group, dim=1).contiguous()
+    values = kv_cache[1, flat, positions % block_size].transpose(1, 2)
+    values = values.repeat_interleave(group, dim=1).contiguous()
     q_bhld = query.view(batch, chunk, heads, head_dim).transpose(1, 2).contiguous()
 
     def sdpa() -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
-            q_bhld, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            q_bhld, keys, values, is_causal=True, scale=scale
         )
 
     want = ref_paged_attention(query, kv_cache, block_tables, seq_lens, starts, scale)
