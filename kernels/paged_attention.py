@@ -105,7 +105,7 @@ def _paged_attention_kernel(
     partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain (split-KV)
     scale_log2,  # softmax scale * log2(e)
     soft_cap_log2,  # attention logit soft-cap * log2(e) (read when HAS_SOFT_CAP)
-    sinks_log2_ptr,  # [num_heads] fp32 attention sinks * log2(e) (read when HAS_SINKS)
+    sinks_ptr,  # [num_heads] attention sinks, any float dtype (read when HAS_SINKS)
     num_reqs,
     stride_q_token,
     stride_q_head,
@@ -181,7 +181,10 @@ def _paged_attention_kernel(
     if HAS_SINKS:
         # The sink is one more key of score `sink` whose value is zero: the walk starts as if
         # it had seen it (max = sink, sum = 1, acc = 0). Under split-KV only split 0 counts it.
-        sink = tl.load(sinks_log2_ptr + head, mask=row_valid, other=0.0)
+        # To fp32 and the log2 domain here: no conversion kernel per layer on the host side.
+        sink = (
+            tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        )
         first = split == 0
         m_i = tl.where(first, sink, m_i)
         l_i = tl.where(first, 1.0, l_i)
@@ -272,7 +275,7 @@ def paged_attention(
     positions (its own included), as transformers' sliding-window mask; split-KV is not used
     with a window (the window already bounds the walk). `logits_soft_cap`: each score
     (after the scale) becomes cap * tanh(score / cap), as Gemma 2 does. `sinks`
-    ([num_heads], any float dtype; converted to fp32 here): GPT-OSS's attention sinks, a
+    ([num_heads], any float dtype; converted to fp32 in the kernel): GPT-OSS's attention sinks, a
     learned logit per head added to each row's softmax sum, attending to no value.
     """
     if out is None:
@@ -298,7 +301,6 @@ def paged_attention(
         if sinks.shape != (num_heads,):
             raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
         check_same_device(query=query, sinks=sinks)
-        sinks = sinks.to(torch.float32) * LOG2_E  # [num_heads], the kernel's log2 domain
     if num_splits is None:
         num_splits = choose_num_splits(
             query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len
@@ -329,7 +331,7 @@ def paged_attention(
         partial_lse_ptr=partial_lse,
         scale_log2=scale * LOG2_E,
         soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
-        sinks_log2_ptr=out if sinks is None else sinks,  # never read without sinks
+        sinks_ptr=out if sinks is None else sinks,  # never read without sinks
         num_reqs=num_reqs,
         stride_q_token=query.stride(0),
         stride_q_head=query.stride(1),

@@ -109,6 +109,19 @@ def ref_rotary(
     return rotate(query), rotate(key)
 
 
+def ref_rotary_cos_sin(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]: (c | c)
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim]: (-s | s)
+) -> torch.Tensor:
+    """A rotated copy from the engine's per-token cos/sin (engine/layers/rope.py's form):
+    x * cos + swap_halves(x) * sin, in fp32, rounded once."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    swapped = torch.cat([x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos.float() + swapped * sin.float()).to(x.dtype)
+
+
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up], in fp32, rounded once."""
     gate, up = x.float().chunk(2, dim=-1)

@@ -15,6 +15,10 @@
 #   throughput     benchmarks/gpu/gpu_decode.py: batch-1 decode (graphs vs eager, a profile),
 #                  then offline throughput per ISL x OSL (x prompts): a warm-up run and three
 #                  timed runs each, the spread, the roofline bound, TensorRT-LLM's FP8 table
+#   step_kernels   benchmarks/gpu/step_kernels.py: prefill attention TFLOP/s (B=4 x 2048,
+#                  flash_prefill vs the old tiles vs SDPA), rotary + KV write of a batch-200
+#                  decode step (torch / kernel / fused, in a CUDA graph), the profile of a
+#                  batch-200 decode step with the aten kernels left
 #   tests_kernels  tests/kernels at full size
 #   kernels        benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
 #   int4           benchmarks/gpu/int4_decode.py: the 8B shape from a random INT4 (GPTQ)
@@ -25,9 +29,10 @@
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
 #   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh               # the whole wiring, tiny, on a CPU
 #
-# $OUT holds at most 5 files: summary.txt (each part's exit status and seconds),
-# console.log (everything printed), serving.json, gpu_decode.json, and logs.tar.gz (each
-# part's log, the JUnit XML of the tests, the services' log, the profile tables).
+# $OUT holds at most 6 files: summary.txt (each part's exit status and seconds),
+# console.log (everything printed), serving.json, gpu_decode.json, step_kernels.json and
+# logs.tar.gz (each part's log, the JUnit XML of the tests, the services' log, the profile
+# tables).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -121,6 +126,7 @@ DECODE_ARGS=(--part all --workloads $WORKLOADS --hf-prompts 16 --profile-dir "$W
 KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
 INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats 1
     --decode-tokens 64 --batch-requests 200)
+STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -132,6 +138,7 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py --help)  # CUDA only: does it start?
     INT4_ARGS=(--part all --shape tiny --group-size 32 --max-model-len 256 --kv-cache-gib 0.05
         --repeats 2 --decode-tokens 4 --prompt-len 16 --batch-requests 8 --workloads 16x4x4)
+    STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
 fi
 
 part env 30 bash -c env_report
@@ -142,6 +149,7 @@ part serving 170 "$PY" benchmarks/gpu/serving_sweep.py "${SERVING_ARGS[@]}" \
     --output-json "$OUT/serving.json" --log-dir "$WORK/serving"
 part throughput 140 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}" \
     --output-json "$OUT/gpu_decode.json"
+part step_kernels 150 "${STEP_KERNELS[@]}" --output-json "$OUT/step_kernels.json"
 part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TESTS_KERNELS[@]}"
 part kernels 40 "${KERNELS[@]}"
 part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \

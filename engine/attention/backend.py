@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -189,6 +190,25 @@ class AttentionBackend(ABC):
         """Writes this step's keys/values, then attends (the order every backend needs)."""
         self.write_kv(key, value, kv_cache, metadata.slot_mapping)
         return self.attend(query, kv_cache, metadata, params)
+
+    def forward_rotary(
+        self,
+        qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]: (c | c), engine/layers/rope.py
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]: (-s | s)
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+        num_heads: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Rotates q and k (the first `num_heads` heads of `qk`, then the key heads) with the
+        layer's `rotate`, then `forward`. A backend with a kernel that rotates and writes the
+        cache in one pass (triton) overrides this; `qk` may be overwritten."""
+        qk = rotate(qk, cos, sin)
+        query, key = qk[:, :num_heads], qk[:, num_heads:]
+        return self.forward(query, key, value, kv_cache, metadata, params)
 
     def whole_step_decode(self, model: Any) -> WholeStepDecode | None:
         """A fused path that replaces `model`'s forward for one-token decode steps, if the

@@ -1,19 +1,23 @@
 """The `triton` attention backend: the paged-attention and KV-write kernels of `kernels/`.
 
-A step's batch is split into two launches of the same kernel, so each gets a tile shape
-that suits it::
+A step's batch is split into two launches, each with the kernel that suits it::
 
     tokens: | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |
             '-- decode ---' '------ prefill ------'
-             1-token tiles,   64-row tiles
+             paged_attention:  flash_prefill: FlashAttention-2 tiles
+             1-token tiles,    (autotuned BLOCK_M x BLOCK_N, causal
+             GQA rows packed,  tile skipping, unmasked full tiles)
              split-KV when
              the GPU is idle
 
 Both launches write into one output tensor. A layer's sliding window, soft-cap and
-attention sinks go to both.
+attention sinks go to both. Before them, one launch per layer rotates q and k and writes the
+step's keys and values into the cache (`forward_rotary`, kernels/rotary_kv.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +58,25 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         self._kernels.write_kv_cache(key, value, kv_cache, slot_mapping)
 
+    def forward_rotary(
+        self,
+        qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim], not yet rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]: (c | c)
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]: (-s | s)
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+        num_heads: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """One launch rotates q and k from the engine's cos/sin (every rope type) and writes
+        the rotated keys and the values into the cache; the layer's `rotate` is not needed."""
+        self._kernels.rotary_write_kv_cache(
+            qk, value, cos, sin, kv_cache, metadata.slot_mapping, num_heads
+        )
+        return self.attend(qk[:, :num_heads], kv_cache, metadata, params)
+
     def attend(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -79,14 +102,13 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
-            self._kernels.paged_attention(
+            self._kernels.flash_prefill(
                 query,
                 kv_cache,
                 metadata.block_tables[num_decodes:num_reqs],
                 metadata.seq_lens[num_decodes:num_reqs],
                 metadata.query_start_loc[num_decodes : num_reqs + 1],
                 max_query_len=metadata.max_query_len,
-                max_seq_len=metadata.max_seq_len,
                 scale=params.scale,
                 out=out,
                 **params.kernel_options(),

@@ -180,17 +180,18 @@ class Attention(nn.Module):
         value = qkv[:, num_qk_heads:]  # [T, Hkv, D]
         if self.q_norm is None or self.k_norm is None:
             # q and k are adjacent heads of qkv: one rotation covers both (in place natively).
-            qk = rotary.rotate_(qkv[:, :num_qk_heads], cos, sin)  # [T, H + Hkv, D]
+            qk = qkv[:, :num_qk_heads]  # [T, H + Hkv, D]
         else:
             q = self.q_norm(qkv[:, :num_heads].reshape(-1, head_dim))  # [T * H, D]
             k = self.k_norm(qkv[:, num_heads:num_qk_heads].reshape(-1, head_dim))
             qk = torch.cat(
                 (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, -1, head_dim)), 1
             )
-            qk = rotary.rotate_(qk, cos, sin)  # [T, H + Hkv, D]
-        query, key = qk[:, :num_heads], qk[:, num_heads:]  # [T, H, D], [T, Hkv, D]
         params = AttentionParams(self.scale, self.sliding_window, self.logits_soft_cap, self.sinks)
-        out = self.attn_backend.forward(query, key, value, kv_cache, attn_metadata, params)
+        # The backend rotates q and k (with the rotary's own op, or fused with its KV write).
+        out = self.attn_backend.forward_rotary(
+            qk, value, rotary.rotate_, cos, sin, kv_cache, attn_metadata, params, num_heads
+        )
         return self.o_proj(out.reshape(num_tokens, num_heads * head_dim))
 
 

@@ -6,8 +6,9 @@ Face numerics and are the `torch` implementation. `select_op_impl` turns the eng
 configuration (attention backend, device, dtype) into one `OpImpl` for the whole model:
 
     attention_backend   device / dtype     ops
-    triton              CUDA               Triton kernels of `kernels/` (the rotation stays
-                                           torch: q and k are strided views of the QKV output)
+    triton              CUDA               Triton kernels of `kernels/` (the rotation reads the
+                                           engine's cos/sin: kernels/rotary_kv.py; the triton
+                                           backend fuses it with its KV write)
     cpu                 CPU, fp32          native kernels of `engine.native` (one call and one
                                            pass each instead of several torch ops)
     torch, or else      anywhere           torch
@@ -105,9 +106,14 @@ def _silu_and_mul_impl(impl: OpImpl) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def rotary_impl(impl: OpImpl) -> Callable[..., torch.Tensor]:
-    """In place where a kernel does it (native); the callers own `x` and use the result."""
+    """In place where a kernel does it (native, triton); the callers own `x` and use the
+    result."""
     if impl == "native":
         return native.rotary_inplace
+    if impl == "triton":
+        from kernels.rotary_kv import rotary_cos_sin_
+
+        return rotary_cos_sin_
     return apply_rotary_emb
 
 

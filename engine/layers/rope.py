@@ -173,6 +173,10 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = params.attention_factor(max_position)
         self._rotate_ = rotary_impl(impl)
         self._cos_sin_cache: torch.Tensor | None = None  # [rows, head_dim] fp32
+        # The Triton path gathers cos/sin of a fixed table in one kernel per forward (the
+        # length-dependent types still compute theirs): [rows, 2, head_dim] in the model dtype.
+        self._gather_table = impl == "triton" and not self.length_dependent
+        self._cos_sin_rows: torch.Tensor | None = None
 
     @classmethod
     def from_parameters(
@@ -212,6 +216,16 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin_cache = cache
         return cache
 
+    def _rows(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, 2, head_dim]: ((c | c), (-s | s)) per position, in `dtype`: the same values
+        `cos_sin` builds per forward from the fp32 table (the cast, then the sign)."""
+        rows = self._cos_sin_rows
+        if rows is None or rows.device != device or rows.dtype != dtype:
+            cos, sin = self._cache(device).to(dtype).chunk(2, dim=-1)  # [rows, d / 2] each
+            rows = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), 1)
+            self._cos_sin_rows = rows
+        return rows
+
     def cos_sin(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
@@ -225,6 +239,9 @@ class RotaryEmbedding(nn.Module):
         dynamic by max(position + 1, R); without it R is the position + 1. Computed once per
         forward and shared by every layer.
         """
+        if self._gather_table:
+            rows = self._rows(positions.device, dtype)[positions]  # [num_tokens, 2, head_dim]
+            return rows[:, :1], rows[:, 1:]
         cache = self._cache(positions.device)
         if not self.length_dependent:
             cos_sin = cache[positions]  # [num_tokens, head_dim]

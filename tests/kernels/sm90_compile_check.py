@@ -9,7 +9,7 @@ decorated in compile mode); `test_sm90_compile.py` does that.
 Exit status: 0 = all compiled without spills, 1 = a kernel failed or spilled, 3 = this Triton
 version's compile API or a runnable ptxas binary is not available here (the test skips). An
 error of ptxas itself (it ran, and rejected what it was given) is a failure like any other.
-`--limit N` compiles only the first N cases.
+`--limit N` compiles only the first N cases, `--only TEXT` those whose label holds TEXT.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _attention_cases() -> list[CompileCase]:
             "partial_lse_ptr": "*fp32",
             "scale_log2": "fp32",
             "soft_cap_log2": "fp32",
-            "sinks_log2_ptr": "*fp32",
+            "sinks_ptr": "*bf16",
         }
         constexprs = {
             "NUM_HEADS": 32,
@@ -144,11 +144,63 @@ def _attention_cases() -> list[CompileCase]:
     return cases
 
 
+def _flash_prefill_cases() -> list[CompileCase]:
+    """Every autotune configuration at Llama-3-8B's shape, and the first (largest) one the
+    pruning keeps for the other layer kinds. Not fp32: its FMA dots spill 80 bytes a thread
+    at head_dim 128 in the smallest tile (kernels/flash_prefill.py, `_configs`)."""
+    flash = importlib.import_module("kernels.flash_prefill")
+    cases = []
+    # (dtype, head_dim, queries per KV head, sliding window, soft cap, sinks, all configs)
+    for dtype, head_dim, queries_per_kv, window, soft_cap, sinks, every in [
+        (torch.bfloat16, 128, 4, 0, False, False, True),  # Llama-3-8B
+        (torch.float16, 64, 3, 0, False, False, False),  # SmolLM2-135M
+        (torch.bfloat16, 256, 2, 4096, True, False, False),  # Gemma-2-9B local layer
+        (torch.bfloat16, 64, 8, 128, False, True, False),  # GPT-OSS-120B sliding layer
+    ]:
+        name = TRITON_TYPES[dtype]
+        arg_types = {
+            "query_ptr": f"*{name}",
+            "key_cache_ptr": f"*{name}",
+            "value_cache_ptr": f"*{name}",
+            "out_ptr": f"*{name}",
+            "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "query_start_loc_ptr": "*i32",
+            "scale_log2": "fp32",
+            "soft_cap_log2": "fp32",
+            "sinks_ptr": "*bf16",
+        }
+        configs = flash.prune_configs(flash._configs(), head_dim, dtype.itemsize)
+        for config in configs if every else configs[:1]:
+            constexprs = {
+                "QUERIES_PER_KV": queries_per_kv,
+                "BLOCK_SIZE": 16,
+                "HEAD_DIM": head_dim,
+                "HEAD_DIM_PADDED": max(16, head_dim),
+                "SLIDING_WINDOW": window,
+                "HAS_SOFT_CAP": soft_cap,
+                "HAS_SINKS": sinks,
+                "UPCAST": False,
+                "DOT_PRECISION": "ieee" if dtype == torch.float32 else None,
+                **config.kwargs,
+            }
+            label = f"flash_prefill {name} d={head_dim} qpk={queries_per_kv} window={window}"
+            label += f" soft_cap={soft_cap} sinks={sinks} {config}"
+            kernel = flash._flash_prefill_kernel.fn
+            cases.append(
+                CompileCase(
+                    label, kernel, arg_types, constexprs, config.num_warps, config.num_stages
+                )
+            )
+    return cases
+
+
 def _other_cases() -> list[CompileCase]:
     split_kv = importlib.import_module("kernels.split_kv")
     kv_cache = importlib.import_module("kernels.kv_cache")
     rms_norm = importlib.import_module("kernels.rms_norm")
     rotary = importlib.import_module("kernels.rotary")
+    rotary_kv = importlib.import_module("kernels.rotary_kv")
     activation = importlib.import_module("kernels.activation")
     bf16 = "*bf16"
     return [
@@ -220,6 +272,29 @@ def _other_cases() -> list[CompileCase]:
             },
         ),
         CompileCase(
+            "rotary_write_kv_cache",
+            rotary_kv._rotary_kv_kernel,
+            {
+                "qk_ptr": bf16,
+                "cos_ptr": bf16,
+                "sin_ptr": bf16,
+                "value_ptr": bf16,
+                "key_cache_ptr": bf16,
+                "value_cache_ptr": bf16,
+                "slot_mapping_ptr": "*i64",
+            },
+            {
+                "NUM_HEADS": 32,
+                "NUM_KV_HEADS": 8,
+                "HEADS_PADDED": 32,
+                "KV_HEADS_PADDED": 8,
+                "HALF": 64,
+                "HALF_PADDED": 64,
+                "BLOCK_SIZE": 16,
+                "WRITE_KV": True,
+            },
+        ),
+        CompileCase(
             "silu_and_mul",
             activation._silu_and_mul_kernel,
             {"x_ptr": bf16, "out_ptr": bf16},
@@ -241,6 +316,7 @@ def _ptxas() -> str | None:
 
 def main(argv: list[str]) -> int:
     limit = int(argv[argv.index("--limit") + 1]) if "--limit" in argv else None
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("run without TRITON_INTERPRET: kernels must be decorated in compile mode")
         return 3
@@ -256,8 +332,10 @@ def main(argv: list[str]) -> int:
         return 3
     print(f"ptxas: {ptxas}")
     failures = 0
-    for case in [*_attention_cases(), *_other_cases()][:limit]:
+    for case in [*_attention_cases(), *_flash_prefill_cases(), *_other_cases()][:limit]:
         label = case.label
+        if only not in label:
+            continue
         try:
             kernel = _compile(
                 case.kernel, case.arg_types, case.constexprs, case.num_warps, case.num_stages

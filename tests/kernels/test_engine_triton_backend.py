@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 from tests.model_utils import make_tiny_llama
 
 from ._helpers import pick
@@ -47,3 +48,40 @@ def test_triton_backend_generates_the_torch_backend_tokens(tmp_path, block_size:
         assert len(got_ids) == len(want_ids)
     if device == "cpu":  # fp32 in the interpreter: no noise to excuse
         assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_triton_backend_with_llama3_rope_matches_transformers(tmp_path) -> None:
+    """The llama3 frequencies reach the fused rotary + KV-write kernel through the engine's
+    cos/sin: greedy tokens as transformers' `generate` gives them (fp32 on the CPU, so
+    exactly; on a GPU within the top-5 criterion), across a prefill chunk boundary."""
+    model_dir = make_tiny_llama(
+        tmp_path,
+        hidden_size=64,
+        num_heads=8,
+        num_kv_heads=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    prompts = [[3 + (i * 11 + j) % 120 for j in range(n)] for i, n in enumerate([7, 45])]
+    max_tokens = pick(5, 24)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(
+        model=str(model_dir),
+        attention_backend="triton",
+        device=device,
+        max_num_batched_tokens=32,  # the 45-token prompt takes two chunks
+        dtype="float32",
+        kv_cache_memory_bytes=16 * 2**20,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    reference = hf_greedy(model_dir, prompts, max_tokens)
+    ours = ours_greedy(outputs)
+    assert_close_to_reference(reference, ours)
+    if device == "cpu":  # fp32 in the interpreter: no noise to excuse
+        assert [g.token_ids for g in ours] == [g.token_ids for g in reference]

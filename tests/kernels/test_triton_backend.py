@@ -83,3 +83,47 @@ def test_needs_cuda_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU; use attention_backend='torch'"):
         TritonAttentionBackend(torch.device("cpu"))
+
+
+def test_forward_rotary_fuses_what_the_torch_backend_does_in_steps() -> None:
+    """The triton backend's one-launch rotary + KV write, then attention, against the torch
+    backend's rotation, write and attention on the same mixed batch (fp32)."""
+    from engine.layers.ops import apply_rotary_emb
+    from engine.layers.rope import RotaryEmbedding
+
+    query_lens, seq_lens = mixed_batch_lens()
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 16
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+    )
+    metadata = _metadata(query_lens, seq_lens, batch.block_tables, block_size, pad=0)
+    num_tokens = metadata.num_actual_tokens
+    positions = torch.cat(
+        [torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens, strict=True)]
+    ).to(device())
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    cos, sin = RotaryEmbedding(head_dim, 128, 10000.0, rope).cos_sin(positions, torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    qkv = qkv.to(device())
+    params = AttentionParams(head_dim**-0.5, sliding_window=20)
+    torch_cache = batch.kv_cache.clone()
+    want = get_attention_backend("torch", device()).forward_rotary(
+        qkv[:, : num_heads + num_kv_heads].clone(), qkv[:, num_heads + num_kv_heads :],
+        apply_rotary_emb, cos, sin, torch_cache, metadata, params, num_heads,
+    )  # fmt: skip
+
+    got = get_attention_backend("triton", device()).forward_rotary(
+        qkv[:, : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :],
+        apply_rotary_emb, cos, sin, batch.kv_cache, metadata, params, num_heads,
+    )  # fmt: skip
+
+    torch.testing.assert_close(batch.kv_cache, torch_cache, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
