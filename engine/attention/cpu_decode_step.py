@@ -67,6 +67,13 @@ class CPUDecodeStep:
         windows = {layer.self_attn.sliding_window for layer in model.model.layers}
         if layers is None or len(windows) > 1:
             return None
+        # The row kernels read fp32 or native-quantized weights; other methods (FP8 kept in
+        # FP8, engine/layers/fp8_linear.py) compute their projections themselves.
+        for layer in layers:
+            for role in LINEAR_ROLES:
+                method = layer[role].quant_method
+                if method is not None and not hasattr(method, "parts"):
+                    return None
         return cls(model, layers)
 
     def applies(self, metadata: AttentionMetadata) -> bool:

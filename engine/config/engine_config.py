@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.api.model_files import load_generation_config, load_hf_config
+from engine.config.checkpoint_quantization import (
+    read_checkpoint_quantization,
+    resolve_checkpoint_quantization,
+)
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device, resolve_dtype
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
@@ -39,7 +43,7 @@ class ModelConfig:
     max_logprobs: int = 20
     eos_token_ids: set[int] = field(default_factory=set)
     generation_config: dict[str, Any] = field(default_factory=dict)
-    quantization: str | None = None  # resolved: None, "gguf" or "int8"
+    quantization: str | None = None  # resolved: None, "gguf", "int8" or "fp8" (a checkpoint's)
     gguf_file: Path | None = None  # the .gguf file the model came from, if it did
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights (benchmarks)
     # vLLM's --served-model-name: the names clients may use; the first is reported.
@@ -293,7 +297,15 @@ class EngineArgs:
             verify_parallel_config(hf_config, parallel_config, self)
         gguf_file = gguf_source(self.model)
         dtype = resolve_dtype(self.dtype, hf_config, device)
-        if self.dtype == "auto" and dtype == "bfloat16" and device == "cpu":
+        # A checkpoint stored quantized (FP8: engine/config/checkpoint_quantization.py) runs
+        # its own method, whatever the device; refused here when its config is not served.
+        checkpoint_quant = None if gguf_file else read_checkpoint_quantization(model_dir, hf_config)
+        if (
+            checkpoint_quant is None
+            and self.dtype == "auto"
+            and dtype == "bfloat16"
+            and device == "cpu"
+        ):
             # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
             # greedy screen): where they will run, "auto" stays fp32 (cpu_dtype.py).
             kept = resolve_quantization(
@@ -312,15 +324,23 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
-        quantization = resolve_quantization(
-            self.quantization, gguf_file, device, dtype, parallel_config.world_size
-        )
+        if checkpoint_quant is not None:
+            quantization = resolve_checkpoint_quantization(self.quantization, checkpoint_quant)
+            if parallel_config.world_size > 1:
+                raise ValueError(
+                    f"quantization={quantization!r} needs tensor_parallel_size x "
+                    f"pipeline_parallel_size = 1, got {parallel_config.world_size}."
+                )
+        else:
+            quantization = resolve_quantization(
+                self.quantization, gguf_file, device, dtype, parallel_config.world_size
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
-        if self.load_format == "dummy" and quantization is not None:
+        if self.load_format == "dummy" and quantization not in (None, "fp8"):
             raise ValueError(
-                f"load_format='dummy' draws unquantized weights; quantization={quantization!r} "
-                "needs the checkpoint (pass quantization=None)."
+                f"load_format='dummy' draws unquantized (or FP8) weights; "
+                f"quantization={quantization!r} needs the checkpoint (pass quantization=None)."
             )
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}

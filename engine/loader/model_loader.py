@@ -15,12 +15,15 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.config.checkpoint_quantization import read_checkpoint_quantization
 from engine.distributed.parallel_state import get_parallel_rank
+from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
 from engine.loader.dummy_weights import fill_dummy_weights
+from engine.loader.fp8_weights import Fp8Checkpoint, install_fp8_layers
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
 from engine.loader.safetensors_reader import read_safetensors
 from engine.models.decoder import DecoderForCausalLM
@@ -65,6 +68,7 @@ def load_model(
     gguf_file: Path | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    keep_fp8: bool | None = None,
 ) -> DecoderForCausalLM:
     """Builds the registered class for the config's architecture without initialising it,
     then fills it from the directory's weights.
@@ -85,6 +89,9 @@ def load_model(
     kept: set[str] = set()
     if quantization == "gguf":
         kept, checks = _install_gguf(model, hf_config, device, gguf_file)
+    fp8 = None
+    if quantization == "fp8":
+        fp8 = _fp8_checkpoint(model, model_dir, hf_config, dtype, device, keep_fp8)
     model = model.to_empty(device=device)
     if load_format == "dummy":  # EngineArgs allows it only without quantization
         fill_dummy_weights(model, seed)
@@ -94,11 +101,13 @@ def load_model(
         if weights is None:
             several = get_parallel_rank().world_size > 1  # a rank reads only its slices
             weights = iter_safetensors(model_dir, skip=kept, lazy=several)
+        if fp8 is not None:
+            weights = fp8.weights(weights)
         _load_checkpoint(model, weights, kept, quantization)
     if quantization == "gguf":
         check_gguf_blocks(model_dir, checks)
         logger.info("Kept %d GGUF tensors quantized, read from %s.", len(kept), gguf_file)
-    elif quantization is not None:
+    elif quantization not in (None, "fp8"):  # fp8: said by _fp8_checkpoint
         num_quantized = sum(m.quant_method is not None for _, m in projection_layers(model))
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
@@ -119,9 +128,39 @@ def _load_checkpoint(
     quantization: str | None,
 ) -> None:
     on_loaded = None
-    if quantization is not None and quantization != "gguf":
+    if quantization == "int8":
         on_loaded = quantize_on_load(model, quantization)
     model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
+
+
+def _fp8_checkpoint(
+    model: DecoderForCausalLM,
+    model_dir: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_fp8: bool | None,
+) -> Fp8Checkpoint:
+    found = read_checkpoint_quantization(model_dir, hf_config)
+    if found is None or found.method != "fp8":
+        raise ValueError(f"quantization='fp8' needs an FP8 checkpoint; {model_dir} is not one.")
+    check_quantizable(model, "fp8")
+    if keep_fp8 is None:
+        keep_fp8 = fp8_compute_forced()
+    if keep_fp8 is None:
+        keep_fp8 = fp8_tensor_cores(device)
+    kept: frozenset[str] = frozenset()
+    if keep_fp8:
+        kept = install_fp8_layers(model, found.scheme, model.packed_modules_mapping)
+        logger.info(
+            "FP8 checkpoint (%s): %d projections run in FP8.", found.quant_method, len(kept)
+        )
+    else:
+        logger.info(
+            "FP8 checkpoint (%s): %s has no FP8 tensor cores, so the weights are dequantized "
+            "to %s at load.", found.quant_method, device, dtype,
+        )  # fmt: skip
+    return Fp8Checkpoint(found.scheme, dtype, kept)
 
 
 def _install_gguf(

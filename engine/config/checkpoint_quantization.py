@@ -1,0 +1,94 @@
+"""Which quantized-checkpoint format a model directory holds, read once from its files.
+
+A Hub checkpoint says how its weights are stored in `quantization_config` (config.json) or,
+for NVIDIA ModelOpt exports, in hf_quant_config.json. `read_checkpoint_quantization` finds
+that dictionary and hands it to the parser registered for its `quant_method` in `FORMATS`:
+one entry per format, each a torch-free function that either returns what the engine runs
+(`CheckpointQuantization`) or raises ValueError naming the field and value it does not serve,
+so an unsupported checkpoint is refused at load instead of loaded as garbage.
+
+    config.json quantization_config ─┐
+    hf_quant_config.json (modelopt) ─┴─▶ quant_method ─▶ FORMATS[quant_method](config)
+                                                          └─▶ CheckpointQuantization
+
+`resolve_checkpoint_quantization` then checks `EngineArgs.quantization` against it (vLLM's
+rule: the checkpoint's format wins; naming it, or "auto"/None, is the same).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config.fp8_checkpoint import Fp8Scheme, parse_compressed_tensors, parse_modelopt
+
+MODELOPT_CONFIG_FILE = "hf_quant_config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuantization:
+    """A checkpoint's quantization as the engine runs it."""
+
+    quant_method: str  # the checkpoint's name for its format: "compressed-tensors", "modelopt"
+    method: str  # the engine's method (`ModelConfig.quantization`): "fp8"
+    scheme: Fp8Scheme  # the method's settings, parsed from the config
+
+
+# quant_method -> parser. Each parser takes the format's config dictionary and returns
+# (method, scheme), or raises ValueError naming the unsupported field.
+FORMATS: dict[str, Callable[[dict[str, Any]], tuple[str, Fp8Scheme]]] = {
+    "compressed-tensors": parse_compressed_tensors,
+    "modelopt": parse_modelopt,
+}
+
+
+def checkpoint_quantization_config(model_dir: Path, hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's quantization dictionary: config.json's `quantization_config`, else
+    ModelOpt's hf_quant_config.json (its `quantization` part, tagged quant_method
+    "modelopt"), else None (an unquantized checkpoint)."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is not None and not isinstance(config, dict):
+        to_dict = getattr(config, "to_dict", None)
+        config = to_dict() if to_dict is not None else dict(vars(config))
+    if config:
+        return dict(config)
+    path = Path(model_dir) / MODELOPT_CONFIG_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    producer = (data.get("producer") or {}).get("name")
+    if producer != "modelopt":
+        raise ValueError(f"{MODELOPT_CONFIG_FILE}: producer.name={producer!r} is not 'modelopt'.")
+    return {"quant_method": "modelopt", **(data.get("quantization") or {})}
+
+
+def read_checkpoint_quantization(model_dir: Path, hf_config: Any) -> CheckpointQuantization | None:
+    """The checkpoint's quantization as the engine runs it, or None when it has none."""
+    config = checkpoint_quantization_config(model_dir, hf_config)
+    if config is None:
+        return None
+    quant_method = config.get("quant_method")
+    quant_method = getattr(quant_method, "value", quant_method)  # transformers' enum
+    if quant_method not in FORMATS:
+        raise ValueError(
+            f"quantization_config.quant_method={quant_method!r} is not served; "
+            f"checkpoints in {sorted(FORMATS)} are."
+        )
+    method, scheme = FORMATS[quant_method](config)
+    return CheckpointQuantization(quant_method, method, scheme)
+
+
+def resolve_checkpoint_quantization(requested: str | None, found: CheckpointQuantization) -> str:
+    """`EngineArgs.quantization` for a quantized checkpoint: the checkpoint's method runs
+    whether the user names it ("fp8", or the format's name as vLLM spells it), says "auto",
+    or leaves it None; another method is refused (the weights are already quantized)."""
+    if requested in (None, "auto", "none", found.method, found.quant_method):
+        return found.method
+    raise ValueError(
+        f"quantization={requested!r}: the checkpoint is already quantized "
+        f"(quantization_config.quant_method={found.quant_method!r}, {found.method}); "
+        f"pass quantization='auto' or {found.method!r}."
+    )
