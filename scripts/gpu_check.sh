@@ -17,6 +17,9 @@
 #                  timed runs each, the spread, the roofline bound, TensorRT-LLM's FP8 table
 #   tests_kernels  tests/kernels at full size
 #   kernels        benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
+#   fp8            benchmarks/gpu/fp8_decode.py: the 8B shape in FP8 (compressed-tensors
+#                  FP8_DYNAMIC, random weights): batch-1 ms/token, a decode step at batch
+#                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
 #
 #   OUT=/tmp/out scripts/gpu_check.sh                    # everything
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
@@ -116,6 +119,7 @@ SERVING_ARGS=(--concurrency 1 16 64 256 --input-len 128 --output-len 256)
 # shellcheck disable=SC2206  # the workloads are words
 DECODE_ARGS=(--part all --workloads $WORKLOADS --hf-prompts 16 --profile-dir "$WORK/profile")
 KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
+FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200)
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -125,6 +129,8 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     TESTS_GPU=("${TESTS_GPU[@]:0:2}")  # collected and skipped: the Triton backend's tests
     TESTS_KERNELS=(tests/kernels/test_fused_moe.py)  # take minutes in the interpreter
     KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py --help)  # CUDA only: does it start?
+    FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
+        --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8)  # the FP8 path on a CPU
 fi
 
 part env 30 bash -c env_report
@@ -137,5 +143,6 @@ part throughput 140 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}" \
     --output-json "$OUT/gpu_decode.json"
 part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TESTS_KERNELS[@]}"
 part kernels 40 "${KERNELS[@]}"
+part fp8 150 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

@@ -91,3 +91,27 @@ def test_a_kept_module_stored_unquantized_is_refused() -> None:
     checkpoint = Fp8Checkpoint(TENSOR, torch.float32, frozenset({"q_proj"}))
     with pytest.raises(ValueError, match="the config makes it FP8"):
         list(checkpoint.weights(iter([("q_proj.weight", torch.ones(2, 2))])))
+
+
+def test_dummy_weights_of_an_fp8_model(tmp_path, monkeypatch) -> None:
+    """load_format="dummy" over an FP8 config (the GPU benchmark's 8B model): FP8 weights
+    drawn over E4M3's range, per-row scales making them vLLM's dummy range, tokens served."""
+    import json
+
+    from benchmarks.gpu.fp8_decode import write_fp8_model_dir
+    from engine import LLM, SamplingParams
+    from engine.loader.dummy_weights import DUMMY_RANGE
+
+    monkeypatch.setenv("PAGEDSERVE_FP8_COMPUTE", "fp8")
+    model_dir = write_fp8_model_dir("tiny", tmp_path)
+    assert json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, max_model_len=64)
+    layer = llm.llm_engine.runner.model.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.dtype == FP8_DTYPE
+    assert layer.weight.float().abs().max() > 100  # spread over E4M3's range, not all ~0
+    torch.testing.assert_close(
+        layer.weight_scale, torch.full_like(layer.weight_scale, DUMMY_RANGE / 448)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
