@@ -42,6 +42,7 @@ _ALIGN = 16  # _scaled_mm: K and N multiples of 16
 FP8_COMPUTE_ENV = "PAGEDSERVE_FP8_COMPUTE"
 
 ScaledMM = Callable[..., torch.Tensor]
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def quantize_per_token(
@@ -77,11 +78,12 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # fp32 [N]
     bias: torch.Tensor | None = None,  # [N]
     scaled_mm: ScaledMM = torch._scaled_mm,
+    quantize: Quantizer | None = None,  # None: `quantize_per_token` (torch ops)
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """x @ dequant(weight).T + bias with x quantized per token (see the module doc)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    q_x, s_x = quantize_per_token(x2)
+    x2 = x.reshape(-1, k).contiguous()
+    q_x, s_x = (quantize or quantize_per_token)(x2)
     q_x = _pad_to(q_x, 1)  # [M, K'] : K' a multiple of 16
     w = _pad_to(_pad_to(weight, 1), 0)  # [N', K']
     s_w = weight_scale.float().reshape(1, n)
@@ -112,13 +114,30 @@ class Fp8LinearMethod:
     """The `LinearMethod` of an FP8 projection: reads the layer's `weight` (fp8 [N, K]) and
     `weight_scale` (fp32 [N]) at each call, so sleep/wake's swaps of `.data` are seen."""
 
-    def __init__(self, layer: torch.nn.Module, scaled_mm: ScaledMM = torch._scaled_mm) -> None:
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        scaled_mm: ScaledMM = torch._scaled_mm,
+        quantize: Quantizer | None = None,
+    ) -> None:
         self.layer = layer
         self.scaled_mm = scaled_mm
+        self.quantize = quantize
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.scaled_mm)
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.scaled_mm, self.quantize)
+
+
+def token_quantizer(triton: bool) -> Quantizer:
+    """The per-token activation quantization, chosen once at build: the one-pass Triton
+    kernel (kernels/fp8_quant.py: the same bits as `quantize_per_token`, about seven torch
+    kernels fewer) for a CUDA model, the torch ops elsewhere (no Triton on the CPU image)."""
+    if not triton:
+        return quantize_per_token
+    from kernels.fp8_quant import quantize_per_token_fp8
+
+    return quantize_per_token_fp8
 
 
 def fp8_compute_forced() -> bool | None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.config.fp8_checkpoint import Fp8Scheme, is_ignored
-from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, ScaledMM
+from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, Quantizer, ScaledMM
 from engine.layers.linear import Linear
 
 _QUANT_TENSOR = re.compile(r"^(?P<module>.+)\.(?P<leaf>weight|weight_scale|input_scale)$")
@@ -124,6 +124,7 @@ def install_fp8_layers(
     scheme: Fp8Scheme,
     packed: Mapping[str, tuple[str, ...]],
     scaled_mm: ScaledMM = torch._scaled_mm,
+    quantize: Quantizer | None = None,
 ) -> frozenset[str]:
     """On a meta-built model: every projection the config quantizes gets an FP8 `weight`,
     an fp32 `weight_scale` per output row and `Fp8LinearMethod`; returns the checkpoint
@@ -150,6 +151,6 @@ def install_fp8_layers(
             requires_grad=False,
         )
         layer.packed_weight = None
-        layer.quant_method = Fp8LinearMethod(layer, scaled_mm)
+        layer.quant_method = Fp8LinearMethod(layer, scaled_mm, quantize)
         kept.update(members)
     return frozenset(kept)

@@ -17,7 +17,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.config.checkpoint_quantization import read_checkpoint_quantization
 from engine.distributed.parallel_state import get_parallel_rank
-from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores
+from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores, token_quantizer
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
@@ -151,7 +151,10 @@ def _fp8_checkpoint(
         keep_fp8 = fp8_tensor_cores(device)
     kept: frozenset[str] = frozenset()
     if keep_fp8:
-        kept = install_fp8_layers(model, found.scheme, model.packed_modules_mapping)
+        quantize = token_quantizer(triton=device.type == "cuda")
+        kept = install_fp8_layers(
+            model, found.scheme, model.packed_modules_mapping, quantize=quantize
+        )
         logger.info(
             "FP8 checkpoint (%s): %d projections run in FP8.", found.quant_method, len(kept)
         )

@@ -16,6 +16,7 @@ from engine.layers.fp8_linear import (
     quantize_per_token,
     quantize_weight_per_row,
     scaled_mm_reference,
+    token_quantizer,
 )
 
 # E4M3: 3 mantissa bits, so rounding to nearest is off by at most 2^-4 of the value
@@ -115,3 +116,16 @@ def test_forced_choice_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_FP8_COMPUTE", "int8")
     with pytest.raises(ValueError, match="PAGEDSERVE_FP8_COMPUTE"):
         fp8_compute_forced()
+
+
+def test_the_cuda_quantizer_gives_the_same_layer_output() -> None:
+    """The quantizer a CUDA model gets (the Triton kernel; here in the interpreter) and the
+    torch ops give bit-identical FP8 activations, so the same layer output."""
+    generator = torch.Generator().manual_seed(2)
+    w_q, w_scale = quantize_weight_per_row(torch.randn(48, 80, generator=generator))
+    x = torch.randn(2, 5, 80, generator=generator) * 3
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale = w_q, w_scale
+    triton_side = Fp8LinearMethod(layer, quantize=token_quantizer(triton=True)).apply(x, None)
+    torch_side = Fp8LinearMethod(layer, quantize=token_quantizer(triton=False)).apply(x, None)
+    assert torch.equal(triton_side, torch_side)
