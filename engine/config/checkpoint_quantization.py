@@ -45,6 +45,12 @@ FORMATS: dict[str, Callable[[dict[str, Any]], tuple[str, Fp8Scheme]]] = {
 }
 
 
+# Architectures whose family reads or refuses `quantization_config` itself, in its
+# check_config (GPT-OSS: MXFP4 experts dequantized at load; DeepSeek-V3: refused with how
+# to convert it): their configs pass through this table untouched.
+FAMILY_ARCHITECTURES = ("GptOssForCausalLM", "DeepseekV3ForCausalLM")
+
+
 def checkpoint_quantization_config(model_dir: Path, hf_config: Any) -> dict[str, Any] | None:
     """The checkpoint's quantization dictionary: config.json's `quantization_config`, else
     ModelOpt's hf_quant_config.json (its `quantization` part, tagged quant_method
@@ -67,6 +73,9 @@ def checkpoint_quantization_config(model_dir: Path, hf_config: Any) -> dict[str,
 
 def read_checkpoint_quantization(model_dir: Path, hf_config: Any) -> CheckpointQuantization | None:
     """The checkpoint's quantization as the engine runs it, or None when it has none."""
+    architectures = getattr(hf_config, "architectures", None) or ()
+    if any(name in FAMILY_ARCHITECTURES for name in architectures):
+        return None
     config = checkpoint_quantization_config(model_dir, hf_config)
     if config is None:
         return None

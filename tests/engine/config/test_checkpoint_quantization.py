@@ -76,6 +76,10 @@ def test_modelopt_from_config_json_and_from_hf_quant_config(tmp_path) -> None:
 
 def test_unquantized_checkpoint_has_none(tmp_path) -> None:
     assert read_checkpoint_quantization(tmp_path, _Config()) is None
+    # GPT-OSS's MXFP4 experts are its family's to read (engine/models/gpt_oss.py)
+    gpt_oss = _Config({"quant_method": "mxfp4"})
+    gpt_oss.architectures = ["GptOssForCausalLM"]
+    assert read_checkpoint_quantization(tmp_path, gpt_oss) is None
 
 
 def _edited(path: tuple, value):
