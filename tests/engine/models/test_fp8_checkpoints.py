@@ -21,10 +21,9 @@ from tests.engine.fp8_checkpoints import (
     make_compressed_tensors_fp8,
     make_modelopt_fp8,
 )
-from tests.engine.models.test_engine_correctness import REGIMES, make_prompts, run
+from tests.engine.models.test_engine_correctness import MAX_TOKENS, REGIMES, make_prompts, run
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 
-MAX_TOKENS = 16
 SHAPE = dict(hidden_size=64, num_heads=4, num_kv_heads=2, max_position_embeddings=256)
 
 
