@@ -32,7 +32,7 @@ from kernels._common import check_contiguous, check_dtype, check_ndim, check_sam
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros: no division by zero, the row stays 0
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23 (constexpr: a jit function may read it)
 BLOCK_K = 1024
 
 
