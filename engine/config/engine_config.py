@@ -253,6 +253,8 @@ class EngineArgs:
     # on CPU); "gguf" (the GGUF file's blocks); "int8" (per-channel weight-only). See
     # engine/layers/quantization.py. Blocks use a quarter to an eighth of fp32's memory and
     # decode faster at small batches; prefill and large batches dequantize chunks for MKL.
+    # A checkpoint stored quantized (FP8: compressed-tensors, ModelOpt; docs/fp8.md) runs its
+    # own method ("fp8") under "auto"/None or its name; another method is refused.
     quantization: str | None = "auto"
     # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
     # unset fields come from a sentence-transformers model directory, else LAST, normalize.
