@@ -24,6 +24,9 @@
 #   int4           benchmarks/gpu/int4_decode.py: the 8B shape from a random INT4 (GPTQ)
 #                  checkpoint: batch-1 ms/token, a decode step at batch 200, offline tok/s
 #                  beside TensorRT-LLM's FP8 table (its JSON goes into logs.tar.gz)
+#   fp8            benchmarks/gpu/fp8_decode.py: the 8B shape in FP8 (compressed-tensors
+#                  FP8_DYNAMIC, random weights): batch-1 ms/token, a decode step at batch
+#                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
 #
 #   OUT=/tmp/out scripts/gpu_check.sh                    # everything
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
@@ -127,6 +130,7 @@ KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
 INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats 1
     --decode-tokens 64 --batch-requests 200)
 STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
+FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200)
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -139,6 +143,8 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     INT4_ARGS=(--part all --shape tiny --group-size 32 --max-model-len 256 --kv-cache-gib 0.05
         --repeats 2 --decode-tokens 4 --prompt-len 16 --batch-requests 8 --workloads 16x4x4)
     STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
+    FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
+        --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8)  # the FP8 path on a CPU
 fi
 
 part env 30 bash -c env_report
@@ -154,5 +160,6 @@ part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TE
 part kernels 40 "${KERNELS[@]}"
 part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \
     --output-json "$WORK/int4_decode.json"
+part fp8 150 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

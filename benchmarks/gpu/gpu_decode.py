@@ -247,7 +247,9 @@ def part_throughput(
             flush=True,
         )
         if args.shape == "llama-3.1-8b" and (
-            line := trtllm_line(peak["device"], isl, osl, n_out / best)
+            line := trtllm_line(
+                peak["device"], isl, osl, n_out / best, getattr(args, "weights_label", "bf16")
+            )
         ):
             print(line, flush=True)
         results[f"{isl}x{osl}"] = workload

@@ -98,9 +98,11 @@ def offline_bound_s(
     return {"prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s}
 
 
-def trtllm_line(device_name: str, isl: int, osl: int, ours_tok_s: float) -> str | None:
-    """Ours (bf16) against TensorRT-LLM's published FP8 figure for this ISL/OSL pair, on
-    the published GPU this device is (H200 or H100; both printed otherwise)."""
+def trtllm_line(
+    device_name: str, isl: int, osl: int, ours_tok_s: float, ours: str = "bf16"
+) -> str | None:
+    """Ours (`ours`: our weights' type) against TensorRT-LLM's published FP8 figure for this
+    ISL/OSL pair, on the published GPU this device is (H200 or H100; both printed otherwise)."""
     table = TRTLLM_FP8_OUTPUT_TOK_S.get((isl, osl))
     if table is None:
         return None
@@ -110,5 +112,5 @@ def trtllm_line(device_name: str, isl: int, osl: int, ours_tok_s: float) -> str 
     ]  # fmt: skip
     return (
         f"  TensorRT-LLM's published Llama-3.1-8B FP8 for {isl}/{osl}: {', '.join(parts)} "
-        "output tok/s: their FP8 against our bf16"
+        f"output tok/s: their FP8 against our {ours}"
     )

@@ -195,7 +195,10 @@ class CPUDecodeStep:
 def _native_parts(layer: Any) -> bool:
     """Whether the row kernels can take the projection: fp32, or native quantized parts."""
     method = layer.quant_method
-    return method is None or all(isinstance(p, QuantizedWeight) for p in method.parts)
+    if method is None:
+        return True
+    parts = getattr(method, "parts", None)  # FP8 kept in FP8 (fp8_linear.py) has none
+    return parts is not None and all(isinstance(p, QuantizedWeight) for p in parts)
 
 
 def _parts(layer: Any) -> list[QuantizedWeight]:

@@ -1,105 +1,148 @@
-"""Which quantized checkpoint format a model directory holds: config.json's
-`quantization_config`, read once by `EngineArgs.create_engine_config`.
+"""Which quantized-checkpoint format a model directory holds, read once from its files.
 
-One table, one entry per `quant_method`: its parser turns the config dict into the scheme
-the loader follows, or raises ValueError naming the field and value it does not serve (a
-checkpoint we cannot read exactly is refused, never loaded as garbage). A method in neither
-this table nor a family's own list is refused when the model is built
-(`refuse_unserved_method`, after the family's `check_config` has had its say, so a family's
-own message wins). Torch-free, like the rest of engine/config.
+A Hub checkpoint says how its weights are stored in `quantization_config` (config.json) or,
+for NVIDIA ModelOpt exports, in hf_quant_config.json. `read_checkpoint_quantization` finds
+that dictionary and hands it to the parser registered for its `quant_method` in `FORMATS`:
+one entry per format, each a torch-free function that either returns what the engine runs
+(`CheckpointQuantization`) or raises ValueError naming the field and value it does not serve,
+so an unsupported checkpoint is refused at load instead of loaded as garbage.
 
-    quant_method   parser                      scheme               loads as
-    "awq"          int4_checkpoint.parse_awq   Int4Scheme           engine/loader/int4_weights.py
-    "gptq"         int4_checkpoint.parse_gptq  Int4Scheme           engine/loader/int4_weights.py
+    config.json quantization_config ─┐
+    hf_quant_config.json (modelopt) ─┴─▶ quant_method ─▶ FORMATS[quant_method](config)
+                                                          └─▶ CheckpointQuantization
 
-Families that read their own quantized experts (GPT-OSS's mxfp4) check the config in their
-`check_config` and are not in this table.
+    quant_method          engine method   scheme       loads as
+    "compressed-tensors"  "fp8"           Fp8Scheme    engine/loader/fp8_weights.py
+    "modelopt"            "fp8"           Fp8Scheme    engine/loader/fp8_weights.py
+    "awq"                 "awq"           Int4Scheme   engine/loader/int4_weights.py
+    "gptq"                "gptq"          Int4Scheme   engine/loader/int4_weights.py
+
+`resolve_checkpoint_quantization` then checks `EngineArgs.quantization` against it (vLLM's
+rule: the checkpoint's format wins; naming it, or "auto"/None, is the same). Families that
+read their own quantized weights (GPT-OSS's MXFP4 experts; DeepSeek-V3, which refuses its
+block FP8 with how to convert it) are passed over here: `FAMILY_ARCHITECTURES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from engine.config.fp8_checkpoint import Fp8Scheme, parse_compressed_tensors, parse_modelopt
 from engine.config.int4_checkpoint import Int4Scheme, parse_awq, parse_gptq
 
-CHECKPOINT_FORMATS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
-    "awq": parse_awq,
-    "gptq": parse_gptq,
+MODELOPT_CONFIG_FILE = "hf_quant_config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuantization:
+    """A checkpoint's quantization as the engine runs it."""
+
+    quant_method: str  # the checkpoint's name for its format: "compressed-tensors", "awq", ...
+    method: str  # the engine's method (`ModelConfig.quantization`): "fp8", "awq", "gptq"
+    scheme: Fp8Scheme | Int4Scheme  # the method's settings, parsed from the config
+
+
+def _int4(parse: Callable[[dict[str, Any]], Int4Scheme]) -> Callable[[dict[str, Any]], tuple]:
+    def parse_int4(config: dict[str, Any]) -> tuple[str, Int4Scheme]:
+        scheme = parse(config)
+        return scheme.method, scheme
+
+    return parse_int4
+
+
+# quant_method -> parser. Each parser takes the format's config dictionary and returns
+# (method, scheme), or raises ValueError naming the unsupported field.
+FORMATS: dict[str, Callable[[dict[str, Any]], tuple[str, Any]]] = {
+    "compressed-tensors": parse_compressed_tensors,
+    "modelopt": parse_modelopt,
+    "awq": _int4(parse_awq),
+    "gptq": _int4(parse_gptq),
 }
-# Methods a family reads itself (engine/models/*.check_config), passed over here.
-FAMILY_FORMATS = ("mxfp4",)
+# The engine's names for what FORMATS yields: a request for one of these needs such a checkpoint.
+CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
+
+# Architectures whose family reads or refuses `quantization_config` itself, in its
+# check_config (GPT-OSS: MXFP4 experts dequantized at load; DeepSeek-V3: refused with how
+# to convert it): their configs pass through this table untouched.
+FAMILY_ARCHITECTURES = ("GptOssForCausalLM", "DeepseekV3ForCausalLM")
 
 
-def quantization_config(hf_config: Any) -> dict[str, Any] | None:
-    """config.json's `quantization_config` as a plain dict, or None."""
+def checkpoint_quantization_config(model_dir: Path, hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's quantization dictionary: config.json's `quantization_config`, else
+    ModelOpt's hf_quant_config.json (its `quantization` part, tagged quant_method
+    "modelopt"), else None (an unquantized checkpoint)."""
     config = getattr(hf_config, "quantization_config", None)
+    if config is not None and not isinstance(config, dict):
+        to_dict = getattr(config, "to_dict", None)
+        config = to_dict() if to_dict is not None else dict(vars(config))
+    if config:
+        return dict(config)
+    path = Path(model_dir) / MODELOPT_CONFIG_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    producer = (data.get("producer") or {}).get("name")
+    if producer != "modelopt":
+        raise ValueError(f"{MODELOPT_CONFIG_FILE}: producer.name={producer!r} is not 'modelopt'.")
+    return {"quant_method": "modelopt", **(data.get("quantization") or {})}
+
+
+def read_checkpoint_quantization(model_dir: Path, hf_config: Any) -> CheckpointQuantization | None:
+    """The checkpoint's quantization as the engine runs it, or None when it has none."""
+    architectures = getattr(hf_config, "architectures", None) or ()
+    if any(name in FAMILY_ARCHITECTURES for name in architectures):
+        return None
+    config = checkpoint_quantization_config(model_dir, hf_config)
     if config is None:
         return None
-    if not isinstance(config, dict):  # a transformers QuantizationConfigMixin
-        config = config.to_dict()
-    return dict(config)
-
-
-def checkpoint_method(hf_config: Any) -> str | None:
-    """The config's `quant_method` (lower case), or None for an unquantized checkpoint."""
-    config = quantization_config(hf_config)
-    if config is None:
-        return None
-    method = config.get("quant_method")
-    method = getattr(method, "value", method)  # transformers' enum
-    return None if method is None else str(method).lower()
-
-
-def checkpoint_quantization(hf_config: Any) -> Any:
-    """The scheme of the checkpoint's quantized weights (e.g. an `Int4Scheme`), or None
-    when the table has no entry for it; ValueError for settings of a listed format that we
-    do not serve."""
-    parser = CHECKPOINT_FORMATS.get(checkpoint_method(hf_config) or "")
-    return None if parser is None else parser(quantization_config(hf_config) or {})
-
-
-def refuse_unserved_method(hf_config: Any) -> None:
-    """NotImplementedError for a `quant_method` that neither this table nor a family reads."""
-    method = checkpoint_method(hf_config)
-    if method is not None and method not in CHECKPOINT_FORMATS and method not in FAMILY_FORMATS:
-        raise NotImplementedError(
-            f"quantization_config quant_method={method!r} is not served: quantized "
-            f"checkpoints load for quant_method in {sorted(CHECKPOINT_FORMATS)}."
+    quant_method = config.get("quant_method")
+    quant_method = getattr(quant_method, "value", quant_method)  # transformers' enum
+    if isinstance(quant_method, str):
+        quant_method = quant_method.lower()
+    if quant_method not in FORMATS:
+        raise ValueError(
+            f"quantization_config.quant_method={quant_method!r} is not served; "
+            f"checkpoints in {sorted(FORMATS)} are."
         )
+    method, scheme = FORMATS[quant_method](config)
+    return CheckpointQuantization(quant_method, method, scheme)
 
 
 def resolve_checkpoint_quantization(
-    requested: str | None, hf_config: Any, world_size: int = 1
+    requested: str | None, found: CheckpointQuantization | None, world_size: int = 1
 ) -> str | None:
-    """The engine's `quantization` for a quantized checkpoint: its `quant_method` when
-    `requested` is "auto" (or names that method); None for an unquantized checkpoint (the
-    other methods resolve in quantization.py). ValueError when they disagree."""
-    scheme = checkpoint_quantization(hf_config)
-    if scheme is None:
-        if requested in CHECKPOINT_FORMATS:
+    """`EngineArgs.quantization` for a quantized checkpoint: the checkpoint's method runs
+    whether the user names it ("fp8", or the format's name as vLLM spells it), says "auto",
+    or leaves it None; another method is refused (the weights are already quantized). For
+    an unquantized checkpoint None (the other methods resolve in quantization.py), or
+    ValueError when a checkpoint method was asked for."""
+    if found is None:
+        if requested in CHECKPOINT_METHODS or requested in FORMATS:
             raise ValueError(
-                f"quantization={requested!r} needs a checkpoint whose config.json has a "
-                f"quantization_config with quant_method {requested!r}; this one has none."
+                f"quantization={requested!r} needs a checkpoint stored that way (config.json's "
+                f"quantization_config or {MODELOPT_CONFIG_FILE}); this one has none."
             )
         return None
-    method = checkpoint_method(hf_config)
-    if requested not in ("auto", method):
+    if requested not in (None, "auto", "none", found.method, found.quant_method):
         raise ValueError(
-            f"the checkpoint is quantized (quant_method={method!r}): quantization must be "
-            f"'auto' or {method!r}, got {requested!r}."
+            f"quantization={requested!r}: the checkpoint is already quantized "
+            f"(quantization_config.quant_method={found.quant_method!r}, {found.method}); "
+            f"pass quantization='auto' or {found.method!r}."
         )
     if world_size > 1:
-        # Packed tensors are not split between ranks (yet), as for GGUF blocks.
+        # Quantized tensors are not split between ranks (yet), as for GGUF blocks.
         raise ValueError(
-            f"a {method} checkpoint needs tensor_parallel_size x pipeline_parallel_size = 1, "
-            f"got {world_size}."
+            f"quantization={found.method!r} needs tensor_parallel_size x "
+            f"pipeline_parallel_size = 1, got {world_size}."
         )
-    return method
+    return found.method
 
 
-def stays_quantized_on_cpu(hf_config: Any) -> bool:
+def stays_quantized_on_cpu(found: CheckpointQuantization | None) -> bool:
     """Whether the checkpoint's weights can stay quantized in the native CPU kernels, which
     take fp32 activations: `dtype="auto"` then stays fp32 on a bf16 CPU, as for GGUF blocks."""
-    scheme = checkpoint_quantization(hf_config)
-    return isinstance(scheme, Int4Scheme) and scheme.fits_q4_0
+    return found is not None and isinstance(found.scheme, Int4Scheme) and found.scheme.fits_q4_0

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from engine.api.model_files import load_generation_config, load_hf_config
 from engine.config.checkpoint_quantization import (
+    read_checkpoint_quantization,
     resolve_checkpoint_quantization,
     stays_quantized_on_cpu,
 )
@@ -43,7 +44,7 @@ class ModelConfig:
     max_logprobs: int = 20
     eos_token_ids: set[int] = field(default_factory=set)
     generation_config: dict[str, Any] = field(default_factory=dict)
-    # resolved: None, "gguf", "int8", or a quantized checkpoint's method ("awq", "gptq")
+    # resolved: None, "gguf", "int8", or a quantized checkpoint's method ("fp8", "awq", "gptq")
     quantization: str | None = None
     gguf_file: Path | None = None  # the .gguf file the model came from, if it did
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights (benchmarks)
@@ -254,8 +255,9 @@ class EngineArgs:
     # on CPU); "gguf" (the GGUF file's blocks); "int8" (per-channel weight-only). See
     # engine/layers/quantization.py. Blocks use a quarter to an eighth of fp32's memory and
     # decode faster at small batches; prefill and large batches dequantize chunks for MKL.
-    # A quantized checkpoint (AWQ, GPTQ: engine/config/checkpoint_quantization.py) takes
-    # "auto" or its own method's name.
+    # A checkpoint stored quantized (FP8: compressed-tensors, ModelOpt; INT4: AWQ, GPTQ;
+    # engine/config/checkpoint_quantization.py, docs/quantized_checkpoints.md) runs its own
+    # method under "auto"/None or its name; another method is refused.
     quantization: str | None = "auto"
     # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
     # unset fields come from a sentence-transformers model directory, else LAST, normalize.
@@ -300,13 +302,15 @@ class EngineArgs:
             verify_parallel_config(hf_config, parallel_config, self)
         gguf_file = gguf_source(self.model)
         dtype = resolve_dtype(self.dtype, hf_config, device)
-        # A quantized checkpoint's own method (checkpoint_quantization.py), or None.
+        # A checkpoint stored quantized (engine/config/checkpoint_quantization.py) runs its
+        # own method, whatever the device; refused here when its config is not served.
+        checkpoint_quant = None if gguf_file else read_checkpoint_quantization(model_dir, hf_config)
         checkpoint_method = resolve_checkpoint_quantization(
-            self.quantization, hf_config, parallel_config.world_size
+            self.quantization, checkpoint_quant, parallel_config.world_size
         )
         cpu_bf16 = self.dtype == "auto" and dtype == "bfloat16" and device == "cpu"
-        if cpu_bf16 and checkpoint_method is not None:
-            if stays_quantized_on_cpu(hf_config):  # native Q4_0 blocks compute in fp32
+        if cpu_bf16 and checkpoint_quant is not None:
+            if stays_quantized_on_cpu(checkpoint_quant):  # native Q4_0 blocks compute in fp32
                 dtype = "float32"
         elif cpu_bf16:
             # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
@@ -332,10 +336,10 @@ class EngineArgs:
         )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
-        if self.load_format == "dummy" and quantization is not None:
+        if self.load_format == "dummy" and quantization not in (None, "fp8"):
             raise ValueError(
-                f"load_format='dummy' draws unquantized weights; quantization={quantization!r} "
-                "needs the checkpoint (pass quantization=None)."
+                f"load_format='dummy' draws unquantized (or FP8) weights; "
+                f"quantization={quantization!r} needs the checkpoint (pass quantization=None)."
             )
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}

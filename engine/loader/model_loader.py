@@ -15,14 +15,16 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.config.checkpoint_quantization import checkpoint_quantization, refuse_unserved_method
+from engine.config.checkpoint_quantization import read_checkpoint_quantization
 from engine.config.int4_checkpoint import INT4_METHODS
 from engine.distributed.parallel_state import get_parallel_rank
+from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores, token_quantizer
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
 from engine.loader.dummy_weights import fill_dummy_weights
+from engine.loader.fp8_weights import Fp8Checkpoint, install_fp8_layers
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
 from engine.loader.int4_weights import Int4Loading
 from engine.loader.safetensors_reader import read_safetensors
@@ -68,6 +70,7 @@ def load_model(
     gguf_file: Path | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    keep_fp8: bool | None = None,
 ) -> DecoderForCausalLM:
     """Builds the registered class for the config's architecture without initialising it,
     then fills it from the directory's weights.
@@ -81,7 +84,6 @@ def load_model(
     weights: every parameter is drawn from `seed` (engine/loader/dummy_weights.py).
     """
     model_class = get_model_class(hf_config)
-    refuse_unserved_method(hf_config)  # after the family's own check_config
     if op_impl is None:
         op_impl = select_op_impl(attn_backend.name, device, dtype)
     with torch.device("meta"):
@@ -92,7 +94,10 @@ def load_model(
         kept, checks = _install_gguf(model, hf_config, device, gguf_file)
     int4 = None
     if quantization in INT4_METHODS:  # before storage: kept INT4 layers get none
-        int4 = Int4Loading(model, checkpoint_quantization(hf_config), model_dir, device)
+        int4 = Int4Loading(model, _int4_scheme(model_dir, hf_config), model_dir, device)
+    fp8 = None
+    if quantization == "fp8":
+        fp8 = _fp8_checkpoint(model, model_dir, hf_config, dtype, device, keep_fp8)
     model = model.to_empty(device=device)
     if load_format == "dummy":  # EngineArgs allows it only without quantization
         fill_dummy_weights(model, seed)
@@ -104,13 +109,15 @@ def load_model(
             weights = iter_safetensors(model_dir, skip=kept, lazy=several)
         if int4 is not None:
             weights = int4.wrap(weights)
+        if fp8 is not None:
+            weights = fp8.weights(weights)
         _load_checkpoint(model, weights, kept, quantization)
         if int4 is not None:
             int4.finish()
     if quantization == "gguf":
         check_gguf_blocks(model_dir, checks)
         logger.info("Kept %d GGUF tensors quantized, read from %s.", len(kept), gguf_file)
-    elif quantization is not None and int4 is None:
+    elif quantization not in (None, "fp8", *INT4_METHODS):  # fp8, INT4: said by their loaders
         num_quantized = sum(m.quant_method is not None for _, m in projection_layers(model))
         logger.info("Kept %d weight matrices quantized (%s).", num_quantized, quantization)
     if device.type == "cpu":
@@ -131,9 +138,49 @@ def _load_checkpoint(
     quantization: str | None,
 ) -> None:
     on_loaded = None
-    if quantization is not None and quantization not in ("gguf", *INT4_METHODS):
+    if quantization == "int8":
         on_loaded = quantize_on_load(model, quantization)
     model.load_weights(((name, tensor) for name, tensor in weights if name not in kept), on_loaded)
+
+
+def _int4_scheme(model_dir: Path, hf_config: Any) -> Any:
+    found = read_checkpoint_quantization(model_dir, hf_config)
+    if found is None or found.method not in INT4_METHODS:
+        raise ValueError(f"an INT4 method needs an AWQ or GPTQ checkpoint; {model_dir} is not one.")
+    return found.scheme
+
+
+def _fp8_checkpoint(
+    model: DecoderForCausalLM,
+    model_dir: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_fp8: bool | None,
+) -> Fp8Checkpoint:
+    found = read_checkpoint_quantization(model_dir, hf_config)
+    if found is None or found.method != "fp8":
+        raise ValueError(f"quantization='fp8' needs an FP8 checkpoint; {model_dir} is not one.")
+    check_quantizable(model, "fp8")
+    if keep_fp8 is None:
+        keep_fp8 = fp8_compute_forced()
+    if keep_fp8 is None:
+        keep_fp8 = fp8_tensor_cores(device)
+    kept: frozenset[str] = frozenset()
+    if keep_fp8:
+        quantize = token_quantizer(triton=device.type == "cuda")
+        kept = install_fp8_layers(
+            model, found.scheme, model.packed_modules_mapping, quantize=quantize
+        )
+        logger.info(
+            "FP8 checkpoint (%s): %d projections run in FP8.", found.quant_method, len(kept)
+        )
+    else:
+        logger.info(
+            "FP8 checkpoint (%s): %s has no FP8 tensor cores, so the weights are dequantized "
+            "to %s at load.", found.quant_method, device, dtype,
+        )  # fmt: skip
+    return Fp8Checkpoint(found.scheme, dtype, kept)
 
 
 def _install_gguf(

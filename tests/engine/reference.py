@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,12 +29,14 @@ def hf_greedy(
     prompts: list[list[int]],
     max_tokens: int,
     dtype: torch.dtype = torch.float32,
+    **load_kwargs: Any,
 ) -> list[Greedy]:
     """Runs transformers `generate` greedily on each prompt alone (no padding), never
-    stopping at EOS, in `dtype`, and keeps each position's top-5."""
+    stopping at EOS, in `dtype`, and keeps each position's top-5. `load_kwargs` go to
+    `from_pretrained` (a quantized checkpoint's `quantization_config`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **load_kwargs).eval()
     model.generation_config.eos_token_id = None
     results = []
     for prompt in prompts:

@@ -28,7 +28,7 @@ import torch
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Integer arguments that are not multiples of 16 in real launches (no divisibility hint).
-UNALIGNED_INTS = {"num_reqs", "stride_bt_req", "eps", "scale_log2"}
+UNALIGNED_INTS = {"num_reqs", "stride_bt_req", "eps", "scale_log2", "K"}
 
 
 def _compile(
@@ -202,8 +202,15 @@ def _other_cases() -> list[CompileCase]:
     rotary = importlib.import_module("kernels.rotary")
     rotary_kv = importlib.import_module("kernels.rotary_kv")
     activation = importlib.import_module("kernels.activation")
+    fp8_quant = importlib.import_module("kernels.fp8_quant")
     bf16 = "*bf16"
     return [
+        CompileCase(
+            "quantize_per_token_fp8",
+            fp8_quant._quantize_per_token_kernel,
+            {"x_ptr": bf16, "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+            {"BLOCK": 1024},
+        ),
         CompileCase(
             "merge_splits",
             split_kv._merge_splits_kernel,

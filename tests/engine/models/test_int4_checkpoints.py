@@ -75,5 +75,5 @@ def test_unserved_checkpoint_is_refused_before_loading(tiny_llama, tmp_path) -> 
         LLM(model=str(quant_dir), max_model_len=64)
     config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (quant_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotImplementedError, match="quant_method='bitsandbytes' is not served"):
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes' is not served"):
         LLM(model=str(quant_dir), max_model_len=64)
