@@ -47,7 +47,7 @@ def neighbours(
         params = SamplingParams(
             temperature=temperature,
             seed=rng.randrange(1 << 30),
-            max_tokens=rng.randint(1, 2 * MAX_TOKENS),
+            max_tokens=rng.randint(1, MAX_TOKENS + 4),
             ignore_eos=True,
         )
         batch.append((prompt, params))

@@ -66,7 +66,7 @@ def _assert_same(expected, actual, what: str) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(PROBES))
-@pytest.mark.parametrize("size", [1, 5, 17, 64])
+@pytest.mark.parametrize("size", [1, 7, 64])
 def test_probe_in_a_batch_chunked(chunked, alone, kind, size):
     batch = neighbours(size, VOCAB, seed=size)
     actual = run_probe(chunked, PROBES[kind], batch, position=size // 2)
@@ -74,7 +74,7 @@ def test_probe_in_a_batch_chunked(chunked, alone, kind, size):
 
 
 @pytest.mark.parametrize("kind", sorted(PROBES))
-@pytest.mark.parametrize("size", [3, 33])
+@pytest.mark.parametrize("size", [9])
 def test_probe_in_a_batch_unchunked(unchunked, alone, kind, size):
     batch = neighbours(size, VOCAB, seed=100 + size)
     actual = run_probe(unchunked, PROBES[kind], batch, position=size)
