@@ -39,7 +39,9 @@ def invariant_linear(
 ) -> torch.Tensor:  # [..., out_features] fp32
     """x @ W.T (+ bias), each output row computed alike in any batch (see the module doc)."""
     if x.dtype != torch.float32 or not x.is_cpu:
-        raise ValueError(f"invariant_linear takes fp32 CPU activations, got {x.dtype} on {x.device}.")
+        raise ValueError(
+            f"invariant_linear takes fp32 CPU activations, got {x.dtype} on {x.device}."
+        )
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"activation width {x.shape[-1]} != in_features {weight.in_features}.")
     x2 = x.reshape(-1, weight.in_features)
