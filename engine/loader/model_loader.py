@@ -16,9 +16,9 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.distributed.parallel_state import get_parallel_rank
+from engine.layers.batch_invariant import make_batch_invariant
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
-from engine.layers.batch_invariant import make_batch_invariant
 from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
 from engine.loader.dummy_weights import fill_dummy_weights

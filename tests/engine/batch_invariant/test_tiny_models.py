@@ -87,7 +87,7 @@ def test_prefix_cache_hit(chunked, alone, kind):
     that shares them): the hit must give the bits of a full prefill."""
     probe = PROBES[kind]
     run_probe(chunked, probe)
-    sharer = [(list(probe.prompt_token_ids[:33]) + [5, 6, 7], PROBES["greedy"].params)]
+    sharer = [([*probe.prompt_token_ids[:33], 5, 6, 7], PROBES["greedy"].params)]
     cached: list[int] = []
     batch = sharer + neighbours(6, VOCAB, seed=7)
     actual = run_probe(chunked, probe, batch, position=1, cached=cached)
