@@ -134,3 +134,13 @@ def test_invariant_attention_in_a_batch_of_requests():
             torch.tensor([lens[r]], dtype=torch.int32), 0, 0.2, batch_invariant=True,
         )  # fmt: skip
         assert torch.equal(out[rows], alone), f"request {r}"
+
+
+def test_the_plain_kernel_is_batch_variant(isa):
+    """What the invariant kernel is for: `quant_linear` (row kernels up to 16 rows, the
+    GEMM above, each with its own summation order) gives some row other bits in a batch of
+    64 than alone, so the equalities above are not free."""
+    weight = _weight(QType.Q4_1, 37, 96)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([quant_linear(x[r : r + 1], weight) for r in range(len(x))])
+    assert not torch.equal(quant_linear(x, weight), alone)
