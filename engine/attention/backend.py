@@ -157,6 +157,10 @@ class AttentionBackend(ABC):
     # a captured graph sets to max_model_len (engine/worker/cuda_graphs.py). A backend that
     # loops over requests on the host cannot be replayed.
     supports_cuda_graphs: bool = False
+    # Whether each row's result is independent of the batch, chunking and split (EngineArgs
+    # `batch_invariant`): the model built over it then takes the batch-invariant linears
+    # (engine/layers/batch_invariant/, applied by the loader).
+    batch_invariant: bool = False
 
     @abstractmethod
     def write_kv(
@@ -291,13 +295,21 @@ class SplitAttentionBackend(AttentionBackend):
 
 
 def get_attention_backend(
-    name: str | None, device: torch.device, dtype: torch.dtype = torch.float32
+    name: str | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """Returns the backend by name.
 
     `None` picks `triton` on CUDA; elsewhere `cpu` (native decode kernels) on a CPU where
-    they build, else `torch`.
+    they build, else `torch`. `batch_invariant` gives the backend's batch-invariant variant
+    (docs/determinism.md; engine/config/batch_invariant.py checks the combination first).
     """
+    if batch_invariant:
+        from engine.attention.cpu_invariant_backend import CPUBatchInvariantAttentionBackend
+
+        return CPUBatchInvariantAttentionBackend(dtype)
     if name is None:
         if device.type == "cuda":
             name = "triton"

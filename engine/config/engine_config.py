@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.api.model_files import load_generation_config, load_hf_config
+from engine.config.batch_invariant import check_batch_invariant
 from engine.config.checkpoint_quantization import (
     read_checkpoint_quantization,
     resolve_checkpoint_quantization,
@@ -198,6 +199,8 @@ class EngineConfig:
     pooler_config: PoolerConfig = field(default_factory=lambda: PoolerConfig("LAST", True))
     # Decode batch sizes captured in CUDA graphs (engine/config/cuda_graph.py); empty: eager.
     cuda_graph_config: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    # Each row computed alike whatever the batch (engine/config/batch_invariant.py).
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -279,6 +282,10 @@ class EngineArgs:
     # vLLM's name: the model's names in the API (one or more; the first is the one reported,
     # e.g. by the OpenAI door's /v1/models). None: `model` as given, else the directory's name.
     served_model_name: list[str] | str | None = None
+    # Batch-invariant inference (docs/determinism.md): a request's tokens and logprobs are
+    # bitwise the same alone or in any batch, chunked or not, after a prefix-cache hit, a
+    # preemption or a migration. CPU, float32; costs some throughput. Off by default.
+    batch_invariant: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         # Converting a GGUF model loads torch: imported when a config is made, so importing
@@ -310,7 +317,8 @@ class EngineArgs:
         )
         cpu_bf16 = self.dtype == "auto" and dtype == "bfloat16" and device == "cpu"
         if cpu_bf16 and checkpoint_quant is not None:
-            if stays_quantized_on_cpu(checkpoint_quant):  # native Q4_0 blocks compute in fp32
+            # native Q4_0 blocks compute in fp32, as do the batch-invariant kernels
+            if stays_quantized_on_cpu(checkpoint_quant) or self.batch_invariant:
                 dtype = "float32"
         elif cpu_bf16:
             # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
@@ -318,7 +326,7 @@ class EngineArgs:
             kept = resolve_quantization(
                 self.quantization, gguf_file, device, "float32", parallel_config.world_size
             )
-            if kept is not None:
+            if kept is not None or self.batch_invariant:  # (the invariant kernels: fp32)
                 dtype = "float32"
         max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
         max_len = derived_max_model_len(hf_config)  # max_pos, or stretched by the rope scaling
@@ -390,6 +398,15 @@ class EngineArgs:
         cuda_graph_config = resolve_cuda_graph_config(
             self.cuda_graph_sizes, self.enforce_eager, device, self.max_num_seqs
         )
+        if self.batch_invariant:
+            check_batch_invariant(
+                device=device,
+                dtype=dtype,
+                attention_backend=self.attention_backend,
+                world_size=parallel_config.world_size,
+                speculative=speculative_config is not None,
+                lora=self.enable_lora,
+            )
         lora_config = None
         if self.enable_lora:
             lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
@@ -404,6 +421,7 @@ class EngineArgs:
             lora_config=lora_config,
             pooler_config=pooler_config.resolve(model_dir),
             cuda_graph_config=cuda_graph_config,
+            batch_invariant=self.batch_invariant,
         )
 
 

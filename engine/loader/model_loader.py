@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.config.checkpoint_quantization import read_checkpoint_quantization
 from engine.config.int4_checkpoint import INT4_METHODS
 from engine.distributed.parallel_state import get_parallel_rank
+from engine.layers.batch_invariant import make_batch_invariant
 from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores, token_quantizer
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
@@ -128,6 +129,9 @@ def load_model(
             num_int8 = plan_quantized_routes(model)
             if num_int8:
                 logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)
+    if attn_backend.batch_invariant:  # EngineArgs batch_invariant: one kernel for every route
+        num_invariant = make_batch_invariant(model)
+        logger.info("Put %d weight matrices on the batch-invariant kernel.", num_invariant)
     return model.eval()
 
 

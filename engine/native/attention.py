@@ -151,9 +151,11 @@ def paged_prefill_attention(
     sliding_window: int | None = None,  # each query sees its last `sliding_window` keys
     logits_soft_cap: float | None = None,  # scores -> cap * tanh(scores / cap) (Gemma 2)
     sinks: torch.Tensor | None = None,  # [num_heads]: attention sinks (GPT-OSS)
+    batch_invariant: bool = False,  # each row computed alike in any chunk or batch
 ) -> None:
     """Causal attention of requests first_req.. (prefill chunks, any cached context) over
-    their paged keys/values, which must already hold this step's tokens."""
+    their paged keys/values, which must already hold this step's tokens. `batch_invariant`:
+    the kernel's variant whose rows do not depend on their chunk (cpu_kernels.c)."""
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
     _check(query, kv_cache, block_tables, seq_lens, num_reqs, num_heads, head_dim)
@@ -180,7 +182,13 @@ def paged_prefill_attention(
     if first_req == num_reqs:
         return
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    load_library().paged_prefill_attention(
+    library = load_library()
+    kernel = (
+        library.paged_prefill_attention_invariant
+        if batch_invariant
+        else library.paged_prefill_attention
+    )
+    kernel(
         out.data_ptr(),
         out.stride(0),
         query.data_ptr(),

@@ -61,6 +61,7 @@ _HEADERS = tuple(
         "quant_block32_avx2.h",
         "quant_fused_avx2.h",
         "quant_fused_avx512.h",
+        "quant_invariant_avx2.h",
         "quant_gemm_x86.h",
         "kv_dtype.h",
         "cpu_kernels.h",
@@ -113,6 +114,11 @@ _SIGNATURES = {
     # block_table_stride, query_start_loc, seq_lens, first_req, num_reqs, num_heads,
     # num_kv_heads, head_dim, block_size, window, scale, cap, sinks, num_threads, kv_dtype
     "paged_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+    + [_i64] * 7
+    + [ctypes.c_float, ctypes.c_float, _ptr, ctypes.c_int, _i64],
+    # the same arguments: each row computed alike in any chunk or batch (batch_invariant)
+    "paged_prefill_attention_invariant": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64]
+    + [_ptr, _ptr]
     + [_i64] * 7
     + [ctypes.c_float, ctypes.c_float, _ptr, ctypes.c_int, _i64],
     # hidden, residual, layers, num_layers, scratch, cos, sin, table, seq_len, slot,

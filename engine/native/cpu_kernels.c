@@ -653,7 +653,7 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                          const int32_t *table, int64_t num_cached, int64_t row0, int64_t row1,
                          int64_t kvh, int64_t group, int64_t head_dim, int64_t block_size,
                          int64_t token_stride, float scale, float cap, int64_t window,
-                         const float *sinks, float *scratch, int kv) {
+                         const float *sinks, float *scratch, int kv, int invariant) {
     const int64_t num_rows = (row1 - row0) * group;
     float *keys = scratch;                          /* [PREFILL_SEGMENT / LANES][head_dim][LANES] */
     float *probs = keys + PREFILL_SEGMENT * head_dim; /* [SCORE_ROWS][PREFILL_SEGMENT] */
@@ -669,9 +669,12 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
     vint lane;
     for (int l = 0; l < LANES; ++l) lane[l] = l;
     const int64_t num_keys = num_cached + row1; /* what the tile's last row sees */
-    /* The tile's first row sees nothing before its window: start the walk there. */
-    for (int64_t s0 = window_first(num_cached + row0, window); s0 < num_keys;
-         s0 += PREFILL_SEGMENT) {
+    /* The tile's first row sees nothing before its window: start the walk there. Batch-
+     * invariant: at the segment boundary below it, so that the segments (and the online
+     * softmax's steps) are the same for a row whichever tile it is in. */
+    int64_t walk_from = window_first(num_cached + row0, window);
+    if (invariant) walk_from = walk_from / PREFILL_SEGMENT * PREFILL_SEGMENT;
+    for (int64_t s0 = walk_from; s0 < num_keys; s0 += PREFILL_SEGMENT) {
         const int64_t seg = num_keys - s0 < PREFILL_SEGMENT ? num_keys - s0 : PREFILL_SEGMENT;
         const int64_t padded = (seg + LANES - 1) / LANES * LANES;
         for (int64_t j = 0; j < padded; ++j) {
@@ -743,9 +746,11 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
                 run_max[row] = new_max;
             }
             /* probs are 0 past each row's visible keys (up to `most`), so rows of a pair can
-             * share the pass over the value rows. */
+             * share the pass over the value rows. Not when batch-invariant: the pair's single
+             * chain per row sums otherwise than accumulate_values' even/odd chains, and which
+             * rows pair up depends on the tile (the chunk) a row is in. */
             int m = 0;
-            if (head_dim % LANES == 0 && head_dim <= 8 * LANES)
+            if (!invariant && head_dim % LANES == 0 && head_dim <= 8 * LANES)
                 for (; m + 1 < rows_here; m += 2) {
                     if (visible[m] == 0 || visible[m + 1] == 0) break;
                     accumulate_values2(acc + (b0 + m) * head_dim, acc + (b0 + m + 1) * head_dim,
@@ -781,14 +786,15 @@ INLINE void prefill_item(float *out, int64_t out_stride, const float *query,
  * join each row's softmax sum, as in decode_item); their query rows are
  * query_start_loc[r] .. query_start_loc[r + 1] of query/out (row strides query_stride and
  * out_stride, heads contiguous within a row). Other rows of out are not touched. */
-void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
-                             int64_t query_stride, const void *key_cache,
-                             const void *value_cache, const int32_t *block_tables,
-                             int64_t block_table_stride, const int32_t *query_start_loc,
-                             const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t block_size, int64_t window, float scale, float cap,
-                             const float *sinks, int num_threads, int64_t kv_dtype) {
+static void prefill_attention(float *out, int64_t out_stride, const float *query,
+                              int64_t query_stride, const void *key_cache,
+                              const void *value_cache, const int32_t *block_tables,
+                              int64_t block_table_stride, const int32_t *query_start_loc,
+                              const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, int64_t window, float scale, float cap,
+                              const float *sinks, int num_threads, int64_t kv_dtype,
+                              int invariant) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     /* Items are numbered request by request: item_start[r - first_req] is r's first. */
@@ -829,7 +835,7 @@ void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
                                  query + start * query_stride, query_stride, key_cache,
                                  value_cache, table, seq_lens[r] - q_len, row0, row1, kvh, group,
                                  D, block_size, token_stride, scale, cap, window, sinks, scratch,
-                                 KV),
+                                 KV, invariant),
                     head_dim),
                 kv_dtype)
         }
@@ -993,4 +999,40 @@ void argmax_rows_f32(int64_t *out, const float *x, int64_t row_stride, int64_t r
             }
         out[r] = index;
     }
+}
+
+/* Requests [first_req, num_reqs) of the batch (see prefill_attention). */
+void paged_prefill_attention(float *out, int64_t out_stride, const float *query,
+                             int64_t query_stride, const void *key_cache,
+                             const void *value_cache, const int32_t *block_tables,
+                             int64_t block_table_stride, const int32_t *query_start_loc,
+                             const int32_t *seq_lens, int64_t first_req, int64_t num_reqs,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, int64_t window, float scale, float cap,
+                             const float *sinks, int num_threads, int64_t kv_dtype) {
+    prefill_attention(out, out_stride, query, query_stride, key_cache, value_cache, block_tables,
+                      block_table_stride, query_start_loc, seq_lens, first_req, num_reqs,
+                      num_heads, num_kv_heads, head_dim, block_size, window, scale, cap, sinks,
+                      num_threads, kv_dtype, 0);
+}
+
+/* paged_prefill_attention computing each query row the same way whatever the chunk, tile
+ * or batch it is in (EngineArgs `batch_invariant`, docs/determinism.md): the batch-invariant
+ * CPU backend sends decode rows here too, as one-token chunks, so that a token's attention
+ * has the same bits whether it was decoded, prefilled whole, prefilled in chunks or
+ * recomputed after a preemption. */
+void paged_prefill_attention_invariant(float *out, int64_t out_stride, const float *query,
+                                       int64_t query_stride, const void *key_cache,
+                                       const void *value_cache, const int32_t *block_tables,
+                                       int64_t block_table_stride,
+                                       const int32_t *query_start_loc, const int32_t *seq_lens,
+                                       int64_t first_req, int64_t num_reqs, int64_t num_heads,
+                                       int64_t num_kv_heads, int64_t head_dim,
+                                       int64_t block_size, int64_t window, float scale,
+                                       float cap, const float *sinks, int num_threads,
+                                       int64_t kv_dtype) {
+    prefill_attention(out, out_stride, query, query_stride, key_cache, value_cache, block_tables,
+                      block_table_stride, query_start_loc, seq_lens, first_req, num_reqs,
+                      num_heads, num_kv_heads, head_dim, block_size, window, scale, cap, sinks,
+                      num_threads, kv_dtype, 1);
 }

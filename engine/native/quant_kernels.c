@@ -52,6 +52,7 @@
 #pragma GCC pop_options
 #include "quant_fused_avx2.h"
 #include "quant_fused_avx512.h"
+#include "quant_invariant_avx2.h"
 #else
 #define QUANT_HAVE_X86_PATHS 0
 #endif
@@ -133,6 +134,54 @@ int quant_linear_f32(float *out, int64_t out_stride, const float *x, int64_t x_s
         const int64_t n0 = id * per < n_out ? id * per : n_out;
         const int64_t n1 = n0 + per < n_out ? n0 + per : n_out;
         if (wbuf != NULL) fn(out, out_stride, x, x_stride, rows, w, row_bytes, scales, type, n0, n1, k, wbuf);
+        free(wbuf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Batch-invariant linear (EngineArgs `batch_invariant`): the same contract as
+ * quant_linear_f32, but out[r, n] is computed the same way whatever `rows` is and wherever
+ * row r sits: one reduction per (r, n) over k in a fixed order (quant_invariant_avx2.h for
+ * the fused block types, the plain row kernels of quant_rows.h otherwise, whose per-row
+ * sums never depend on the row count), threads split over output rows only (never over k),
+ * and the rows walked in tiles of INVARIANT_ROW_TILE so a long prefill's activations stay
+ * in cache (the tiling changes which rows share a pass, not any row's sums). */
+#define INVARIANT_ROW_TILE 64
+
+static linear_rows_fn pick_invariant(int type, int64_t k) {
+#if QUANT_HAVE_X86_PATHS
+    const int isa = quant_active_isa();
+    if (isa != ISA_PORTABLE && fused_avx2_applies(type, k)) return linear_rows_invariant_avx2;
+    switch (isa) {
+    case ISA_AVX512: return linear_rows_avx512;
+    case ISA_AVX2: return linear_rows_avx2;
+    }
+#endif
+    (void)type;
+    (void)k;
+    return linear_rows_portable;
+}
+
+int quant_linear_invariant_f32(float *out, int64_t out_stride, const float *x, int64_t x_stride,
+                               int64_t rows, const uint8_t *w, int64_t row_bytes,
+                               const float *scales, int type, int64_t n_out, int64_t k,
+                               int num_threads) {
+    const linear_rows_fn fn = pick_invariant(type, k);
+    const size_t buf_bytes = (size_t)((k * 4 + 63) / 64 * 64);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *wbuf = aligned_alloc(64, buf_bytes);
+        if (wbuf == NULL) failed = 1;
+        const int64_t threads = omp_threads(), id = omp_id();
+        const int64_t per = (n_out + threads - 1) / threads;
+        const int64_t n0 = id * per < n_out ? id * per : n_out;
+        const int64_t n1 = n0 + per < n_out ? n0 + per : n_out;
+        for (int64_t r0 = 0; wbuf != NULL && n0 < n1 && r0 < rows; r0 += INVARIANT_ROW_TILE) {
+            const int64_t tile = rows - r0 < INVARIANT_ROW_TILE ? rows - r0 : INVARIANT_ROW_TILE;
+            fn(out + r0 * out_stride, out_stride, x + r0 * x_stride, x_stride, tile, w, row_bytes,
+               scales, type, n0, n1, k, wbuf);
+        }
         free(wbuf);
     }
     return failed ? -1 : 0;

@@ -75,7 +75,10 @@ class ModelRunner:
             torch.set_flush_denormal(True)
             keep_freed_memory_mapped()
         self.attn_backend = get_attention_backend(
-            config.device_config.attention_backend, self.device, self.dtype
+            config.device_config.attention_backend,
+            self.device,
+            self.dtype,
+            batch_invariant=config.batch_invariant,  # its loader then makes the linears so
         )
         self.model = load_model(
             model_config.model_dir,

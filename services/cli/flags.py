@@ -47,6 +47,9 @@ _FLAG_HELP = {
     "proportion to its API-key-file weight) or off (first come, first served)",
     "fairness_prompt_token_weight": "vtc's cost of a computed prompt token",
     "fairness_output_token_weight": "vtc's cost of a generated token",
+    "batch_invariant": "a request's tokens and logprobs bitwise the same whatever else is "
+    "in the batch (chunking, prefix hits, preemption, migration included); CPU, float32; "
+    "costs throughput (docs/determinism.md)",
 }
 
 
