@@ -28,9 +28,14 @@
 #                  FP8_DYNAMIC, random weights): batch-1 ms/token, a decode step at batch
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
 #
-#   OUT=/tmp/out scripts/gpu_check.sh                    # everything
+# The parts from step_kernels on the list below tests_kernels (step_kernels, int4, fp8,
+# batch_invariant) measure one piece of work each and run only when named, alone or as the
+# group `issues`, so the default check (the product as users start it) keeps to its budget.
+#
+#   OUT=/tmp/out scripts/gpu_check.sh                    # the default check
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
-#   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh               # the whole wiring, tiny, on a CPU
+#   OUT=/tmp/out scripts/gpu_check.sh issues             # every part run on request
+#   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh               # the wiring, tiny, on a CPU
 #
 # $OUT holds at most 6 files: summary.txt (each part's exit status and seconds),
 # console.log (everything printed), serving.json, gpu_decode.json, step_kernels.json and
@@ -55,10 +60,16 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=("$@")
 
-wanted() {  # wanted NAME: true when no parts were named, or NAME was
-    [ ${#PARTS[@]} -eq 0 ] && return 0
-    local p
-    for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done
+ON_REQUEST=" step_kernels int4 fp8 batch_invariant "  # run only when named (or `issues`)
+
+wanted() {  # wanted NAME: NAME was named; or no part was and NAME is in the default check
+    local p on_request=0
+    [[ "$ON_REQUEST" == *" $1 "* ]] && on_request=1
+    [ ${#PARTS[@]} -eq 0 ] && [ "$on_request" = 0 ] && return 0
+    for p in "${PARTS[@]}"; do
+        [ "$p" = "$1" ] && return 0
+        [ "$p" = issues ] && [ "$on_request" = 1 ] && return 0
+    done
     return 1
 }
 
