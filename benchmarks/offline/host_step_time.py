@@ -99,6 +99,8 @@ def main() -> int:
         "--threads", type=int, default=1,
         help="torch threads; 1: the tiny forward does not wait on a descheduled peer thread",
     )  # fmt: skip
+    parser.add_argument("--sort", default="tottime", help="the profile's order (cumtime, ...)")
+    parser.add_argument("--top", type=int, default=25, help="functions the profile prints")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per size")
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
@@ -116,7 +118,7 @@ def main() -> int:
                 steps = _decode_steps(llm, batch, ns, run=0)
                 profiler.disable()
                 print(f"batch {batch}: {len(steps)} decode steps")
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+                pstats.Stats(profiler).sort_stats(ns.sort).print_stats(ns.top)
             return 0
         walls: dict[int, list[float]] = {b: [] for b in ns.batch_sizes}
         cpus: dict[int, list[float]] = {b: [] for b in ns.batch_sizes}
