@@ -14,7 +14,9 @@ Per batch size: `B` requests of `--input-len` token ids (8) and `--output-len` t
 `LLM.generate` asks, delta as the engine service streams), added at once to the `LLM`'s
 engine; then `step()` until done. Only pure decode steps count (every request past its
 prompt). Reported: the median wall and CPU milliseconds per step, per run, and the median
-and range over `--repeats` runs (sizes alternate run by run). `--profile` prints the
+and range over `--repeats` runs (sizes alternate run by run). `--stub-forward` replaces the forward pass and the greedy
+argmax by zeros of the right shapes (the real step with the device's work stubbed): what is
+left is the host's own time. `--profile` prints the
 cProfile of one run per size instead (the top functions by own time).
 
 One torch thread by default (`--threads`): on a shared machine a parallel region of the
@@ -80,6 +82,19 @@ def _all_started(engine: object) -> bool:
     return not scheduler.waiting and all(r.output_token_ids for r in scheduler.running)
 
 
+def _stub_forward(llm: LLM) -> None:
+    """Replaces the device's work by zeros of the right shapes: the forward pass (hidden
+    states) and the greedy screen's argmax (token 0 for every greedy row)."""
+    runner = llm.llm_engine.executor.runner  # type: ignore[attr-defined]
+    hidden_size = runner.config.model_config.hf_config.hidden_size
+
+    def forward(inputs, kv_caches, fused=True):  # noqa: ANN001, ANN202
+        return torch.zeros(inputs.input_ids.shape[0], hidden_size)
+
+    runner._forward = forward
+    runner.model.greedy_argmax = lambda hidden: torch.zeros(hidden.shape[0], dtype=torch.int64)
+
+
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):6.2f} ({min(values):.2f}..{max(values):.2f})"
 
@@ -99,6 +114,10 @@ def main() -> int:
         "--threads", type=int, default=1,
         help="torch threads; 1: the tiny forward does not wait on a descheduled peer thread",
     )  # fmt: skip
+    parser.add_argument(
+        "--stub-forward", action="store_true",
+        help="the model's forward and greedy argmax return zeros: the host's work alone",
+    )  # fmt: skip
     parser.add_argument("--sort", default="tottime", help="the profile's order (cumtime, ...)")
     parser.add_argument("--top", type=int, default=25, help="functions the profile prints")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per size")
@@ -110,6 +129,8 @@ def main() -> int:
             device="cpu", max_model_len=ns.input_len + ns.output_len + 16,
             max_num_seqs=max(ns.batch_sizes), seed=0,
         )  # fmt: skip
+        if ns.stub_forward:
+            _stub_forward(llm)
         _decode_steps(llm, 8, ns, run=-1)  # warm up
         if ns.profile:
             for batch in ns.batch_sizes:
