@@ -14,9 +14,9 @@ Per batch size: `B` requests of `--input-len` token ids (8) and `--output-len` t
 `LLM.generate` asks, delta as the engine service streams), added at once to the `LLM`'s
 engine; then `step()` until done. Only pure decode steps count (every request past its
 prompt). Reported: the median wall and CPU milliseconds per step, per run, and the median
-and range over `--repeats` runs (sizes alternate run by run). `--stub-forward` replaces the forward pass and the greedy
-argmax by zeros of the right shapes (the real step with the device's work stubbed): what is
-left is the host's own time. `--profile` prints the
+and range over `--repeats` runs (sizes alternate run by run). `--stub-forward` replaces the
+forward pass and the greedy argmax by zeros of the right shapes (the real step with the
+device's work stubbed): what is left is the host's own time. `--profile` prints the
 cProfile of one run per size instead (the top functions by own time).
 
 One torch thread by default (`--threads`): on a shared machine a parallel region of the
@@ -56,7 +56,9 @@ def _model_dir(root: Path) -> Path:
     return root
 
 
-def _decode_steps(llm: LLM, batch: int, ns: argparse.Namespace, run: int) -> list[tuple[float, float]]:
+def _decode_steps(
+    llm: LLM, batch: int, ns: argparse.Namespace, run: int
+) -> list[tuple[float, float]]:
     """(wall s, CPU s) of each pure decode step of one burst of `batch` requests."""
     engine = llm.llm_engine
     params = SamplingParams(
@@ -88,7 +90,7 @@ def _stub_forward(llm: LLM) -> None:
     runner = llm.llm_engine.executor.runner  # type: ignore[attr-defined]
     hidden_size = runner.config.model_config.hf_config.hidden_size
 
-    def forward(inputs, kv_caches, fused=True):  # noqa: ANN001, ANN202
+    def forward(inputs, kv_caches, fused=True):
         return torch.zeros(inputs.input_ids.shape[0], hidden_size)
 
     runner._forward = forward

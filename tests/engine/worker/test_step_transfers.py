@@ -41,8 +41,8 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counte
         caller = traceback.extract_stack(limit=3)[0]
         return f"{name} at {Path(caller.filename).name}:{caller.lineno}"
 
-    def counting(name: str, original):  # noqa: ANN001, ANN202
-        def method(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def counting(name: str, original):
+        def method(self, *args, **kwargs):
             counts[where(name)] += 1
             return original(self, *args, **kwargs)
 
