@@ -63,6 +63,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept in step with req_to_blocks, so that a step's
+        # block tables cost a list copy, not a walk over the blocks (issue 42).
+        self._req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request's table are in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
 
@@ -86,7 +89,8 @@ class KVCacheManager:
         return self.num_blocks_needed(num_tokens) <= self.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        ids = self._req_to_block_ids.get(request_id)
+        return [] if ids is None else ids.copy()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a request about to be scheduled from scratch.
@@ -133,6 +137,12 @@ class KVCacheManager:
         are free. On success, publishes every block that becomes full with tokens computed
         by the end of this step.
         """
+        if not new_computed_blocks and self.sliding_window is None:
+            held = self.req_to_blocks.get(request.request_id)
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if held and num_tokens <= len(held) * self.block_size:  # a decode step, mostly
+                self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+                return []
         hit_blocks = new_computed_blocks or []
         assert num_new_tokens >= 0
         assert num_new_computed_tokens == len(hit_blocks) * self.block_size, (
@@ -162,6 +172,9 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
         blocks.extend(new_blocks)
         self.req_to_blocks[request.request_id] = blocks
+        ids = self._req_to_block_ids.setdefault(request.request_id, [])
+        ids.extend(block.block_id for block in hit_blocks)
+        ids.extend(block.block_id for block in new_blocks)
         self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
@@ -173,6 +186,7 @@ class KVCacheManager:
         than be revived with unwritten keys/values. Call this before resetting the count.
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._req_to_block_ids.pop(request.request_id, None)
         num_cached_blocks = self.num_cached_blocks.pop(request.request_id, 0)
         num_skipped = self.num_skipped_blocks.pop(request.request_id, 0)
         if blocks is None:
@@ -198,6 +212,9 @@ class KVCacheManager:
             return
         dropped = blocks[start:num_droppable]
         blocks[start:num_droppable] = [self._skipped] * len(dropped)
+        self._req_to_block_ids[request.request_id][start:num_droppable] = [
+            self._skipped.block_id
+        ] * len(dropped)
         self.num_skipped_blocks[request.request_id] = num_droppable
         self.block_pool.free_blocks(reversed(dropped))
 

@@ -287,6 +287,13 @@ class Scheduler:
                 continue
             if request.num_preemptions != entry.num_preemptions:
                 continue  # preempted while its step was in flight: it recomputes later
+            if not request.spec_token_ids and request.structured_output is None:
+                # A plain decode or prefill row: at most its one sampled token.
+                token_id = runner_output.sampled_token_ids.get(request.request_id)
+                if token_id is not None:
+                    self._update_one_token(request, token_id, now)
+                    updated.append(request)
+                    continue
             token_ids = self._step_token_ids(request, runner_output)
             if request.request_id in runner_output.pooled:
                 self.running.remove(request)
@@ -310,6 +317,21 @@ class Scheduler:
                 self._free(request)
             updated.append(request)
         return updated
+
+    def _update_one_token(self, request: Request, token_id: int, now: float) -> None:
+        """`update` for a request without drafts or a grammar that sampled `token_id`."""
+        times = request.times
+        if times.first_token_time is None:
+            times.first_token_time = now
+        times.last_token_time = now
+        request.append_output_token_ids([token_id])
+        self.num_output_tokens_last_update += 1
+        self.fairness.on_output(request, 1)
+        status = check_stop(request, self.config.max_model_len)
+        if status is not None:
+            self.running.remove(request)
+            request.status = status
+            self._free(request)
 
     def _step_token_ids(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
         """The tokens the step produced for `request` (none, one, or a verified draft run

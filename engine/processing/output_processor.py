@@ -164,7 +164,12 @@ class OutputProcessor:
             if parent is None:
                 continue
             touched[parent.request_id] = parent
-            sample = next(s for s in parent.samples if s.request is request)
+            first = parent.samples[0]
+            sample = (
+                first
+                if first.request is request
+                else next(s for s in parent.samples if s.request is request)
+            )
             prompt_lp = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_lp is not None and sample is parent.samples[0]:
                 self._add_prompt_logprobs(parent, *prompt_lp)

@@ -357,8 +357,26 @@ class ModelRunner:
         # Decode tokens (one query token) first, then prefill chunks: the layout the
         # attention backends expect.
         batch = sorted(scheduler_output.scheduled, key=lambda e: e.num_new_tokens != 1)
+        # One pass over the batch: the inputs and which rows sample, verify drafts, pool or
+        # want prompt logprobs.
+        step_requests: list[tuple[list[int], int, list[int]]] = []
+        sampling: list[int] = []
+        speculative: list[int] = []
+        pooling: list[int] = []  # every chunk: MEAN and CLS accumulate over chunks
+        prompt_lp: list[int] = []
+        wants_prompt_logprobs = self.step_sampler.wants_prompt_logprobs
+        for i, e in enumerate(batch):
+            step_requests.append((e.token_ids, e.num_computed_tokens, e.block_ids))
+            if e.spec_token_ids:
+                speculative.append(i)
+            elif e.samples:
+                sampling.append(i)
+            if e.request.is_pooling:
+                pooling.append(i)
+            elif wants_prompt_logprobs(e):
+                prompt_lp.append(i)
         inputs = build_step_inputs(
-            [(e.token_ids, e.num_computed_tokens, e.block_ids) for e in batch],
+            step_requests,
             self.block_size,
             self.device,
             [e.request.rope_length for e in batch] if self._rope_lengths else None,
@@ -370,13 +388,10 @@ class ModelRunner:
         if hidden is None:  # an earlier pipeline stage: the output went to the next one
             return None
 
-        sampling = [i for i, e in enumerate(batch) if e.samples and not e.spec_token_ids]
-        speculative = [i for i, e in enumerate(batch) if e.spec_token_ids]
-        # Every chunk of a pooling request's prompt: MEAN and CLS accumulate over chunks.
         self.pooler.drop(scheduler_output.finished_request_ids)
         self.pooler.drop(scheduler_output.preempted_request_ids)
-        pooling = [i for i, e in enumerate(batch) if e.request.is_pooling]
-        prompt_lp = [i for i, e in enumerate(batch) if self.step_sampler.wants_prompt_logprobs(e)]
+        self.step_sampler.drop(scheduler_output.finished_request_ids)
+        self.step_sampler.drop(scheduler_output.preempted_request_ids)
         if not self.is_driver_rank:
             self.step_sampler.follow_logits(batch, sampling, speculative, prompt_lp, inputs, hidden)
             return None

@@ -16,12 +16,35 @@ from engine.api.sampling_params import SamplingType
 from engine.core.sched_output import LogprobsLists, ModelRunnerOutput, ScheduledRequest
 from engine.sample import SamplingMetadata, SamplingRow, gather_logprobs
 from engine.sample.token_controls import apply_grammar_bitmask_
+from engine.worker.host_reads import StepReads, to_host
 from engine.worker.inputs import StepInputs
 
 
 class StepSampler:
     def __init__(self, runner: Any) -> None:
         self.runner = runner  # engine.worker.model_runner.ModelRunner
+        # Per request, whether its parameters ask for nothing but the argmax: decided once
+        # when it joins (the parameters never change), dropped when it leaves (persistent
+        # per-request state, as vLLM's persistent batch keeps).
+        self._argmax_only_params: dict[str, tuple[Any, bool]] = {}
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Forgets the per-request state of requests that finished or were preempted."""
+        for request_id in request_ids:
+            self._argmax_only_params.pop(request_id, None)
+
+    def _wants_argmax_only(self, request: Any) -> bool:
+        """`wants_argmax_only`, with the parameters' part looked up once per request."""
+        params = request.sampling_params
+        cached = self._argmax_only_params.get(request.request_id)
+        if cached is None or cached[0] is not params:
+            cached = (params, _params_want_argmax_only(params))
+            self._argmax_only_params[request.request_id] = cached
+        return (
+            cached[1]
+            and len(request.output_token_ids) >= params.min_tokens
+            and _matcher(request) is None
+        )
 
     def sample(
         self,
@@ -31,35 +54,46 @@ class StepSampler:
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
     ) -> None:
+        """Samples the rows' next tokens; the ids (and logprobs) of every row come to the
+        host in one copy (engine/worker/host_reads.py)."""
         index = self._last_token_index(rows, inputs)
-        rows, index = self._sample_argmax_rows(batch, rows, index, hidden, output)
-        if not rows:
-            return
-        logits = self.runner.model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
+        reads = StepReads()
+        screened, rows, index = self._screen_argmax_rows(batch, rows, index, hidden, reads)
         entries = [batch[i] for i in rows]
-        metadata = SamplingMetadata.build(
-            [
-                SamplingRow(
-                    params=e.request.sampling_params,  # type: ignore[arg-type]
-                    prompt_token_ids=e.request.prompt_token_ids,
-                    output_token_ids=e.request.output_token_ids,
-                    seed=e.request.seed,
-                    grammar=_matcher(e.request),
-                )
-                for e in entries
-            ],
-            vocab_size=logits.shape[-1],
-            device=self.runner.device,
-        )
-        result = self.runner.sampler(logits, metadata)
-        sampled = result.sampled_token_ids.tolist()
-        for row, entry in enumerate(entries):
-            output.sampled_token_ids[entry.request_id] = sampled[row]
-        if result.logprobs is None:
+        sampled = logprobs = None
+        if rows:
+            logits = self.runner.model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
+            metadata = SamplingMetadata.build(
+                [
+                    SamplingRow(
+                        params=e.request.sampling_params,  # type: ignore[arg-type]
+                        prompt_token_ids=e.request.prompt_token_ids,
+                        output_token_ids=e.request.output_token_ids,
+                        seed=e.request.seed,
+                        grammar=_matcher(e.request),
+                    )
+                    for e in entries
+                ],
+                vocab_size=logits.shape[-1],
+                device=self.runner.device,
+            )
+            result = self.runner.sampler(logits, metadata)
+            sampled = reads.add(result.sampled_token_ids)
+            if result.logprobs is not None:
+                lp = result.logprobs
+                logprobs = (reads.add(lp.token_ids), reads.add(lp.logprobs), reads.add(lp.ranks))
+        host = reads.read()  # the step's one device-to-host copy
+        if screened is not None:
+            screened_entries, slot = screened
+            for entry, token in zip(screened_entries, host[slot]):
+                output.sampled_token_ids[entry.request_id] = token
+        if sampled is None:
             return
-        token_ids = result.logprobs.token_ids.tolist()
-        values = result.logprobs.logprobs.tolist()
-        ranks = result.logprobs.ranks.tolist()
+        for entry, token in zip(entries, host[sampled]):
+            output.sampled_token_ids[entry.request_id] = token
+        if logprobs is None:
+            return
+        token_ids, values, ranks = (host[j] for j in logprobs)
         for row, entry in enumerate(entries):
             k = entry.request.sampling_params.logprobs  # type: ignore[union-attr]
             if k is not None:
@@ -67,31 +101,33 @@ class StepSampler:
                     [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
                 )
 
-    def _sample_argmax_rows(
+    def _screen_argmax_rows(
         self,
         batch: list[ScheduledRequest],
         rows: list[int],
         index: torch.Tensor,  # [len(rows)]: each row's hidden state
         hidden: torch.Tensor,
-        output: ModelRunnerOutput,
-    ) -> tuple[list[int], torch.Tensor]:
+        reads: StepReads,
+    ) -> tuple[tuple[list[ScheduledRequest], int] | None, list[int], torch.Tensor]:
         """Samples the rows that want only the argmax through the model's greedy screen,
-        skipping the fp32 LM head (models/greedy_screen.py); returns the other rows and
+        skipping the fp32 LM head (models/greedy_screen.py): their entries and the slot of
+        their ids in `reads` (None when no row took the screen), then the other rows and
         their index, for the logits and the sampler."""
         model = self.runner.model
         if getattr(model, "greedy_screen", None) is None:
-            return rows, index
-        plain = [j for j, i in enumerate(rows) if wants_argmax_only(batch[i].request)]
+            return None, rows, index
+        plain = [j for j, i in enumerate(rows) if self._wants_argmax_only(batch[i].request)]
         if not plain:
-            return rows, index
+            return None, rows, index
         every_row = len(plain) == len(rows)
         tokens = model.greedy_argmax(hidden[index if every_row else index[plain]])
         if tokens is None:
-            return rows, index
-        for j, token in zip(plain, tokens.tolist()):
-            output.sampled_token_ids[batch[rows[j]].request_id] = token
+            return None, rows, index
+        screened = ([batch[rows[j]] for j in plain], reads.add(tokens))
+        if every_row:
+            return screened, [], index[:0]
         rest = sorted(set(range(len(rows))) - set(plain))
-        return [rows[j] for j in rest], index[rest]
+        return screened, [rows[j] for j in rest], index[rest]
 
     def verify_drafts(
         self,
@@ -120,7 +156,7 @@ class StepSampler:
         if tokens is None:
             logits = model.compute_logits(hidden[index])  # [sum(k + 1), vocab] fp32
             tokens = _mask_drafts(logits, [batch[i] for i in rows]).argmax(dim=-1)
-        argmax = tokens.tolist()
+        argmax = to_host(tokens)
         offset = 0
         for i in rows:
             entry = batch[i]
@@ -203,12 +239,10 @@ class StepSampler:
         k = request.sampling_params.prompt_logprobs
         assert k is not None
         tensors = gather_logprobs(logprobs, targets, k)
-        output.prompt_logprobs[request.request_id] = (
-            start + 1,
-            LogprobsLists(
-                tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
-            ),
-        )
+        reads = StepReads()
+        for part in (tensors.token_ids, tensors.logprobs, tensors.ranks):
+            reads.add(part)
+        output.prompt_logprobs[request.request_id] = (start + 1, LogprobsLists(*reads.read()))
 
 
 def wants_argmax_only(request: Any) -> bool:
@@ -216,6 +250,15 @@ def wants_argmax_only(request: Any) -> bool:
     of the sampler's features that read or change the logits (logprobs, penalties, bias,
     allowed or bad words, logits processors, a grammar, min_tokens still banning stops)."""
     params = request.sampling_params
+    return (
+        _params_want_argmax_only(params)
+        and len(request.output_token_ids) >= params.min_tokens
+        and _matcher(request) is None
+    )
+
+
+def _params_want_argmax_only(params: Any) -> bool:
+    """The part of `wants_argmax_only` that depends on the parameters alone."""
     return (
         params.sampling_type == SamplingType.GREEDY
         and params.logprobs is None
@@ -226,8 +269,6 @@ def wants_argmax_only(request: Any) -> bool:
         and params.allowed_token_ids is None
         and not params.bad_words_token_ids
         and not params.logits_processors
-        and len(request.output_token_ids) >= params.min_tokens
-        and _matcher(request) is None
     )
 
 
