@@ -88,3 +88,20 @@ def test_a_16_bit_cache_is_read_alike() -> None:
         torch.tensor([0, 9]), HEAD_DIM**-0.5,
     )  # fmt: skip
     torch.testing.assert_close(whole.float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_cuda_graph_padding_rows_leave_the_real_rows_alone() -> None:
+    """A captured decode graph pads the batch with one-token requests at position 0 over a
+    block of their own (engine/worker/cuda_graphs.py): the real rows keep their bits."""
+    kv_cache, tables, gen = _setup(3)
+    queries = torch.randn(3, NUM_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    spans = [(0, 40, 41), (1, 12, 13), (2, 66, 67)]
+    eager = _attend(queries, kv_cache, tables, spans)
+    pad_table = torch.zeros(1, 10, dtype=torch.int32, device=DEVICE)
+    pad_table[0, 0] = NUM_BLOCKS - 1
+    padded_tables = torch.cat([tables, pad_table])
+    padding = torch.randn(5, NUM_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    padded = _attend(
+        torch.cat([queries, padding]), kv_cache, padded_tables, spans + [(4, 0, 1)] * 5
+    )
+    assert torch.equal(padded[:3], eager)

@@ -95,3 +95,17 @@ def test_after_preemption(model_dir, alone):
     actual = run_probe(llm, PROBES["greedy"], batch, position=3)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"
     _assert_same(alone["greedy"], actual, "greedy probe with preemptions")
+
+
+def test_a_gpu_gets_the_triton_invariant_backend_by_default():
+    """The CUDA branch of `get_attention_backend`: with no backend named, batch_invariant on a
+    GPU is the Triton one (built here on the interpreter), on a CPU the native one."""
+    from engine.attention.backend import get_attention_backend
+    from engine.attention.cpu_invariant_backend import CPUBatchInvariantAttentionBackend
+    from engine.native import native_kernels_available
+
+    gpu = get_attention_backend(None, torch.device("cuda"), batch_invariant=True)
+    assert isinstance(gpu, TritonBatchInvariantAttentionBackend) and gpu.supports_cuda_graphs
+    if native_kernels_available():
+        cpu = get_attention_backend(None, torch.device("cpu"), batch_invariant=True)
+        assert isinstance(cpu, CPUBatchInvariantAttentionBackend)
