@@ -28,8 +28,17 @@
 #                  FP8_DYNAMIC, random weights): batch-1 ms/token, a decode step at batch
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
 #
+# Parts that run only when named (not in the 8-minute run):
+#
+#   batch_invariant  benchmarks/gpu/batch_invariant_decode.py: the 8B shape's decode step at
+#                    batch 1 and 200 with batch_invariant off and on, and the probe alone ==
+#                    in a batch of 200 (rc 1 if not); then (batch_invariant_tests)
+#                    tests/engine/batch_invariant/test_triton_backend.py and the invariant
+#                    kernels' tests on the GPU
+#
 #   OUT=/tmp/out scripts/gpu_check.sh                    # everything
 #   OUT=/tmp/out scripts/gpu_check.sh serving tests_gpu  # only these parts
+#   OUT=/tmp/out scripts/gpu_check.sh batch_invariant    # a part that runs only when named
 #   GPU_CHECK_SMOKE=1 scripts/gpu_check.sh               # the whole wiring, tiny, on a CPU
 #
 # $OUT holds at most 6 files: summary.txt (each part's exit status and seconds),
@@ -57,6 +66,12 @@ PARTS=("$@")
 
 wanted() {  # wanted NAME: true when no parts were named, or NAME was
     [ ${#PARTS[@]} -eq 0 ] && return 0
+    local p
+    for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done
+    return 1
+}
+
+named() {  # named NAME: true only when NAME was named (parts left out of the default run)
     local p
     for p in "${PARTS[@]}"; do [ "$p" = "$1" ] && return 0; done
     return 1
@@ -131,6 +146,9 @@ INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats
     --decode-tokens 64 --batch-requests 200)
 STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
 FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200)
+INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --decode-tokens 32)
+TESTS_INVARIANT=(tests/engine/batch_invariant/test_triton_backend.py
+    tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py)
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -145,6 +163,10 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
     FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
         --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8)  # the FP8 path on a CPU
+    # the GPU's path (the triton backend's invariant kernels) in Triton's interpreter
+    INVARIANT=(env TRITON_INTERPRET=1 "$PY" benchmarks/gpu/batch_invariant_decode.py --shape tiny
+        --device cpu --dtype float32 --attention-backend triton --batches 1 2 --prompt-len 16 --decode-tokens 2 --max-model-len 256 --kv-cache-gib 0.05)
+    TESTS_INVARIANT=(tests/kernels/test_batch_invariant_matmul.py)
 fi
 
 part env 30 bash -c env_report
@@ -161,5 +183,11 @@ part kernels 40 "${KERNELS[@]}"
 part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \
     --output-json "$WORK/int4_decode.json"
 part fp8 150 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
+if named batch_invariant; then
+    part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
+    PARTS+=(batch_invariant_tests)  # its tests: part of the same request
+    part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \
+        "${TESTS_INVARIANT[@]}"
+fi
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"
