@@ -21,11 +21,10 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class TritonInvariantPlan:
     """A `Linear.plan` (x, weight, bias) -> x @ weight.T + bias on the invariant matmul."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self) -> None:
         from kernels.batch_invariant_matmul import invariant_matmul  # triton: GPU images only
 
         self._matmul = invariant_matmul
-        self.weight = weight  # [out_features, in_features], the layer's own
 
     def __call__(
         self,
@@ -61,13 +60,13 @@ def make_triton_batch_invariant(model: nn.Module) -> int:
                 "weights have no batch-invariant kernel (float weights only)."
             )
         _check_float(module.weight, "a linear weight")
-        module.plan = TritonInvariantPlan(module.weight)
+        module.plan = TritonInvariantPlan()
         module.packed_weight = None  # `linear()` would use it for non-2-D inputs
         changed += 1
     if hasattr(model, "_logits_plan") and model.model.is_last_stage:
         weight = model._logits_weight
         _check_float(weight, "the LM head")
-        model._logits_plan = TritonInvariantPlan(weight)
+        model._logits_plan = TritonInvariantPlan()
         changed += 1
     if hasattr(model, "greedy_screen"):
         model.greedy_screen = None

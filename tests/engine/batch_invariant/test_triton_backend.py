@@ -109,3 +109,27 @@ def test_a_gpu_gets_the_triton_invariant_backend_by_default():
     if native_kernels_available():
         cpu = get_attention_backend(None, torch.device("cpu"), batch_invariant=True)
         assert isinstance(cpu, CPUBatchInvariantAttentionBackend)
+
+
+def test_weights_without_an_invariant_triton_kernel_are_refused():
+    """Quantized layers and mixture-of-experts layers keep batch-variant kernels: refused by
+    name when the model is made batch-invariant, never run silently."""
+    from torch import nn
+
+    from engine.layers.batch_invariant.triton_linear import make_triton_batch_invariant
+
+    class QuantMethod:
+        pass
+
+    layer = Linear(16, 8, bias=False)
+    layer.quant_method = QuantMethod()
+    with pytest.raises(NotImplementedError, match="QuantMethod weights"):
+        make_triton_batch_invariant(nn.Sequential(layer))
+    experts = nn.Module()
+    experts.expert_param_shards = {}
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        make_triton_batch_invariant(nn.Sequential(experts))
+    plain = Linear(16, 8, bias=True).to(DEVICE)
+    assert make_triton_batch_invariant(nn.Sequential(plain)) == 1
+    x = torch.randn(3, 16, device=DEVICE)
+    torch.testing.assert_close(plain(x), x @ plain.weight.T + plain.bias, atol=1e-5, rtol=1e-5)
