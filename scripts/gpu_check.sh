@@ -148,7 +148,8 @@ STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile"
 FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200)
 INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --decode-tokens 32)
 TESTS_INVARIANT=(tests/engine/batch_invariant/test_triton_backend.py
-    tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py)
+    tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py
+    tests/kernels/test_row_kernels_are_batch_invariant.py)
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
