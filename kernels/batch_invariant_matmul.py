@@ -3,7 +3,7 @@ docs/determinism.md).
 
 cuBLAS picks its algorithm, tile shape and split-K factor by the problem's shape, M (the row
 count) included, so a row's bits change with the batch it sits in. Here every choice is made
-from N, K and the dtype only::
+from N, K, the dtype and the platform only::
 
     grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
     one program: rows [m0, m0 + BLOCK_M) x outputs [n0, n0 + BLOCK_N)
@@ -11,9 +11,10 @@ from N, K and the dtype only::
         for k0 in 0, BLOCK_K, 2 BLOCK_K, ...:   the same walk over K for every row
             acc += x[rows, k0:k0+BLOCK_K] @ w[outs, k0:k0+BLOCK_K].T
 
-BLOCK_M, BLOCK_N, BLOCK_K, warps and stages are fixed (no autotune: another configuration
-sums in another order), there is no split-K, and rows past M load as zeros, which touch no
-other row. A row's result is then the same whether M is 1 or 200, and whatever its place.
+BLOCK_M, BLOCK_N, BLOCK_K, warps and stages are fixed per weight (no autotune: another
+configuration sums in another order), there is no split-K, and rows past M load as zeros,
+which touch no other row. A row's result is then the same whether M is 1 or 200, and
+whatever its place.
 
 On a GPU the tile product is `tl.dot`: an MMA instruction computes every output element of
 its tile with the same sequence of operations, so a row's bits do not depend on its place in
@@ -37,17 +38,25 @@ from kernels._common import (
     is_interpreter,
 )
 
-# Fixed for every M. 16 rows is tl.dot's smallest tile (a decode step of one row pays for
-# 16; the cost is what benchmarks/gpu/batch_invariant_decode.py measures).
-BLOCK_M = 16
-
 
 def invariant_matmul_config(n: int, k: int, dtype: torch.dtype) -> dict[str, int]:
-    """The launch configuration, a function of (N, K, dtype) only: never of M."""
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    """The launch configuration, a function of (N, K, dtype) and the platform only, never
+    of M. On a GPU, BLOCK_M 64 (Hopper's wgmma rows; a batch-1 step is bound by the weights'
+    bandwidth, not by the rows it wastes) and BLOCK_N 32 up to N = 16384 (enough programs to
+    stream a 4096-wide projection's weights without split-K); in the interpreter 16 rows
+    (tl.dot's least), which keeps its broadcast products small. Untuned: the numbers wait
+    for a GPU measurement (benchmarks/gpu/batch_invariant_decode.py)."""
+    block_n = 32 if n <= 16384 else 64
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     wide = dtype in (torch.float16, torch.bfloat16)
     block_k = (64 if wide else 32) if k >= 64 else max(16, triton.next_power_of_2(k))
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+    return {
+        "BLOCK_M": 16 if is_interpreter() else 64,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
 
 
 @triton.jit
@@ -65,7 +74,7 @@ def _invariant_matmul_kernel(
     HAS_BIAS: tl.constexpr,  # bool
     DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
     ROW_EXACT: tl.constexpr,  # bool, multiply-and-sum instead of tl.dot (the interpreter)
-    BLOCK_M: tl.constexpr,  # int, rows per program (fixed)
+    BLOCK_M: tl.constexpr,  # int, rows per program (fixed per platform)
     BLOCK_N: tl.constexpr,  # int, outputs per program (from N)
     BLOCK_K: tl.constexpr,  # int, reduction step (from K and the dtype)
 ):
@@ -126,7 +135,9 @@ def invariant_matmul(
     if m == 0:
         return out
     config = invariant_matmul_config(n, k, x.dtype)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, config["BLOCK_N"]))
+    # program_id(0), the row tile, varies fastest: the programs of one weight tile run
+    # together and share it in L2.
+    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     _invariant_matmul_kernel[grid](
         x_ptr=x,
         w_ptr=weight,
@@ -142,7 +153,6 @@ def invariant_matmul(
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others the default.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         ROW_EXACT=is_interpreter(),
-        BLOCK_M=BLOCK_M,
         **config,
     )
     return out

@@ -1,5 +1,5 @@
 """The batch-invariant matmul (kernels/batch_invariant_matmul.py): a row's bits alone equal
-the same row's bits at any place in batches of 1..40 rows, and the product is close to a
+the same row's bits at any place in batches of 1..70 rows, and the product is close to a
 float64 reference. In the interpreter on the CPU, natively on a GPU."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_a_row_has_the_same_bits_in_any_batch(n: int, k: int, with_bias: bool) -
     bias = torch.randn(n, generator=gen).to(DEVICE) if with_bias else None
     probe = torch.randn(1, k, generator=gen).to(DEVICE)
     alone = invariant_matmul(probe, weight, bias)
-    for m in (2, 7, 16, 17, 33, 40):
+    for m in (2, 7, 16, 17, 33, 40, 70):
         batch = torch.randn(m, k, generator=gen).to(DEVICE)
         for place in {0, m // 2, m - 1}:
             batch[place] = probe[0]
@@ -54,6 +54,8 @@ def test_the_configuration_depends_on_n_k_and_dtype_only() -> None:
     )
     assert invariant_matmul_config(24, 40, torch.float32)["BLOCK_N"] == 32
     assert invariant_matmul_config(24, 40, torch.float32)["BLOCK_K"] == 64
+    assert invariant_matmul_config(128256, 4096, torch.bfloat16)["BLOCK_N"] == 64
+    assert invariant_matmul_config(4096, 14336, torch.bfloat16)["BLOCK_N"] == 32
 
 
 def test_bad_inputs_are_refused() -> None:
