@@ -28,6 +28,12 @@
 #                  FP8_DYNAMIC, random weights): batch-1 ms/token, a decode step at batch
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
 #
+#   batch_invariant  benchmarks/gpu/batch_invariant_decode.py: the 8B shape's decode step at
+#                  batch 1 and 200 with batch_invariant off and on, and the probe alone ==
+#                  in a batch of 200 (rc 1 if not); then (batch_invariant_tests)
+#                  tests/engine/batch_invariant/test_triton_backend.py and the invariant
+#                  kernels' tests on the GPU
+#
 # The parts from step_kernels on the list below tests_kernels (step_kernels, int4, fp8,
 # batch_invariant) measure one piece of work each and run only when named, alone or as the
 # group `issues`, so the default check (the product as users start it) keeps to its budget.
@@ -60,7 +66,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=("$@")
 
-ON_REQUEST=" step_kernels int4 fp8 batch_invariant "  # run only when named (or `issues`)
+ON_REQUEST=" step_kernels int4 fp8 batch_invariant batch_invariant_tests "  # run only when named (or `issues`)
 
 wanted() {  # wanted NAME: NAME was named; or no part was and NAME is in the default check
     local p on_request=0
@@ -142,6 +148,10 @@ INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats
     --decode-tokens 64 --batch-requests 200)
 STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
 FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200)
+INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --decode-tokens 32)
+TESTS_INVARIANT=(tests/engine/batch_invariant/test_triton_backend.py
+    tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py
+    tests/kernels/test_row_kernels_are_batch_invariant.py)
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -156,6 +166,10 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
     FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
         --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8)  # the FP8 path on a CPU
+    # the GPU's path (the triton backend's invariant kernels) in Triton's interpreter
+    INVARIANT=(env TRITON_INTERPRET=1 "$PY" benchmarks/gpu/batch_invariant_decode.py --shape tiny
+        --device cpu --dtype float32 --attention-backend triton --batches 1 2 --prompt-len 16 --decode-tokens 2 --max-model-len 256 --kv-cache-gib 0.05)
+    TESTS_INVARIANT=(tests/kernels/test_batch_invariant_matmul.py)
 fi
 
 part env 30 bash -c env_report
@@ -172,5 +186,9 @@ part kernels 40 "${KERNELS[@]}"
 part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \
     --output-json "$WORK/int4_decode.json"
 part fp8 150 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
+part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
+wanted batch_invariant && PARTS+=(batch_invariant_tests)  # its tests: part of the same request
+part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \
+    "${TESTS_INVARIANT[@]}"
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

@@ -306,10 +306,6 @@ def get_attention_backend(
     they build, else `torch`. `batch_invariant` gives the backend's batch-invariant variant
     (docs/determinism.md; engine/config/batch_invariant.py checks the combination first).
     """
-    if batch_invariant:
-        from engine.attention.cpu_invariant_backend import CPUBatchInvariantAttentionBackend
-
-        return CPUBatchInvariantAttentionBackend(dtype)
     if name is None:
         if device.type == "cuda":
             name = "triton"
@@ -317,6 +313,14 @@ def get_attention_backend(
             name = "cpu" if native_kernels_available() else "torch"
         else:
             name = "torch"
+    if batch_invariant and name == "triton":
+        from engine.attention.triton_invariant_backend import TritonBatchInvariantAttentionBackend
+
+        return TritonBatchInvariantAttentionBackend(device)
+    if batch_invariant:  # the CPU's (a combination refused in engine/config first raises there)
+        from engine.attention.cpu_invariant_backend import CPUBatchInvariantAttentionBackend
+
+        return CPUBatchInvariantAttentionBackend(dtype)
     # Each backend module imports this one, and triton_backend needs triton (absent from the
     # CPU image): the chosen backend is imported here.
     if name == "torch":

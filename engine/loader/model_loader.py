@@ -130,7 +130,7 @@ def load_model(
             if num_int8:
                 logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)
     if attn_backend.batch_invariant:  # EngineArgs batch_invariant: one kernel for every route
-        num_invariant = make_batch_invariant(model)
+        num_invariant = make_batch_invariant(model, attn_backend.name)
         logger.info("Put %d weight matrices on the batch-invariant kernel.", num_invariant)
     return model.eval()
 

@@ -86,9 +86,14 @@ def _check_fp32_cpu(weight: torch.Tensor, what: str) -> None:
         )
 
 
-def make_batch_invariant(model: nn.Module) -> int:
+def make_batch_invariant(model: nn.Module, backend: str = "cpu") -> int:
     """Puts every linear layer and the LM head of `model` (built, loaded and planned) on
-    the batch-invariant kernel; returns how many matrices it changed."""
+    the batch-invariant kernel of the attention `backend` ("cpu": the native one; "triton":
+    the Triton matmul, triton_linear.py); returns how many matrices it changed."""
+    if backend == "triton":
+        from engine.layers.batch_invariant.triton_linear import make_triton_batch_invariant
+
+        return make_triton_batch_invariant(model)
     if any(hasattr(m, "expert_param_shards") for m in model.modules()):
         raise NotImplementedError("batch_invariant is not supported for mixture-of-experts models.")
     changed = 0

@@ -25,12 +25,25 @@ def test_the_flag_sets_engine_args(command):
 def test_cpu_float32_is_supported():
     check_batch_invariant(**SUPPORTED)
     check_batch_invariant(**{**SUPPORTED, "attention_backend": "cpu"})
+    # the GPU's kernels in Triton's interpreter (how the tests run them on a CPU)
+    check_batch_invariant(**{**SUPPORTED, "attention_backend": "triton"})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_a_gpu_with_the_triton_backend_is_supported(device, dtype, backend):
+    check_batch_invariant(
+        **{**SUPPORTED, "device": device, "dtype": dtype, "attention_backend": backend}
+    )
 
 
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"device": "cuda"}, "device 'cuda'"),
+        ({"device": "mps"}, "device 'mps'"),
+        ({"device": "cuda", "attention_backend": "torch"}, "attention_backend 'torch' on a GPU"),
+        ({"attention_backend": "triton", "dtype": "float16"}, "dtype 'float16'"),
         ({"dtype": "bfloat16"}, "dtype 'bfloat16'"),
         ({"attention_backend": "torch"}, "attention_backend 'torch'"),
         ({"world_size": 2}, "parallelism"),

@@ -1,0 +1,200 @@
+"""Batch-invariant paged attention (EngineArgs `batch_invariant`, docs/determinism.md).
+
+The `triton` backend attends decode rows with `paged_attention` (GQA rows packed, split-KV
+by the batch size) and prefill chunks with `flash_prefill` (autotuned BLOCK_M x BLOCK_N
+tiles, `tl.dot`), so a token's attention has other bits when it is decoded than when it is
+prefilled, and the split and the tile depend on the batch. Here every query row, decode rows
+included (one-token chunks), is one program that walks its keys alone::
+
+    grid: (num_tokens + num_reqs, num_heads)       one program = one (query row, head)
+    keys: | tile 0 | tile 1 | ... | tile t  |       BLOCK_N = 64 keys at fixed positions
+           online softmax in fp32, tile by tile, keys past the row masked (-inf)
+
+BLOCK_N and the warps are constants (no autotune), there is no split over the keys, and the
+products are multiply-and-sum reductions of one row (no `tl.dot`, whose interpreter version
+sums a row by its place in the tile: kernels/batch_invariant_matmul.py). A row's output then
+depends only on its query, its position and the cache: the same alone or in any batch, in a
+whole or a chunked prefill, after a prefix-cache hit, or decoded. Same inputs and results as
+`paged_attention` (kernels/paged_attention.py), sliding window, soft-cap and sinks included.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_same_device, next_power_of_2
+from kernels._math import tanh
+from kernels.paged_attention import LOG2_E, _find_request
+from kernels.paged_attention_checks import check_paged_attention_inputs
+
+BLOCK_N = 64  # keys per step, for every row of every launch
+NUM_WARPS = 4
+
+
+@triton.jit
+def _invariant_attention_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[1])
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    scale_log2,  # softmax scale * log2(e)
+    soft_cap_log2,  # soft-cap * log2(e) (read when HAS_SOFT_CAP)
+    sinks_ptr,  # [num_heads] sinks, any float dtype (read when HAS_SINKS)
+    num_reqs,
+    stride_q_token,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_req,
+    stride_out_token,
+    stride_out_head,
+    QUERIES_PER_KV: tl.constexpr,  # int, num_heads // num_kv_heads
+    BLOCK_SIZE: tl.constexpr,  # int, tokens per cache block
+    HEAD_DIM: tl.constexpr,  # int
+    HEAD_DIM_PADDED: tl.constexpr,  # int, power of two >= HEAD_DIM
+    SLIDING_WINDOW: tl.constexpr,  # int, 0 = the whole context
+    HAS_SOFT_CAP: tl.constexpr,  # bool
+    HAS_SINKS: tl.constexpr,  # bool
+    BLOCK_N: tl.constexpr,  # int, keys per step (fixed)
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    q_first = tl.load(query_start_loc_ptr)
+    req = _find_request(query_start_loc_ptr, num_reqs, pid, q_first, 1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    row = pid - (q_start - q_first + req)
+    if row >= q_len:
+        return  # a spare program id, or past the end of the batch
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_pos = seq_len - q_len + row  # the row's absolute position: it sees keys 0..q_pos
+    kv_head = head // QUERIES_PER_KV
+    token = (q_start + row).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + token * stride_q_token + head * stride_q_head + dims,
+        mask=dim_valid,
+        other=0.0,
+    ).to(tl.float32)  # [HEAD_DIM_PADDED]
+
+    m_i = tl.full((), -1.0e30, tl.float32)  # finite: exp2(m_old - m_new) stays defined
+    l_i = tl.full((), 0.0, tl.float32)
+    if HAS_SINKS:  # one more key of logit `sink` and value zero, seen first
+        m_i = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain
+        l_i = tl.full((), 1.0, tl.float32)
+    acc = tl.zeros([HEAD_DIM_PADDED], tl.float32)
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+    tile_lo = 0
+    if SLIDING_WINDOW > 0:
+        tile_lo = tl.maximum(q_pos - SLIDING_WINDOW + 1, 0) // BLOCK_N
+    for tile in range(tile_lo, tl.cdiv(q_pos + 1, BLOCK_N)):
+        kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        visible = kv_pos <= q_pos
+        if SLIDING_WINDOW > 0:
+            visible = visible & (kv_pos > q_pos - SLIDING_WINDOW)
+        block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=visible, other=0)
+        # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
+        kv_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )  # [BLOCK_N]
+        kv_mask = visible[:, None] & dim_valid[None, :]
+        k = tl.load(
+            key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
+        scores = tl.sum(k * q[None, :], axis=1) * scale_log2  # [BLOCK_N]
+        if HAS_SOFT_CAP:
+            scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new)  # [BLOCK_N]
+        v = tl.load(
+            value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(
+        out_ptr + token * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+def invariant_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, context length incl. this step's tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32, absolute rows of query/out
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`paged_attention` (same arguments and results, rows outside the requests untouched)
+    with each row computed alike whatever the batch and chunking (module doc)."""
+    if out is None:
+        out = torch.empty_like(query)
+    check_paged_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc, out, 1)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_reqs = block_tables.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
+        check_same_device(query=query, sinks=sinks)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # Program ids per request: its query rows plus one spare (_find_request's numbering).
+    grid = (num_tokens + num_reqs, num_heads)
+    _invariant_attention_kernel[grid](
+        query_ptr=query,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc,
+        out_ptr=out,
+        scale_log2=scale * LOG2_E,
+        soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
+        sinks_ptr=out if sinks is None else sinks,  # never read without sinks
+        num_reqs=num_reqs,
+        stride_q_token=query.stride(0),
+        stride_q_head=query.stride(1),
+        stride_cache_block=key_cache.stride(0),
+        stride_cache_slot=key_cache.stride(1),
+        stride_cache_head=key_cache.stride(2),
+        stride_bt_req=block_tables.stride(0),
+        stride_out_token=out.stride(0),
+        stride_out_head=out.stride(1),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
+        SLIDING_WINDOW=sliding_window or 0,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
+        BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS,
+        num_stages=2,
+    )
+    return out
