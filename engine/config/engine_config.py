@@ -13,20 +13,17 @@ from typing import Any, Literal
 
 from engine.api.model_files import load_generation_config, load_hf_config
 from engine.config.batch_invariant import check_batch_invariant
-from engine.config.checkpoint_quantization import (
-    read_checkpoint_quantization,
-    resolve_checkpoint_quantization,
-    stays_quantized_on_cpu,
-)
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
-from engine.config.device_dtype import resolve_device, resolve_dtype
+from engine.config.device_dtype import resolve_device
 from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from engine.config.lora import LoRAConfig
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
-from engine.config.quantization import gguf_source, resolve_quantization
 from engine.config.rope import default_max_model_len, derived_max_model_len
 from engine.config.speculative import SpeculativeConfig
 from engine.config.step_budget import default_max_num_batched_tokens
+from engine.config.weights.quantization import gguf_source
+from engine.config.weights.weight_format import WeightRequest, resolve_weight_format
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 FairnessPolicy = Literal["vtc", "off"]
@@ -162,29 +159,6 @@ class DeviceConfig:
     attention_backend: str | None = None  # None: triton on CUDA, cpu (else torch) on CPU
 
 
-@dataclass(frozen=True)
-class LoRAConfig:
-    """vLLM's `LoRAConfig` (set when `enable_lora=True`)."""
-
-    max_loras: int = 1  # adapters in one batch
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters kept loaded (LRU beyond); None: max_loras
-
-    def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
-            )
-
-    @property
-    def num_cpu_loras(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
-
-
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -259,7 +233,7 @@ class EngineArgs:
     # engine/layers/quantization.py. Blocks use a quarter to an eighth of fp32's memory and
     # decode faster at small batches; prefill and large batches dequantize chunks for MKL.
     # A checkpoint stored quantized (FP8: compressed-tensors, ModelOpt; INT4: AWQ, GPTQ;
-    # engine/config/checkpoint_quantization.py, docs/quantized_checkpoints.md) runs its own
+    # engine/config/weights/checkpoint_quantization.py, docs/quantized_checkpoints.md) runs its own
     # method under "auto"/None or its name; another method is refused.
     quantization: str | None = "auto"
     # Pooling (vLLM's name): a PoolerConfig or {"pooling_type": "MEAN", "normalize": True};
@@ -308,26 +282,14 @@ class EngineArgs:
 
             verify_parallel_config(hf_config, parallel_config, self)
         gguf_file = gguf_source(self.model)
-        dtype = resolve_dtype(self.dtype, hf_config, device)
-        # A checkpoint stored quantized (engine/config/checkpoint_quantization.py) runs its
-        # own method, whatever the device; refused here when its config is not served.
-        checkpoint_quant = None if gguf_file else read_checkpoint_quantization(model_dir, hf_config)
-        checkpoint_method = resolve_checkpoint_quantization(
-            self.quantization, checkpoint_quant, parallel_config.world_size
+        dtype, quantization = resolve_weight_format(
+            WeightRequest(self.dtype, self.quantization, self.load_format, self.batch_invariant),
+            model_dir,
+            hf_config,
+            gguf_file,
+            device,
+            parallel_config.world_size,
         )
-        cpu_bf16 = self.dtype == "auto" and dtype == "bfloat16" and device == "cpu"
-        if cpu_bf16 and checkpoint_quant is not None:
-            # native Q4_0 blocks compute in fp32, as do the batch-invariant kernels
-            if stays_quantized_on_cpu(checkpoint_quant) or self.batch_invariant:
-                dtype = "float32"
-        elif cpu_bf16:
-            # GGUF blocks (and int8) kept quantized compute in fp32 (their kernels and the
-            # greedy screen): where they will run, "auto" stays fp32 (cpu_dtype.py).
-            kept = resolve_quantization(
-                self.quantization, gguf_file, device, "float32", parallel_config.world_size
-            )
-            if kept is not None or self.batch_invariant:  # (the invariant kernels: fp32)
-                dtype = "float32"
         max_pos = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
         max_len = derived_max_model_len(hf_config)  # max_pos, or stretched by the rope scaling
         max_model_len = self.max_model_len or default_max_model_len(hf_config)
@@ -339,16 +301,6 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
-        quantization = checkpoint_method or resolve_quantization(
-            self.quantization, gguf_file, device, dtype, parallel_config.world_size
-        )
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}.")
-        if self.load_format == "dummy" and quantization not in (None, "fp8"):
-            raise ValueError(
-                f"load_format='dummy' draws unquantized (or FP8) weights; "
-                f"quantization={quantization!r} needs the checkpoint (pass quantization=None)."
-            )
         generation = load_generation_config(model_dir)
         gen_config = generation.to_diff_dict() if generation is not None else {}
         model_config = ModelConfig(

@@ -1,6 +1,6 @@
 """FP8 (E4M3) projections computed on FP8 tensor cores: `Fp8LinearMethod`.
 
-A projection of an FP8 checkpoint (engine/config/fp8_checkpoint.py) keeps its weight in
+A projection of an FP8 checkpoint (engine/config/weights/fp8_checkpoint.py) keeps its weight in
 float8_e4m3fn with one fp32 scale per output row; each call quantizes the activations per
 token and runs one scaled GEMM::
 

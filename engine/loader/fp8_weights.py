@@ -1,4 +1,5 @@
-"""FP8 checkpoint tensors (engine/config/fp8_checkpoint.py) onto our modules, one of two ways:
+"""FP8 checkpoint tensors (engine/config/weights/fp8_checkpoint.py) onto our modules, one of
+two ways:
 
 - **dequantized at load** (the CPU, and GPUs without FP8 tensor cores): each projection's
   ``weight`` (float8_e4m3fn) times its ``weight_scale`` becomes the model-dtype weight the
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config.fp8_checkpoint import Fp8Scheme, is_ignored
+from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
 from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, Quantizer, ScaledMM
 from engine.layers.linear import Linear
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 from engine.loader.int4_packing import SYMMETRIC_ZERO, Int4Weight, unpack_rows
 from engine.native.quant import QType, QuantizedWeight
 

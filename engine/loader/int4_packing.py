@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 
 # AWQ's GEMM kernels read eight codes in this interleaved order (nibble i -> column).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

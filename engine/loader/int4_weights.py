@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 from engine.layers.int4_installer import Int4Installer
 from engine.layers.quantization import CPUQuantizedLinearMethod
 from engine.loader.int4_native import fits_q4_0, int4_to_q4_0

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.config.checkpoint_quantization import read_checkpoint_quantization
-from engine.config.int4_checkpoint import INT4_METHODS
+from engine.config.weights.checkpoint_quantization import read_checkpoint_quantization
+from engine.config.weights.int4_checkpoint import INT4_METHODS
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.layers.batch_invariant import make_batch_invariant
 from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores, token_quantizer

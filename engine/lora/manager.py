@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.config.engine_config import LoRAConfig
+from engine.config.lora import LoRAConfig
 from engine.distributed.sharding import RowSlice
 from engine.lora.adapter import LoRAAdapter, LoRALayerWeights, linear_shapes, load_peft_adapter
 from engine.lora.ops import add_lora, stack_lora_weights

@@ -9,11 +9,11 @@ import json
 import pytest
 
 from engine import LLM
-from engine.config.checkpoint_quantization import (
+from engine.config.weights.checkpoint_quantization import (
     read_checkpoint_quantization,
     resolve_checkpoint_quantization,
 )
-from engine.config.fp8_checkpoint import Fp8Scheme, is_ignored
+from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
 from tests.engine.fp8_checkpoints import make_compressed_tensors_fp8, make_modelopt_fp8
 
 

@@ -1,5 +1,5 @@
-"""Reading an INT4 `quantization_config` (engine/config/checkpoint_quantization.py's table,
-engine/config/int4_checkpoint.py's parsers): the AWQ and GPTQ formats we serve become one
+"""Reading an INT4 `quantization_config` (engine/config/weights/checkpoint_quantization.py's table,
+engine/config/weights/int4_checkpoint.py's parsers): the AWQ and GPTQ formats we serve become one
 scheme each; anything else is refused naming the field and its value, before any weight is
 read."""
 
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config.checkpoint_quantization import (
+from engine.config.weights.checkpoint_quantization import (
     read_checkpoint_quantization,
     resolve_checkpoint_quantization,
     stays_quantized_on_cpu,
 )
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GPTQ = {

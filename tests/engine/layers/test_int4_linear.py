@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 from engine.layers.int4_installer import Int4Installer
 from engine.layers.int4_linear import Int4LinearMethod
 from engine.layers.linear import Linear

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config.fp8_checkpoint import Fp8Scheme
+from engine.config.weights.fp8_checkpoint import Fp8Scheme
 from engine.layers.fp8_linear import FP8_DTYPE
 from engine.layers.linear import Linear
 from engine.loader.fp8_weights import Fp8Checkpoint, dequantize_fp8, install_fp8_layers

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 from engine.loader.int4_native import fits_q4_0, int4_to_q4_0
 from engine.loader.int4_packing import gptq_to_int4
 from engine.native import native_kernels_available

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config.int4_checkpoint import Int4Scheme
+from engine.config.weights.int4_checkpoint import Int4Scheme
 from engine.loader.int4_packing import (
     AWQ_ORDER,
     awq_to_int4,

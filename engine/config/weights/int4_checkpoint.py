@@ -14,7 +14,8 @@ What is served (one `Int4Scheme` covers both formats):
                 `checkpoint_format` "gptq" (v1: zero points stored minus one) or "gptq_v2"
     AWQ         `version` "gemm" (the GEMV and exllama/Marlin-packed layouts are refused)
 
-Torch-free: read by `EngineArgs.create_engine_config` (engine/config/checkpoint_quantization.py).
+Torch-free: read by `EngineArgs.create_engine_config`
+(engine/config/weights/checkpoint_quantization.py).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config.fp8_checkpoint import Fp8Scheme, parse_compressed_tensors, parse_modelopt
-from engine.config.int4_checkpoint import Int4Scheme, parse_awq, parse_gptq
+from engine.config.weights.fp8_checkpoint import Fp8Scheme, parse_compressed_tensors, parse_modelopt
+from engine.config.weights.int4_checkpoint import Int4Scheme, parse_awq, parse_gptq
 
 MODELOPT_CONFIG_FILE = "hf_quant_config.json"
 
