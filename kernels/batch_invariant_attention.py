@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_same_device, next_power_of_2
+from kernels._common import next_power_of_2
 from kernels._math import tanh
 from kernels.paged_attention import LOG2_E, _find_request
-from kernels.paged_attention_checks import check_paged_attention_inputs
+from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 
 BLOCK_N = 64  # keys per step, for every row of every launch
 NUM_WARPS = 4
@@ -155,14 +155,7 @@ def invariant_attention(
     num_reqs = block_tables.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
-    if sinks is not None:
-        if sinks.shape != (num_heads,):
-            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
-        check_same_device(query=query, sinks=sinks)
+    check_attention_options(query, sliding_window, logits_soft_cap, sinks)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     # Program ids per request: its query rows plus one spare (_find_request's numbering).
     grid = (num_tokens + num_reqs, num_heads)

@@ -37,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_same_device, is_interpreter, next_power_of_2
+from kernels._common import is_interpreter, next_power_of_2
 from kernels._math import tanh
 from kernels.paged_attention import LOG2_E, _find_request
-from kernels.paged_attention_checks import check_paged_attention_inputs
+from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 
 
 def _configs() -> list[triton.Config]:
@@ -320,14 +320,7 @@ def flash_prefill(
     num_reqs = block_tables.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
-    if sinks is not None:
-        if sinks.shape != (num_heads,):
-            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
-        check_same_device(query=query, sinks=sinks)
+    check_attention_options(query, sliding_window, logits_soft_cap, sinks)
 
     key_cache, value_cache = kv_cache[0], kv_cache[1]
 

@@ -42,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_same_device, is_interpreter, next_power_of_2
+from kernels._common import is_interpreter, next_power_of_2
 from kernels._math import tanh
-from kernels.paged_attention_checks import check_paged_attention_inputs
+from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 from kernels.split_kv import choose_num_splits, merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -291,16 +291,9 @@ def paged_attention(
 
     queries_per_kv = num_heads // num_kv_heads
     tiles = _tile_config(queries_per_kv, head_dim, max_query_len, query.dtype)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    check_attention_options(query, sliding_window, logits_soft_cap, sinks)
     if sliding_window is not None:
         num_splits = 1
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
-    if sinks is not None:
-        if sinks.shape != (num_heads,):
-            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
-        check_same_device(query=query, sinks=sinks)
     if num_splits is None:
         num_splits = choose_num_splits(
             query.device, num_reqs, num_kv_heads, max_query_len, max_seq_len

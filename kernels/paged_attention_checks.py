@@ -87,3 +87,22 @@ def check_paged_attention_inputs(
         query_start_loc=query_start_loc,
         out=out,
     )
+
+
+def check_attention_options(
+    query: torch.Tensor,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    sinks: torch.Tensor | None,
+) -> None:
+    """The optional features every attention launcher takes: a sliding window of >= 1 keys,
+    a soft cap > 0, and one sink logit per query head on the query's device."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}.")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}.")
+    if sinks is not None:
+        num_heads = query.shape[1]
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}.")
+        check_same_device(query=query, sinks=sinks)
