@@ -52,6 +52,19 @@ def round_to_e4m3(v):  # fp32, |v| <= 448 -> fp32 on the E4M3 grid (ties to even
 
 
 @triton.jit
+def quantize_e4m3(x, scale):  # any float, fp32 scale -> fp32 on the E4M3 grid (an FP8 KV cache)
+    return round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0))
+
+
+@triton.jit
+def kv_scale_value(scale, SCALE_IS_PTR: tl.constexpr):  # a float, or a 1-element tensor's
+    value = scale
+    if SCALE_IS_PTR:
+        value = tl.load(scale).to(tl.float32)
+    return value
+
+
+@triton.jit
 def _quantize_per_token_kernel(
     x_ptr,  # [num_tokens, K] bf16 / fp16 / fp32
     q_ptr,  # [num_tokens, K] float8_e4m3fn

@@ -33,7 +33,7 @@ from kernels._common import (
     kv_scale_arg,
     next_power_of_2,
 )
-from kernels.fp8_quant import round_to_e4m3
+from kernels.fp8_quant import kv_scale_value, quantize_e4m3
 
 
 @triton.jit
@@ -80,14 +80,8 @@ def _write_kv_cache_kernel(
     key = tl.load(key_ptr + key_offsets, mask=mask)
     value = tl.load(value_ptr + value_offsets, mask=mask)
     if IS_FP8:
-        if SCALE_IS_PTR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
-        key = round_to_e4m3(tl.clamp(key.to(tl.float32) / ks, -448.0, 448.0))
-        value = round_to_e4m3(tl.clamp(value.to(tl.float32) / vs, -448.0, 448.0))
+        key = quantize_e4m3(key, kv_scale_value(k_scale, SCALE_IS_PTR))
+        value = quantize_e4m3(value, kv_scale_value(v_scale, SCALE_IS_PTR))
     key = key.to(cache_dtype)
     value = value.to(cache_dtype)
     tl.store(key_cache_ptr + cache_offsets, key, mask=mask)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention, ref_paged_attention, write_kv_cache
+from kernels import paged_attention, ref_paged_attention, rotary_write_kv_cache, write_kv_cache
 from tests.kernels._helpers import TOLERANCES, device, make_paged_batch, mixed_batch_lens
 
 FP8 = torch.float8_e4m3fn
@@ -52,6 +52,34 @@ def test_write_rounds_ties_to_even():
     slots = torch.arange(n, device=device())
     write_kv_cache(x, x, cache, slots)
     assert torch.equal(cache[0].view(torch.uint8).reshape(n, 16), x.to(FP8).view(torch.uint8)[:, 0])
+
+
+@pytest.mark.parametrize("scale_kind", ["float", "tensor"])
+def test_fused_rotary_write_quantizes_the_rotated_keys(scale_kind):
+    """The fused rotary + KV write stores the rotated keys (as left in `qk`) and the values
+    quantized exactly as torch quantizes them."""
+    num_heads, num_kv_heads, head_dim, k_scale, v_scale = 2, 2, 16, 0.01, 3.0
+    gen = torch.Generator().manual_seed(5)
+    angles = torch.rand(5, 1, head_dim // 2, generator=gen) * 6.0
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(device())
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(device())
+    qk = torch.randn(5, num_heads + num_kv_heads, head_dim, generator=gen) * 4
+    value = torch.randn(5, num_kv_heads, head_dim, generator=gen) * torch.logspace(-3, 3, 16)
+    qk, value = qk.to(device()), value.to(device())
+    kv_cache = torch.zeros(2, 2, 4, num_kv_heads, head_dim, dtype=FP8, device=device())
+    slots = torch.tensor([6, -1, 0, 3, 7], device=device())
+    scales = (k_scale, v_scale)
+    if scale_kind == "tensor":
+        scales = tuple(torch.tensor([s], device=device()) for s in scales)
+    rotary_write_kv_cache(
+        qk, value, cos, sin, kv_cache, slots, num_heads, k_scale=scales[0], v_scale=scales[1]
+    )
+    flat = kv_cache.view(2, 8, num_kv_heads, head_dim).view(torch.uint8)
+    used = slots >= 0
+    keys = qk[used, num_heads:]  # rotated in place
+    assert torch.equal(flat[0, slots[used]], _quantize(keys, k_scale).view(torch.uint8))
+    assert torch.equal(flat[1, slots[used]], _quantize(value[used], v_scale).view(torch.uint8))
+    assert not flat[:, [1, 2, 4, 5]].any()
 
 
 @pytest.mark.parametrize(
