@@ -44,6 +44,7 @@ import triton.language as tl
 
 from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_arg, next_power_of_2
 from kernels._math import tanh
+from kernels.fp8_quant import kv_scale_value
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 from kernels.split_kv import choose_num_splits, merge_splits
 
@@ -196,12 +197,8 @@ def _paged_attention_kernel(
     ks = 1.0
     vs = 1.0
     if IS_FP8:
-        if SCALE_IS_PTR:
-            ks = tl.load(k_scale).to(tl.float32)
-            vs = tl.load(v_scale).to(tl.float32)
-        else:
-            ks = k_scale
-            vs = v_scale
+        ks = kv_scale_value(k_scale, SCALE_IS_PTR)
+        vs = kv_scale_value(v_scale, SCALE_IS_PTR)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
     for tile in range(tile_lo, tile_hi):

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention, ref_paged_attention, rotary_write_kv_cache, write_kv_cache
+from kernels import (
+    flash_prefill,
+    paged_attention,
+    ref_paged_attention,
+    rotary_write_kv_cache,
+    write_kv_cache,
+)
 from tests.kernels._helpers import TOLERANCES, device, make_paged_batch, mixed_batch_lens
 
 FP8 = torch.float8_e4m3fn
@@ -126,3 +132,56 @@ def test_attention_dequantizes_the_cache(num_heads, num_kv_heads, sliding_window
     # The scales are applied: the cache read with scale 1 gives another answer.
     unscaled = paged_attention(batch.query, cache, *args, **kwargs, sliding_window=sliding_window)
     assert not torch.allclose(unscaled, expected, atol=1e-2)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5], ids=["causal", "window"])
+def test_flash_prefill_dequantizes_the_cache(sliding_window):
+    batch = make_paged_batch(
+        [24, 7, 3],
+        [24, 45, 19],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+    )
+    k_scale, v_scale = 0.02, 0.5
+    cache = torch.stack(
+        [_quantize(batch.kv_cache[0], k_scale), _quantize(batch.kv_cache[1], v_scale)]
+    )
+    dequantized = torch.stack([cache[0].float() * k_scale, cache[1].float() * v_scale])
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    scale = 32**-0.5
+    out = flash_prefill(
+        batch.query,
+        cache,
+        *args,
+        max_query_len=batch.max_query_len,
+        scale=scale,
+        sliding_window=sliding_window,
+        k_scale=torch.tensor([k_scale], device=device()),
+        v_scale=torch.tensor([v_scale], device=device()),
+    )
+    expected = ref_paged_attention(
+        batch.query, dequantized, *args, scale, sliding_window=sliding_window
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_launchers_without_scales_refuse_an_fp8_cache():
+    from kernels.batch_invariant_attention import invariant_attention
+
+    batch = make_paged_batch(
+        [1], [5], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    cache = batch.kv_cache.to(FP8)
+    with pytest.raises(ValueError, match="kv_cache"):
+        invariant_attention(
+            batch.query, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            scale=1.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_attention(
+            batch.query, batch.kv_cache, batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, max_query_len=1, max_seq_len=5, scale=1.0, k_scale=0.0,
+        )  # fmt: skip
