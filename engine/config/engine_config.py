@@ -15,7 +15,11 @@ from engine.api.model_files import load_generation_config, load_hf_config
 from engine.config.batch_invariant import check_batch_invariant
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device
-from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from engine.config.kv_cache_dtype import (
+    CACHE_DTYPE_NAMES,
+    check_fp8_kv_cache,
+    resolve_kv_cache_dtype,
+)
 from engine.config.lora import LoRAConfig
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
@@ -349,6 +353,12 @@ class EngineArgs:
         )
         cuda_graph_config = resolve_cuda_graph_config(
             self.cuda_graph_sizes, self.enforce_eager, device, self.max_num_seqs
+        )
+        check_fp8_kv_cache(
+            cache_config.cache_dtype,
+            device=device,
+            attention_backend=self.attention_backend,
+            batch_invariant=self.batch_invariant,
         )
         if self.batch_invariant:
             check_batch_invariant(
