@@ -202,7 +202,8 @@ class EngineArgs:
     # The KV cache's dtype (vLLM's name): "auto" = the model dtype (float16 for GGUF blocks
     # kept quantized on the CPU, as llama.cpp: kv_cache_dtype.py), "bfloat16" / "float16"
     # (aliases "bf16", "fp16", "half") halve the cache's memory and the bytes attention
-    # reads; keys and values are rounded once when written. fp8 is not supported.
+    # reads; keys and values are rounded once when written. "fp8" / "fp8_e4m3": E4M3 with
+    # per-layer scales, the triton backend only (docs/fp8.md).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
