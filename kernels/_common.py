@@ -12,6 +12,7 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE_DTYPE = torch.float8_e4m3fn  # an FP8 KV cache: per-tensor scaled (kv_cache_dtype="fp8")
 
 
 def is_interpreter() -> bool:
@@ -58,19 +59,40 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         )
 
 
-def cache_dtype_fits(cache_dtype: torch.dtype, model_dtype: torch.dtype) -> bool:
+def cache_dtype_fits(
+    cache_dtype: torch.dtype, model_dtype: torch.dtype, *, fp8_ok: bool = False
+) -> bool:
     """Whether a kernel takes a KV cache of `cache_dtype` with activations of `model_dtype`:
     the same dtype, or a 16-bit cache (`kv_cache_dtype`) that is rounded into on writes and
-    converted back to the model dtype on reads."""
+    converted back to the model dtype on reads, or (`fp8_ok`: kernels that scale) an FP8 one."""
+    if fp8_ok and cache_dtype == FP8_CACHE_DTYPE:
+        return True
     return cache_dtype == model_dtype or cache_dtype in (torch.float16, torch.bfloat16)
 
 
-def check_kv_cache(kv_cache: torch.Tensor) -> None:
-    """Asserts the per-layer cache layout [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+def check_kv_cache(kv_cache: torch.Tensor, *, fp8_ok: bool = False) -> None:
+    """Asserts the per-layer cache layout [2, num_blocks, block_size, num_kv_heads, head_dim]
+    (an FP8 element type only for kernels that scale it: `fp8_ok`)."""
     check_ndim("kv_cache", kv_cache, 5, "[2, num_blocks, block_size, num_kv_heads, head_dim]")
     if kv_cache.shape[0] != 2:
         raise ValueError(
             f"kv_cache dim 0 must be 2 (keys, values), got shape {tuple(kv_cache.shape)}."
         )
     check_contiguous("kv_cache", kv_cache)
-    check_dtype("kv_cache", kv_cache, FLOAT_DTYPES)
+    check_dtype("kv_cache", kv_cache, FLOAT_DTYPES + ((FP8_CACHE_DTYPE,) if fp8_ok else ()))
+
+
+def kv_scale_arg(name: str, scale: float | torch.Tensor, device: torch.device):
+    """An FP8 KV cache's per-tensor scale as a kernel argument: (value or pointer, whether it
+    is a pointer). A float is passed by value; a tensor (1 element, any float dtype, on the
+    cache's device) is read on the device, so the launch never synchronizes."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise ValueError(f"{name} must be a float or a 1-element float tensor.")
+        if scale.device != device:
+            raise ValueError(f"{name} must be on the cache's device {device}, got {scale.device}.")
+        return scale, True
+    scale = float(scale)
+    if not scale > 0.0 or scale == float("inf"):
+        raise ValueError(f"{name} must be positive and finite, got {scale}.")
+    return scale, False

@@ -28,7 +28,8 @@ launch of each (head_dim, GQA ratio, dtype, query-length bucket); in the interpr
 configuration is used (autotuning there would only time the interpreter).
 
 Soft-cap (Gemma 2) and attention sinks (GPT-OSS) are applied as `paged_attention` applies
-them; a 16-bit `kv_cache_dtype` is converted to the query's dtype as each tile is loaded.
+them; a 16-bit `kv_cache_dtype` is converted to the query's dtype as each tile is loaded, an
+FP8 one is multiplied by its per-tensor scale in fp32 first.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import is_interpreter, next_power_of_2
+from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_arg, next_power_of_2
 from kernels._math import tanh
+from kernels.fp8_quant import kv_scale_value
 from kernels.paged_attention import LOG2_E, _find_request
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 
@@ -122,6 +124,8 @@ def _attend_tiles(
     kv_head,
     scale_log2,
     soft_cap_log2,
+    ks,  # fp32, an FP8 cache's key scale (1.0 otherwise)
+    vs,  # fp32, its value scale
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -133,6 +137,7 @@ def _attend_tiles(
     HAS_SOFT_CAP: tl.constexpr,
     MASKED: tl.constexpr,  # bool, apply the causal / window / length mask
     DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,  # bool, the cache is E4M3: loads are multiplied by the scale
 ):
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
@@ -147,12 +152,13 @@ def _attend_tiles(
             + kv_head * stride_cache_head
         )  # [BLOCK_N]
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(
-            key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
-        v = tl.load(
-            value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
+        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if IS_FP8:  # dequantized in fp32: float(stored) * scale, then the query's dtype
+            k = k.to(tl.float32) * ks
+            v = v.to(tl.float32) * vs
+        k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
+        v = v.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if HAS_SOFT_CAP:
@@ -189,6 +195,8 @@ def _flash_prefill_kernel(
     scale_log2,  # softmax scale * log2(e)
     soft_cap_log2,  # soft-cap * log2(e) (read when HAS_SOFT_CAP)
     sinks_ptr,  # [num_heads] sinks, any float dtype (read when HAS_SINKS)
+    k_scale,  # FP8 cache: the keys' scale (a float, or a pointer when SCALE_IS_PTR)
+    v_scale,  # FP8 cache: the values' scale
     num_reqs,
     query_len_bucket,  # the launch's max_query_len rounded up to a power of two (tuning key)
     stride_q_token,
@@ -208,6 +216,8 @@ def _flash_prefill_kernel(
     HAS_SINKS: tl.constexpr,  # bool
     UPCAST: tl.constexpr,  # bool, compute the dots in fp32 (interpreter + bf16)
     DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
+    IS_FP8: tl.constexpr,  # bool, the cache is E4M3: loads are multiplied by the scale
+    SCALE_IS_PTR: tl.constexpr,  # bool, k_scale / v_scale are 1-element tensors
     BLOCK_M: tl.constexpr,  # int, query tokens per program (autotuned)
     BLOCK_N: tl.constexpr,  # int, key positions per inner step (autotuned)
 ):
@@ -259,29 +269,34 @@ def _flash_prefill_kernel(
         m_i = tl.zeros([BLOCK_M], tl.float32) + sink
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    ks = 1.0
+    vs = 1.0
+    if IS_FP8:
+        ks = kv_scale_value(k_scale, SCALE_IS_PTR)
+        vs = kv_scale_value(v_scale, SCALE_IS_PTR)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
     if SLIDING_WINDOW > 0:  # the window's edge (an empty range without a window)
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, q_pos, tile_lo, full_lo, seq_len, block_table_row,
-            key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2,
+            key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2, ks, vs,
             stride_cache_block, stride_cache_slot, stride_cache_head,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, SLIDING_WINDOW, HAS_SOFT_CAP,
-            True, DOT_PRECISION,
+            True, DOT_PRECISION, IS_FP8,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, full_lo, full_hi, seq_len, block_table_row,
-        key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2,
+        key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2, ks, vs,
         stride_cache_block, stride_cache_slot, stride_cache_head,
         BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, SLIDING_WINDOW, HAS_SOFT_CAP,
-        False, DOT_PRECISION,
+        False, DOT_PRECISION, IS_FP8,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, full_hi, tile_hi, seq_len, block_table_row,
-        key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2,
+        key_cache_ptr, value_cache_ptr, kv_head, scale_log2, soft_cap_log2, ks, vs,
         stride_cache_block, stride_cache_slot, stride_cache_head,
         BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, SLIDING_WINDOW, HAS_SOFT_CAP,
-        True, DOT_PRECISION,
+        True, DOT_PRECISION, IS_FP8,
     )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -306,15 +321,22 @@ def flash_prefill(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """`paged_attention` (same arguments and results, rows outside the requests untouched)
-    with FlashAttention-2's blocking, for launches whose requests have many query tokens.
+    """`paged_attention` (same arguments, an FP8 cache and its scales included, and results,
+    rows outside the requests untouched) with FlashAttention-2's blocking, for launches
+    whose requests have many query tokens.
     `max_query_len` (>= every request's query length) only picks the autotuned configuration."""
     if out is None:
         out = torch.empty_like(query)
     check_paged_attention_inputs(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len, fp8_ok=True
     )
+    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
+    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
+    if k_is_ptr != v_is_ptr:
+        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]
@@ -339,6 +361,8 @@ def flash_prefill(
         scale_log2=scale * LOG2_E,
         soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
         sinks_ptr=out if sinks is None else sinks,  # never read without sinks
+        k_scale=k_arg,
+        v_scale=v_arg,
         num_reqs=num_reqs,
         query_len_bucket=min(next_power_of_2(max_query_len), 4096),
         stride_q_token=query.stride(0),
@@ -359,5 +383,7 @@ def flash_prefill(
         UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        IS_FP8=kv_cache.dtype == FP8_CACHE_DTYPE,
+        SCALE_IS_PTR=k_is_ptr,
     )
     return out

@@ -37,7 +37,7 @@ BLOCK_K = 1024
 
 
 @triton.jit
-def _round_to_e4m3(v):  # fp32, |v| <= 448 -> fp32 on the E4M3 grid (ties to even)
+def round_to_e4m3(v):  # fp32, |v| <= 448 -> fp32 on the E4M3 grid (ties to even)
     a = tl.abs(v)
     bits = a.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) - 127
@@ -49,6 +49,19 @@ def _round_to_e4m3(v):  # fp32, |v| <= 448 -> fp32 on the E4M3 grid (ties to eve
     r = t * step
     negative = v.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0, as in torch
     return tl.where(negative, -r, r)
+
+
+@triton.jit
+def quantize_e4m3(x, scale):  # any float, fp32 scale -> fp32 on the E4M3 grid (an FP8 KV cache)
+    return round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0))
+
+
+@triton.jit
+def kv_scale_value(scale, SCALE_IS_PTR: tl.constexpr):  # a float, or a 1-element tensor's
+    value = scale
+    if SCALE_IS_PTR:
+        value = tl.load(scale).to(tl.float32)
+    return value
 
 
 @triton.jit
@@ -73,7 +86,7 @@ def _quantize_per_token_kernel(
         mask = start + offsets < K
         x = tl.load(x_ptr + row * K + start + offsets, mask=mask, other=0.0).to(tl.float32)
         v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        q = _round_to_e4m3(v)
+        q = round_to_e4m3(v)
         tl.store(q_ptr + row * K + start + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

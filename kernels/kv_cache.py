@@ -9,7 +9,9 @@ Token `t` goes to flat slot `slot_mapping[t] = block_id * block_size + offset`::
 
 Grid: one program per token; it copies all KV heads of that token's key and value
 ([num_kv_heads, head_dim] tiles) in one go, converted to the cache's dtype (the model dtype,
-or a 16-bit `kv_cache_dtype`: rounded to nearest even on the store).
+or a 16-bit `kv_cache_dtype`: rounded to nearest even on the store). An FP8 (E4M3) cache holds
+`clamp(x / scale, -448, 448)` rounded to E4M3 (per-tensor `k_scale` / `v_scale`, vLLM's
+scheme); the rounding is done in fp32 first so the cast is exact (kernels/fp8_quant.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton.language as tl
 
 from kernels._common import (
     FLOAT_DTYPES,
+    FP8_CACHE_DTYPE,
     cache_dtype_fits,
     check_contiguous,
     check_dtype,
@@ -27,8 +30,10 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
+    kv_scale_arg,
     next_power_of_2,
 )
+from kernels.fp8_quant import kv_scale_value, quantize_e4m3
 
 
 @triton.jit
@@ -38,6 +43,8 @@ def _write_kv_cache_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[1])
     slot_mapping_ptr,  # [num_tokens] int64, -1 = skip
+    k_scale,  # FP8 cache: the keys' scale (a float, or a pointer when SCALE_IS_PTR)
+    v_scale,  # FP8 cache: the values' scale
     stride_key_token,
     stride_key_head,
     stride_value_token,
@@ -50,6 +57,8 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,  # int
     HEAD_DIM_PADDED: tl.constexpr,  # int, power of two >= HEAD_DIM
     BLOCK_SIZE: tl.constexpr,  # int, tokens per cache block
+    IS_FP8: tl.constexpr,  # bool, the cache is E4M3: store clamp(x / scale) rounded
+    SCALE_IS_PTR: tl.constexpr,  # bool, k_scale / v_scale are 1-element tensors
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)  # int64
@@ -68,8 +77,13 @@ def _write_kv_cache_kernel(
     key_offsets = token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :]
     value_offsets = token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :]
     cache_dtype = key_cache_ptr.dtype.element_ty
-    key = tl.load(key_ptr + key_offsets, mask=mask).to(cache_dtype)
-    value = tl.load(value_ptr + value_offsets, mask=mask).to(cache_dtype)
+    key = tl.load(key_ptr + key_offsets, mask=mask)
+    value = tl.load(value_ptr + value_offsets, mask=mask)
+    if IS_FP8:
+        key = quantize_e4m3(key, kv_scale_value(k_scale, SCALE_IS_PTR))
+        value = quantize_e4m3(value, kv_scale_value(v_scale, SCALE_IS_PTR))
+    key = key.to(cache_dtype)
+    value = value.to(cache_dtype)
     tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
     tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
 
@@ -79,21 +93,27 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+    *,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Writes `key`/`value` into `kv_cache` in place at `slot_mapping`; -1 slots are skipped.
 
     `key` and `value` may be strided views (e.g. slices of a fused QKV projection) as long as
     their last dimension is contiguous. They are in the model dtype; the cache is in it too, or
-    in a 16-bit `kv_cache_dtype` they are rounded to. Slots must be < num_blocks * block_size
-    (not checked on the device).
+    in a 16-bit `kv_cache_dtype` they are rounded to, or in float8_e4m3fn: then each stored
+    element is `clamp(x / k_scale, -448, 448)` (`v_scale` for values) rounded to E4M3, as
+    torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`; the scales (a
+    float or a 1-element tensor) are ignored by other caches. Slots must be
+    < num_blocks * block_size (not checked on the device).
     """
-    check_kv_cache(kv_cache)
+    check_kv_cache(kv_cache, fp8_ok=True)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     for name, tensor in (("key", key), ("value", value)):
         check_ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_dim]")
         check_last_dim_contiguous(name, tensor)
         check_dtype(name, tensor, FLOAT_DTYPES)
-        if not cache_dtype_fits(kv_cache.dtype, tensor.dtype):
+        if not cache_dtype_fits(kv_cache.dtype, tensor.dtype, fp8_ok=True):
             raise ValueError(
                 f"{name} dtype {tensor.dtype} does not fit kv_cache dtype {kv_cache.dtype}: "
                 "the cache is in the model dtype or a 16-bit kv_cache_dtype."
@@ -113,6 +133,10 @@ def write_kv_cache(
             f"{key.shape[0]}, {value.shape[0]} and {num_tokens}."
         )
     check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
+    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
+    if k_is_ptr != v_is_ptr:
+        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
     if num_tokens == 0:
         return
 
@@ -125,6 +149,8 @@ def write_kv_cache(
         key_cache_ptr=key_cache,
         value_cache_ptr=value_cache,
         slot_mapping_ptr=slot_mapping,
+        k_scale=k_arg,
+        v_scale=v_arg,
         stride_key_token=key.stride(0),
         stride_key_head=key.stride(1),
         stride_value_token=value.stride(0),
@@ -137,5 +163,7 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
         BLOCK_SIZE=block_size,
+        IS_FP8=kv_cache.dtype == FP8_CACHE_DTYPE,
+        SCALE_IS_PTR=k_is_ptr,
         num_warps=4 if heads_padded * head_dim_padded <= 2048 else 8,
     )

@@ -42,8 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import is_interpreter, next_power_of_2
+from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_arg, next_power_of_2
 from kernels._math import tanh
+from kernels.fp8_quant import kv_scale_value
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 from kernels.split_kv import choose_num_splits, merge_splits
 
@@ -106,6 +107,8 @@ def _paged_attention_kernel(
     scale_log2,  # softmax scale * log2(e)
     soft_cap_log2,  # attention logit soft-cap * log2(e) (read when HAS_SOFT_CAP)
     sinks_ptr,  # [num_heads] attention sinks, any float dtype (read when HAS_SINKS)
+    k_scale,  # FP8 cache: the keys' scale (a float, or a pointer when SCALE_IS_PTR)
+    v_scale,  # FP8 cache: the values' scale
     num_reqs,
     stride_q_token,
     stride_q_head,
@@ -129,6 +132,8 @@ def _paged_attention_kernel(
     HAS_SINKS: tl.constexpr,  # bool, a per-head logit joins the softmax's sum (GPT-OSS)
     UPCAST: tl.constexpr,  # bool, compute the dots in fp32 (interpreter + bf16)
     DOT_PRECISION: tl.constexpr,  # str | None, tl.dot input_precision
+    IS_FP8: tl.constexpr,  # bool, the cache is E4M3: loads are multiplied by the scale
+    SCALE_IS_PTR: tl.constexpr,  # bool, k_scale / v_scale are 1-element tensors
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,6 +194,11 @@ def _paged_attention_kernel(
         m_i = tl.where(first, sink, m_i)
         l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_PADDED], tl.float32)
+    ks = 1.0
+    vs = 1.0
+    if IS_FP8:
+        ks = kv_scale_value(k_scale, SCALE_IS_PTR)
+        vs = kv_scale_value(v_scale, SCALE_IS_PTR)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
     for tile in range(tile_lo, tile_hi):
@@ -204,6 +214,9 @@ def _paged_attention_kernel(
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
         k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if IS_FP8:  # dequantized in fp32: float(stored) * scale, then the query's dtype
+            k = k.to(tl.float32) * ks
+            v = v.to(tl.float32) * vs
         k = k.to(q.dtype)  # from a 16-bit kv_cache_dtype (a no-op when they agree)
         v = v.to(q.dtype)
 
@@ -258,6 +271,8 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's query rows over its paged context.
 
@@ -277,12 +292,19 @@ def paged_attention(
     (after the scale) becomes cap * tanh(score / cap), as Gemma 2 does. `sinks`
     ([num_heads], any float dtype; converted to fp32 in the kernel): GPT-OSS's attention sinks, a
     learned logit per head added to each row's softmax sum, attending to no value.
+    A float8_e4m3fn `kv_cache` (kv_cache_dtype="fp8") is read as `float(stored) * k_scale`
+    (`v_scale` for values; a float or a 1-element tensor) in fp32, then in the query's dtype;
+    the scales are ignored for other caches.
     """
     if out is None:
         out = torch.empty_like(query)
     check_paged_attention_inputs(
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len, fp8_ok=True
     )
+    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
+    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
+    if k_is_ptr != v_is_ptr:
+        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]
@@ -325,6 +347,8 @@ def paged_attention(
         scale_log2=scale * LOG2_E,
         soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
         sinks_ptr=out if sinks is None else sinks,  # never read without sinks
+        k_scale=k_arg,
+        v_scale=v_arg,
         num_reqs=num_reqs,
         stride_q_token=query.stride(0),
         stride_q_head=query.stride(1),
@@ -349,6 +373,8 @@ def paged_attention(
         UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
         # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        IS_FP8=kv_cache.dtype == FP8_CACHE_DTYPE,
+        SCALE_IS_PTR=k_is_ptr,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

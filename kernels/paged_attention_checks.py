@@ -33,14 +33,16 @@ def check_paged_attention_inputs(
     query_start_loc: torch.Tensor,
     out: torch.Tensor,
     max_query_len: int,
+    *,
+    fp8_ok: bool = False,
 ) -> None:
     """ValueError naming the argument for any input `paged_attention` cannot read as laid
     out in its docstring (shapes, dtypes, strides, devices, head counts)."""
     check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
     check_dtype("query", query, FLOAT_DTYPES)
     check_last_dim_contiguous("query", query)
-    check_kv_cache(kv_cache)
-    if not cache_dtype_fits(kv_cache.dtype, query.dtype):
+    check_kv_cache(kv_cache, fp8_ok=fp8_ok)
+    if not cache_dtype_fits(kv_cache.dtype, query.dtype, fp8_ok=fp8_ok):
         raise ValueError(
             f"kv_cache dtype {kv_cache.dtype} for a {query.dtype} query: the cache is in the "
             "query's dtype or a 16-bit kv_cache_dtype."

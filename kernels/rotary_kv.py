@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels._common import (
     FLOAT_DTYPES,
+    FP8_CACHE_DTYPE,
     cache_dtype_fits,
     check_contiguous,
     check_dtype,
@@ -38,8 +39,10 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
+    kv_scale_arg,
     next_power_of_2,
 )
+from kernels.fp8_quant import kv_scale_value, quantize_e4m3
 
 
 @triton.jit
@@ -51,6 +54,8 @@ def _rotary_kv_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (when WRITE_KV)
     value_cache_ptr,  # same layout, kv_cache[1]
     slot_mapping_ptr,  # [num_tokens] int64, -1 = skip (when WRITE_KV)
+    k_scale,  # FP8 cache: the keys' scale (a float, or a pointer when SCALE_IS_PTR)
+    v_scale,  # FP8 cache: the values' scale
     stride_qk_token,
     stride_qk_head,
     stride_cos_token,
@@ -68,6 +73,8 @@ def _rotary_kv_kernel(
     HALF_PADDED: tl.constexpr,  # int, power of two >= HALF
     BLOCK_SIZE: tl.constexpr,  # int, tokens per cache block (when WRITE_KV)
     WRITE_KV: tl.constexpr,  # bool, store the rotated keys and the values into the cache
+    IS_FP8: tl.constexpr,  # bool, the cache is E4M3: store clamp(x / scale) rounded
+    SCALE_IS_PTR: tl.constexpr,  # bool, k_scale / v_scale are 1-element tensors
 ):
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF_PADDED)
@@ -112,16 +119,28 @@ def _rotary_kv_kernel(
                 + dims[None, :]
             )  # [KV_HEADS_PADDED, HALF_PADDED]
             cache_dtype = key_cache_ptr.dtype.element_ty
-            tl.store(key_cache_ptr + cache_offsets, out1.to(cache_dtype), mask=kv_mask)
-            tl.store(key_cache_ptr + cache_offsets + HALF, out2.to(cache_dtype), mask=kv_mask)
+            k_cache1 = out1
+            k_cache2 = out2
+            if IS_FP8:  # from the model-dtype keys, as write_kv_cache quantizes them
+                ks = kv_scale_value(k_scale, SCALE_IS_PTR)
+                k_cache1 = quantize_e4m3(out1, ks)
+                k_cache2 = quantize_e4m3(out2, ks)
+            tl.store(key_cache_ptr + cache_offsets, k_cache1.to(cache_dtype), mask=kv_mask)
+            tl.store(key_cache_ptr + cache_offsets + HALF, k_cache2.to(cache_dtype), mask=kv_mask)
             v_first = (
                 value_ptr
                 + token * stride_value_token
                 + kv_heads[:, None] * stride_value_head
                 + dims[None, :]
             )
-            v1 = tl.load(v_first, mask=kv_mask, other=0.0).to(cache_dtype)
-            v2 = tl.load(v_first + HALF, mask=kv_mask, other=0.0).to(cache_dtype)
+            v1 = tl.load(v_first, mask=kv_mask, other=0.0)
+            v2 = tl.load(v_first + HALF, mask=kv_mask, other=0.0)
+            if IS_FP8:
+                vs = kv_scale_value(v_scale, SCALE_IS_PTR)
+                v1 = quantize_e4m3(v1, vs)
+                v2 = quantize_e4m3(v2, vs)
+            v1 = v1.to(cache_dtype)
+            v2 = v2.to(cache_dtype)
             tl.store(value_cache_ptr + cache_offsets, v1, mask=kv_mask)
             tl.store(value_cache_ptr + cache_offsets + HALF, v2, mask=kv_mask)
 
@@ -156,6 +175,8 @@ def _launch(
     value: torch.Tensor,
     kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     num_tokens, num_qk_heads, head_dim = qk.shape
     if num_tokens == 0:
@@ -175,6 +196,8 @@ def _launch(
         key_cache_ptr=key_cache,
         value_cache_ptr=value_cache,
         slot_mapping_ptr=slot_mapping,
+        k_scale=k_scale,
+        v_scale=v_scale,
         stride_qk_token=qk.stride(0),
         stride_qk_head=qk.stride(1),
         stride_cos_token=cos.stride(0),
@@ -192,6 +215,8 @@ def _launch(
         HALF_PADDED=next_power_of_2(head_dim // 2),
         BLOCK_SIZE=block_size,
         WRITE_KV=kv_cache is not None,
+        IS_FP8=kv_cache is not None and kv_cache.dtype == FP8_CACHE_DTYPE,
+        SCALE_IS_PTR=isinstance(k_scale, torch.Tensor),
         num_warps=4 if heads_padded * head_dim <= 4096 else 8,
     )
 
@@ -219,12 +244,16 @@ def rotary_write_kv_cache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
     num_heads: int,
+    *,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
 ) -> None:
     """Rotates q (the first `num_heads` heads of `qk`) and k (the rest) in place, then writes
     the rotated keys and `value` into `kv_cache` at `slot_mapping` (-1 slots are skipped):
-    `rotary_cos_sin_` followed by `write_kv_cache`, in one launch."""
+    `rotary_cos_sin_` followed by `write_kv_cache`, in one launch (an FP8 cache quantized
+    with `k_scale` / `v_scale` as there)."""
     _check_rotary_inputs(qk, cos, sin, num_heads)
-    check_kv_cache(kv_cache)
+    check_kv_cache(kv_cache, fp8_ok=True)
     num_tokens, num_qk_heads, head_dim = qk.shape
     num_kv_heads = num_qk_heads - num_heads
     if num_heads < 1:
@@ -241,7 +270,7 @@ def rotary_write_kv_cache(
             f"value must be [{num_tokens}, {num_kv_heads}, {head_dim}] {qk.dtype}, "
             f"got {tuple(value.shape)} {value.dtype}."
         )
-    if not cache_dtype_fits(kv_cache.dtype, qk.dtype):
+    if not cache_dtype_fits(kv_cache.dtype, qk.dtype, fp8_ok=True):
         raise ValueError(
             f"qk dtype {qk.dtype} does not fit kv_cache dtype {kv_cache.dtype}: the cache is "
             "in the model dtype or a 16-bit kv_cache_dtype."
@@ -254,4 +283,8 @@ def rotary_write_kv_cache(
     check_same_device(
         qk=qk, value=value, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping
     )
-    _launch(qk, cos, sin, num_heads, value, kv_cache, slot_mapping)
+    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
+    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
+    if k_is_ptr != v_is_ptr:
+        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
+    _launch(qk, cos, sin, num_heads, value, kv_cache, slot_mapping, k_arg, v_arg)

@@ -79,6 +79,10 @@ class AttentionParams:
     # denominator (exp(sink) added to the sum of exp(scores)) and attends to no value, so a
     # head can put weight "nowhere"; None = no sinks (and no cost).
     sinks: torch.Tensor | None = None
+    # An FP8 KV cache's per-tensor scales (stored = key / k_scale): the checkpoint's, else
+    # 1.0; only the triton backend takes such a cache (kv_cache_dtype.check_fp8_kv_cache).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def kernel_options(self) -> dict[str, Any]:
         """The keyword arguments every paged-attention kernel launcher takes besides the

@@ -73,9 +73,23 @@ class TritonAttentionBackend(AttentionBackend):
         """One launch rotates q and k from the engine's cos/sin (every rope type) and writes
         the rotated keys and the values into the cache; the layer's `rotate` is not needed."""
         self._kernels.rotary_write_kv_cache(
-            qk, value, cos, sin, kv_cache, metadata.slot_mapping, num_heads
+            qk, value, cos, sin, kv_cache, metadata.slot_mapping, num_heads, **_scales(params)
         )
         return self.attend(qk[:, :num_heads], kv_cache, metadata, params)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        params: AttentionParams,
+    ) -> torch.Tensor:
+        """The write with the layer's FP8 scales (`write_kv` alone has none: 1.0), then
+        `attend`."""
+        self._kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping, **_scales(params))
+        return self.attend(query, kv_cache, metadata, params)
 
     def attend(
         self,
@@ -99,6 +113,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale=params.scale,
                 out=out[:num_decodes],
                 **params.kernel_options(),
+                **_scales(params),
             )
         if num_reqs > num_decodes:
             # query_start_loc holds absolute rows, so the prefill slice needs no rebasing.
@@ -112,5 +127,11 @@ class TritonAttentionBackend(AttentionBackend):
                 scale=params.scale,
                 out=out,
                 **params.kernel_options(),
+                **_scales(params),
             )
         return out
+
+
+def _scales(params: AttentionParams) -> dict[str, float]:
+    """An FP8 cache's per-tensor scales (ignored by the kernels for other caches)."""
+    return {"k_scale": params.k_scale, "v_scale": params.v_scale}

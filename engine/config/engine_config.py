@@ -15,7 +15,11 @@ from engine.api.model_files import load_generation_config, load_hf_config
 from engine.config.batch_invariant import check_batch_invariant
 from engine.config.cuda_graph import CudaGraphConfig, resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device
-from engine.config.kv_cache_dtype import CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
+from engine.config.kv_cache_dtype import (
+    CACHE_DTYPE_NAMES,
+    check_fp8_kv_cache,
+    resolve_kv_cache_dtype,
+)
 from engine.config.lora import LoRAConfig
 from engine.config.parallel import ExecutorBackend, ParallelConfig
 from engine.config.pooler import PoolerConfig
@@ -198,7 +202,8 @@ class EngineArgs:
     # The KV cache's dtype (vLLM's name): "auto" = the model dtype (float16 for GGUF blocks
     # kept quantized on the CPU, as llama.cpp: kv_cache_dtype.py), "bfloat16" / "float16"
     # (aliases "bf16", "fp16", "half") halve the cache's memory and the bytes attention
-    # reads; keys and values are rounded once when written. fp8 is not supported.
+    # reads; keys and values are rounded once when written. "fp8" / "fp8_e4m3": E4M3 with
+    # per-layer scales, the triton backend only (docs/fp8.md).
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -349,6 +354,12 @@ class EngineArgs:
         )
         cuda_graph_config = resolve_cuda_graph_config(
             self.cuda_graph_sizes, self.enforce_eager, device, self.max_num_seqs
+        )
+        check_fp8_kv_cache(
+            cache_config.cache_dtype,
+            device=device,
+            attention_backend=self.attention_backend,
+            batch_invariant=self.batch_invariant,
         )
         if self.batch_invariant:
             check_batch_invariant(

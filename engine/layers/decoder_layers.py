@@ -123,6 +123,9 @@ class Attention(nn.Module):
             )
         self.head_dim = get_head_dim(hf_config)
         self.scale = (spec.query_pre_attn_scalar or self.head_dim) ** -0.5
+        # An FP8 KV cache's per-tensor scales: the checkpoint's (set by the loader), else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.logits_soft_cap = spec.attn_logit_softcapping
         self.attn_backend = attn_backend
         ranks = get_parallel_rank()
@@ -187,7 +190,14 @@ class Attention(nn.Module):
             qk = torch.cat(
                 (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, -1, head_dim)), 1
             )
-        params = AttentionParams(self.scale, self.sliding_window, self.logits_soft_cap, self.sinks)
+        params = AttentionParams(
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+            self.sinks,
+            self.k_scale,
+            self.v_scale,
+        )
         # The backend rotates q and k (with the rotary's own op, or fused with its KV write).
         out = self.attn_backend.forward_rotary(
             qk, value, rotary.rotate_, cos, sin, kv_cache, attn_metadata, params, num_heads

@@ -113,6 +113,8 @@ def load_model(
         if fp8 is not None:
             weights = fp8.weights(weights)
         _load_checkpoint(model, weights, kept, quantization)
+        if fp8 is not None:
+            _set_kv_scales(model, fp8.kv_scales)
         if int4 is not None:
             int4.finish()
     if quantization == "gguf":
@@ -185,6 +187,20 @@ def _fp8_checkpoint(
             "to %s at load.", found.quant_method, device, dtype,
         )  # fmt: skip
     return Fp8Checkpoint(found.scheme, dtype, kept)
+
+
+def _set_kv_scales(model: DecoderForCausalLM, kv_scales: dict[str, dict[str, float]]) -> None:
+    """The checkpoint's per-tensor KV-cache scales onto its attention layers (`k_scale` /
+    `v_scale`, read by an FP8 KV cache's kernels; 1.0 where the checkpoint has none)."""
+    for name, scales in kv_scales.items():
+        try:
+            attn = model.get_submodule(name)
+        except AttributeError:
+            attn = None
+        if attn is None or not hasattr(attn, "k_scale"):
+            raise ValueError(f"checkpoint KV-cache scales for {name!r}: not an attention layer.")
+        for key, value in scales.items():
+            setattr(attn, key, value)
 
 
 def _install_gguf(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.attention.backend import get_attention_backend
+from engine.attention.kv_cache_spec import PagedKVSpec
 from engine.config.engine_config import CacheConfig, EngineConfig
 from engine.config.rope import rope_regime
 from engine.core.sched_output import (
@@ -91,6 +92,13 @@ class ModelRunner:
             load_format=model_config.load_format,
             seed=model_config.seed,
         )
+        if self.kv_cache_dtype == torch.float8_e4m3fn and not isinstance(
+            self.model.kv_cache_spec, PagedKVSpec
+        ):  # MLA layers attend with torch ops over a latent cache: no FP8 reads there
+            raise ValueError(
+                "kv_cache_dtype='fp8' is served for paged key/value caches only, not for "
+                f"{type(self.model.kv_cache_spec).__name__} (multi-head latent attention)."
+            )
         # Whether the steps carry each token's rope length (longrope, dynamic: rope.py).
         self._rope_lengths = rope_regime(model_config.hf_config) is not None
         # The backend's fused whole-step path for one-token decode steps, if it has one.

@@ -61,7 +61,7 @@ def test_values_and_aliases_resolve_once(tiny, value, expected):
         )
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8", "bfloat", "", 16])
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int8", "bfloat", "", 16])
 def test_bad_values_are_refused_naming_the_field(tiny, value):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(model=str(tiny), kv_cache_dtype=value).create_engine_config()
