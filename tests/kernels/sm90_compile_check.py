@@ -38,6 +38,17 @@ def _compile(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # The FP8-cache arguments every KV kernel takes: off (a 16-bit cache) unless the case
+    # says otherwise (`_fp8_cache_cases`), the scales plain floats.
+    arg_names = set(fn.arg_names)
+    constexprs = {
+        **{name: False for name in ("IS_FP8", "SCALE_IS_PTR") if name in arg_names},
+        **constexprs,
+    }
+    arg_types = {
+        **{name: "fp32" for name in ("k_scale", "v_scale") if name in arg_names},
+        **arg_types,
+    }
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -321,6 +332,38 @@ def _ptxas() -> str | None:
         return None
 
 
+def _fp8_cache_cases(cases: list[CompileCase]) -> list[CompileCase]:
+    """The kernels that write or read the KV cache once more over an E4M3 cache
+    (`kv_cache_dtype="fp8"`): Llama-3-8B's decode and prefill attention, the first flash-prefill
+    configuration, and both cache writes."""
+    wanted = (
+        "paged_attention bf16 d=128 qpk=4 q=1 splits=1 ",
+        "paged_attention bf16 d=128 qpk=4 q=512 ",
+        "write_kv_cache",
+        "rotary_write_kv_cache",
+    )
+    picked = [case for case in cases if case.label.startswith(wanted)]
+    picked += [case for case in cases if case.label.startswith("flash_prefill bf16 d=128")][:1]
+    fp8 = []
+    for case in picked:
+        arg_types = {
+            name: "*fp8e4nv" if name in ("key_cache_ptr", "value_cache_ptr") else kind
+            for name, kind in case.arg_types.items()
+        }
+        constexprs = {**case.constexprs, "IS_FP8": True, "SCALE_IS_PTR": False}
+        fp8.append(
+            CompileCase(
+                f"{case.label} [fp8 cache]",
+                case.kernel,
+                arg_types,
+                constexprs,
+                case.num_warps,
+                case.num_stages,
+            )
+        )
+    return fp8
+
+
 def main(argv: list[str]) -> int:
     limit = int(argv[argv.index("--limit") + 1]) if "--limit" in argv else None
     only = argv[argv.index("--only") + 1] if "--only" in argv else ""
@@ -339,7 +382,8 @@ def main(argv: list[str]) -> int:
         return 3
     print(f"ptxas: {ptxas}")
     failures = 0
-    for case in [*_attention_cases(), *_flash_prefill_cases(), *_other_cases()][:limit]:
+    cases = [*_attention_cases(), *_flash_prefill_cases(), *_other_cases()]
+    for case in [*cases, *_fp8_cache_cases(cases)][:limit]:
         label = case.label
         if only not in label:
             continue
