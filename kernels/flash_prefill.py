@@ -41,7 +41,7 @@ import triton.language as tl
 from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_arg, next_power_of_2
 from kernels._math import tanh
 from kernels.fp8_quant import kv_scale_value
-from kernels.paged_attention import LOG2_E, _find_request
+from kernels.paged_attention import LOG2_E, _find_request, _load_kv_tile
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 
 
@@ -144,19 +144,23 @@ def _attend_tiles(
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_valid = kv_pos < seq_len
-        block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
-        # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
-        kv_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        kv_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if IS_FP8:  # dequantized in fp32: float(stored) * scale, then the query's dtype
-            k = k.to(tl.float32) * ks
-            v = v.to(tl.float32) * vs
+        k, v = _load_kv_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_row,
+            kv_pos,
+            kv_valid,
+            kv_head,
+            dims,
+            dim_valid,
+            stride_cache_block,
+            stride_cache_slot,
+            stride_cache_head,
+            ks,
+            vs,
+            BLOCK_SIZE,
+            IS_FP8,
+        )
         k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
         v = v.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
 

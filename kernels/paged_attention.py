@@ -94,6 +94,44 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.const
 
 
 @triton.jit
+def _load_kv_tile(
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_row,  # this request's row of the block table
+    kv_pos,  # [BLOCK_N] key positions
+    kv_valid,  # [BLOCK_N] positions inside the context
+    kv_head,
+    dims,  # [HEAD_DIM_PADDED]
+    dim_valid,  # [HEAD_DIM_PADDED]
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    ks,  # FP8 cache: the keys' scale
+    vs,  # FP8 cache: the values' scale
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    """One tile of keys and values gathered from the paged cache ([BLOCK_N, HEAD_DIM_PADDED],
+    zeros outside the context), an FP8 cache's dequantized in fp32 (float(stored) * scale);
+    the caller casts them to the query's dtype. Shared by the attention kernels here and
+    kernels/flash_prefill.py."""
+    block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
+    # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
+    kv_offsets = (
+        block_ids.to(tl.int64) * stride_cache_block
+        + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+        + kv_head * stride_cache_head
+    )  # [BLOCK_N]
+    kv_mask = kv_valid[:, None] & dim_valid[None, :]
+    k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if IS_FP8:
+        k = k.to(tl.float32) * ks
+        v = v.to(tl.float32) * vs
+    return k, v
+
+
+@triton.jit
 def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
@@ -204,19 +242,23 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_valid = kv_pos < kv_end
-        block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
-        # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
-        kv_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        kv_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if IS_FP8:  # dequantized in fp32: float(stored) * scale, then the query's dtype
-            k = k.to(tl.float32) * ks
-            v = v.to(tl.float32) * vs
+        k, v = _load_kv_tile(
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_row,
+            kv_pos,
+            kv_valid,
+            kv_head,
+            dims,
+            dim_valid,
+            stride_cache_block,
+            stride_cache_slot,
+            stride_cache_head,
+            ks,
+            vs,
+            BLOCK_SIZE,
+            IS_FP8,
+        )
         k = k.to(q.dtype)  # from a 16-bit kv_cache_dtype (a no-op when they agree)
         v = v.to(q.dtype)
 
