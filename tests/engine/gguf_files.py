@@ -19,7 +19,14 @@ HIDDEN = 256  # a multiple of the k-quants' 256-value super-block
 INTERMEDIATE = 512
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
-VOCAB = 49152  # the copied tokenizer's
+
+
+def vocabulary_size(tokenizer_fields: list[Any]) -> int:
+    """The rows of the embedding: one per token of the copied tokenizer."""
+    (tokens,) = (f for f in tokenizer_fields if f.name == "tokenizer.ggml.tokens")
+    return len(tokens.contents())
+
+
 # Offsets of the fp16 scale fields inside one block.
 _SCALE_OFFSETS = {
     QType.Q8_0: (0,),
@@ -99,7 +106,9 @@ def write_tiny_llama_gguf(
         writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
     rng = np.random.default_rng(1)
-    add_blocks("token_embd.weight", EMBEDDING_TYPE, VOCAB, HIDDEN)
+    add_blocks(
+        "token_embd.weight", EMBEDDING_TYPE, vocabulary_size(tokenizer_fields), HIDDEN
+    )
     add_norm("output_norm.weight")
     kv_rows = NUM_KV_HEADS * (HIDDEN // NUM_HEADS)
     for i, types in enumerate(LAYER_TYPES):
@@ -174,7 +183,7 @@ def write_tiny_family_gguf(
     def add_f32(name: str, size: int, around: float) -> None:
         writer.add_tensor(name, (around + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
-    add_blocks("token_embd.weight", VOCAB, HIDDEN)
+    add_blocks("token_embd.weight", vocabulary_size(tokenizer_fields), HIDDEN)
     add_f32("output_norm.weight", HIDDEN, 1.0)
     for i in range(2):
         add_f32(f"blk.{i}.attn_norm.weight", HIDDEN, 1.0)

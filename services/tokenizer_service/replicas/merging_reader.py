@@ -79,6 +79,11 @@ class MergingReader:
         index = next(iter(self._pending))
         return self._pending.pop(index)
 
+    @property
+    def call_ended(self) -> bool:
+        """True once the call ended: every message it sent has arrived."""
+        return self._done
+
     def close(self) -> None:
         """Stops reading (the relay is done with the call, or went away)."""
         self._task.cancel()

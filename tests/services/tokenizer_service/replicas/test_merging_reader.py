@@ -50,7 +50,9 @@ def test_messages_that_waited_come_as_one_per_output(stack) -> None:
 
             reader = MergingReader(stub.Generate(_request("merge-read-ahead")), arrived)
             try:
-                while num_arrived < len(direct):  # a client that does not read meanwhile
+                # A client that does not read meanwhile. (Not a count of `direct`'s
+                # messages: on a busy machine the engine service merges some itself.)
+                while not reader.call_ended:
                     await asyncio.sleep(0.01)
                 merged = [msg async for msg in reader]
             finally:
@@ -58,8 +60,7 @@ def test_messages_that_waited_come_as_one_per_output(stack) -> None:
             return direct, merged, num_arrived
 
     direct, merged, num_arrived = stack.loop.run(run())
-    assert len(direct) >= 30  # the engine sent one message per step and output
-    assert num_arrived == len(direct)
+    assert len(direct) > 2 and num_arrived > 2  # more messages than outputs came
     assert len(merged) == 2  # one per output index
     assert _per_index(merged) == _per_index(direct)
     assert {m.finish_reason for m in merged} == {common_pb2.FINISH_REASON_LENGTH}
