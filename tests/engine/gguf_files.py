@@ -106,9 +106,7 @@ def write_tiny_llama_gguf(
         writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
     rng = np.random.default_rng(1)
-    add_blocks(
-        "token_embd.weight", EMBEDDING_TYPE, vocabulary_size(tokenizer_fields), HIDDEN
-    )
+    add_blocks("token_embd.weight", EMBEDDING_TYPE, vocabulary_size(tokenizer_fields), HIDDEN)
     add_norm("output_norm.weight")
     kv_rows = NUM_KV_HEADS * (HIDDEN // NUM_HEADS)
     for i, types in enumerate(LAYER_TYPES):
