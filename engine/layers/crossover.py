@@ -15,7 +15,8 @@ Where the two cross depends on the GPU, the shape and the dtype, so `plan_crosso
 both routes on the loaded model: per distinct `crossover_key` (e.g. "fp8 6144x4096 bfloat16"),
 at the row counts of `CALIBRATION_ROWS` in order, each a `Trial` whose call runs the route
 over up to `ROTATE_LAYERS` layers of that shape (their weights together exceed the L2 cache,
-as in a real step), timed by `cuda_event_timer` (CUDA events, median of a few repeats). The
+as in a real step), timed by `cuda_event_timer` (the calls in a CUDA graph, as decode steps
+run; CUDA events around replays, the median of a few). The
 crossover is the largest row count up to which the kernel was never slower
 (`choose_crossover`); timing stops at the first row count the GEMM wins. Results are kept
 per process by (device name, key) and logged once.
@@ -88,20 +89,37 @@ Timer = Callable[[Trial], float]  # seconds per call of trial.call
 
 
 def cuda_event_timer(trial: Trial) -> float:
-    """Median over `_REPEATS` of `_ITERS` calls between two CUDA events, after one call
-    that compiles and autotunes the kernel."""
-    trial.call()
-    torch.cuda.synchronize()
+    """Median over `_REPEATS` of `_ITERS` calls between two CUDA events: the calls captured
+    in one CUDA graph and replayed, as the engine's decode steps run (eager launches would
+    time the host's launch path, not the kernels: a Triton launch costs more host time than
+    a one-row GEMV takes on the GPU); eager where the call cannot be captured. The first
+    calls, outside any capture, compile and autotune the kernel."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            trial.call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(_ITERS):
+                trial.call()
+        run: Callable[[], object] = graph.replay
+        per_run = _ITERS
+    except RuntimeError as error:
+        logger.warning("%s %s: timed eagerly (%s).", trial.key, trial.route, error)
+        run, per_run = trial.call, 1
     samples = []
     for _ in range(_REPEATS):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(_ITERS):
-            trial.call()
+        run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / _ITERS)
+        samples.append(start.elapsed_time(end) * 1e-3 / per_run)
+    del graph
     return statistics.median(samples)
 
 
