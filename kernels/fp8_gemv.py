@@ -34,6 +34,7 @@ config that fits (tests pass explicit `Fp8GemvConfig`s to cover the others).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,7 @@ def _dot_rows(
             mask=mask_n[:, None] & mask_k[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_K] fp8: exact in x's dtype
-        w = w.to(tl.float32).to(x.dtype)
+        w = w.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -240,11 +241,16 @@ def _fp8_gemv_kernel(
         tl.store(partial, acc, mask=mask)
 
 
+# Later starts read the timings from Triton's cache (where this Triton can keep them).
+_CACHE_RESULTS = (
+    {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters
+    else {}
+)  # fmt: skip
 _fp8_gemv_autotuned = triton.autotune(
     configs=list(_TRITON_CONFIGS.values()),
     key=["M_BUCKET", "N", "K"],
     prune_configs_by={"early_config_prune": _prune},
-    cache_results=True,
+    **_CACHE_RESULTS,
 )(_fp8_gemv_kernel)
 
 
