@@ -152,25 +152,39 @@ def measure_crossover(
     timer: Timer,
     rows: tuple[int, ...] = CALIBRATION_ROWS,
 ) -> tuple[int, list[tuple[int, float, float]]]:
-    """(crossover, the timings up to where the GEMM first won) for one shape."""
+    """(crossover, the timings up to where the GEMM first won) for one shape. A route that
+    fails at some row count (a kernel that does not compile on this GPU, memory) ends the
+    measurement there, with a warning: the rows measured before it decide (none: the GEMM
+    everywhere), so a failed measurement never stops the engine from starting."""
     methods = methods[:ROTATE_LAYERS]
     generator = torch.Generator().manual_seed(0)
     table: list[tuple[int, float, float]] = []
     for m in rows:
         x = torch.randn(m, methods[0].in_features, generator=generator).to(dtype).to(device)
         times = []
-        for route in ("kernel", "gemm"):
-            kernel = route == "kernel"
-
-            def call(x: torch.Tensor = x, kernel: bool = kernel) -> None:
-                for method in methods:
-                    method.route(x, kernel)
-
-            times.append(timer(Trial(key, route, m, len(methods), call)))
+        try:
+            for route in ("kernel", "gemm"):
+                times.append(timer(Trial(key, route, m, len(methods), _call(methods, x, route))))
+        except Exception:  # any failure of a route: the rows before it decide
+            logger.warning(
+                "%s: the %s route failed at %d rows; the crossover is taken from fewer rows.",
+                key, ("kernel", "gemm")[len(times)], m, exc_info=True,
+            )  # fmt: skip
+            break
         table.append((m, times[0], times[1]))
         if times[0] > times[1]:
             break
     return choose_crossover(table), table
+
+
+def _call(methods: list[TwoRoutes], x: torch.Tensor, route: str) -> Callable[[], None]:
+    kernel = route == "kernel"
+
+    def call() -> None:
+        for method in methods:
+            method.route(x, kernel)
+
+    return call
 
 
 def _capturing() -> bool:

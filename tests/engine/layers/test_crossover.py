@@ -209,3 +209,26 @@ def test_graph_capture_sees_a_fixed_route_per_row_count(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="before CUDA graph capture"):
         plan_crossovers(model, torch.float32, CPU, timer=TableTimer(TABLE), rows=ROWS)
     assert method.max_kernel_rows == 4
+
+
+def test_a_failing_route_ends_the_measurement_without_stopping_the_load() -> None:
+    """A route that raises (a kernel that does not compile there, memory) at 4 rows: the
+    rows measured before decide; at the first row count: the GEMM everywhere."""
+
+    def timer_failing_at(rows: int, route: str):
+        table = TableTimer(TABLE)
+
+        def timer(trial: Trial) -> float:
+            if trial.rows == rows and trial.route == route:
+                raise RuntimeError("no kernel here")
+            return table(trial)
+
+        return timer
+
+    model = nn.Module()
+    model.a = _fp8_layer(24, 64, 0)[0]
+    chosen = plan_crossovers(model, torch.float32, CPU, timer_failing_at(4, "gemm"), ROWS)
+    assert chosen == {"fp8 24x64": 2}
+    crossover._MEASURED.clear()
+    chosen = plan_crossovers(model, torch.float32, CPU, timer_failing_at(1, "kernel"), ROWS)
+    assert chosen == {"fp8 24x64": 0} and model.a.quant_method.max_kernel_rows == 0
