@@ -28,6 +28,7 @@ from engine.layers.fp8_linear import (
 )
 from engine.layers.int4_linear import INT4_GEMM_MAX_ROWS, Int4LinearMethod
 from engine.loader.int4_packing import Int4Weight
+from tests.kernels._helpers import requires_cuda
 from tests.triton_utils import import_triton
 
 import_triton()
@@ -232,3 +233,30 @@ def test_a_failing_route_ends_the_measurement_without_stopping_the_load() -> Non
     crossover._MEASURED.clear()
     chosen = plan_crossovers(model, torch.float32, CPU, timer_failing_at(1, "kernel"), ROWS)
     assert chosen == {"fp8 24x64": 0} and model.a.quant_method.max_kernel_rows == 0
+
+
+@requires_cuda
+def test_on_a_gpu_the_measured_route_replays_in_a_graph() -> None:
+    """The real timer (CUDA graphs and events) on an 8B-sized FP8 shape: a crossover among
+    the measured row counts, and a graph captured after it replays the eager result."""
+    cuda = torch.device("cuda")
+    model = nn.Module()
+    for i in range(2):
+        layer = nn.Module()
+        weight = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(i)) * 0.02
+        layer.weight, layer.weight_scale = (t.to(cuda) for t in quantize_weight_per_row(weight))
+        layer.quant_method = Fp8LinearMethod(layer, gemv=fp8_gemv_kernel(triton=True))
+        setattr(model, f"l{i}", layer)
+    rows = (1, 2, 4, 8, 16, 32)
+    chosen = plan_crossovers(model, torch.bfloat16, cuda, rows=rows)
+    assert chosen["fp8 4096x4096"] in (0, *rows)
+    method = model.l0.quant_method
+    for size in (1, 4, 64):
+        x = torch.randn(size, 4096, device=cuda, dtype=torch.bfloat16)
+        eager = method.apply(x, None)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = method.apply(x, None)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
