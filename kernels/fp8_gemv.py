@@ -140,6 +140,7 @@ def _dot_rows(
     BLOCK_M: tl.constexpr,  # int, >= 16
     BLOCK_N: tl.constexpr,  # int
     BLOCK_K: tl.constexpr,  # int
+    EVEN_K: tl.constexpr,  # bool: every step a whole BLOCK_K (no K mask)
     DOT_PRECISION: tl.constexpr,  # str | None
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] fp32 sums over k in [k_lo, k_hi) of x[m, k] * W[n, k]."""
@@ -150,18 +151,16 @@ def _dot_rows(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_x + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = tl.load(
-            w_ptr + w_rows[:, None] * stride_w + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_K] fp8: exact in x's dtype
-        w = w.to(x.dtype)
+        x_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
+        w_ptrs = w_ptr + w_rows[:, None] * stride_w + offs_k[None, :]
+        if EVEN_K:  # no K mask: 16-byte loads
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K] fp8
+        else:
+            mask_k = offs_k < k_hi
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = w.to(x.dtype)  # FP8 values are exact in bf16 / fp16 / fp32
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -171,19 +170,23 @@ def _fma_row(
     x_ptr, w_ptr, offs_n, mask_n, k_lo, k_hi, stride_w,
     BLOCK_N: tl.constexpr,  # int
     BLOCK_K: tl.constexpr,  # int
+    EVEN_K: tl.constexpr,  # bool: every step a whole BLOCK_K (no K mask)
 ):  # fmt: skip
     """[1, BLOCK_N] fp32 sums over k in [k_lo, k_hi) of x[0, k] * W[n, k] (one row)."""
     w_rows = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-        w = tl.load(
-            w_ptr + w_rows[:, None] * stride_w + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        w_ptrs = w_ptr + w_rows[:, None] * stride_w + offs_k[None, :]
+        if EVEN_K:  # no K mask: 16-byte loads
+            x = tl.load(x_ptr + offs_k)  # [BLOCK_K]
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K] fp8
+        else:
+            mask_k = offs_k < k_hi
+            x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     return acc[None, :]
 
@@ -208,6 +211,7 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,  # int
     SPLIT_K: tl.constexpr,  # int
     DOT: tl.constexpr,  # bool
+    EVEN_K: tl.constexpr,  # bool: K a multiple of BLOCK_K * SPLIT_K (`_even_k`)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -220,14 +224,16 @@ def _fp8_gemv_kernel(
     if DOT:
         if M_BUCKET == 1:
             acc = _dot_rows(x_ptr, w_ptr, offs_n, mask_n, pid_m, k_lo, k_hi, M, stride_x,
-                            stride_w, 16, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+                            stride_w, 16, BLOCK_N, BLOCK_K, EVEN_K,
+                            DOT_PRECISION)  # fmt: skip
             offs_m = pid_m * 16 + tl.arange(0, 16)
         else:
             acc = _dot_rows(x_ptr, w_ptr, offs_n, mask_n, pid_m, k_lo, k_hi, M, stride_x,
-                            stride_w, M_BUCKET, BLOCK_N, BLOCK_K, DOT_PRECISION)  # fmt: skip
+                            stride_w, M_BUCKET, BLOCK_N, BLOCK_K, EVEN_K,
+                            DOT_PRECISION)  # fmt: skip
             offs_m = pid_m * M_BUCKET + tl.arange(0, M_BUCKET)
     else:
-        acc = _fma_row(x_ptr, w_ptr, offs_n, mask_n, k_lo, k_hi, stride_w, BLOCK_N, BLOCK_K)
+        acc = _fma_row(x_ptr, w_ptr, offs_n, mask_n, k_lo, k_hi, stride_w, BLOCK_N, BLOCK_K, EVEN_K)
         offs_m = pid_m + tl.arange(0, 1)
     if PER_CHANNEL:
         scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
@@ -249,12 +255,21 @@ _CACHE_RESULTS = (
     {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters
     else {}
 )  # fmt: skip
+
+
+def _even_k(args: dict) -> bool:
+    """Whether every K step is whole: then the weight loads carry no K mask, which is what
+    lets them be 16-byte vector loads (a mask on a run-time bound makes them byte loads)."""
+    return args["K"] % (args["BLOCK_K"] * args["SPLIT_K"]) == 0
+
+
+_fp8_gemv = triton.heuristics({"EVEN_K": _even_k})(_fp8_gemv_kernel)
 _fp8_gemv_autotuned = triton.autotune(
     configs=list(_TRITON_CONFIGS.values()),
     key=["M_BUCKET", "N", "K"],
     prune_configs_by={"early_config_prune": _prune},
     **_CACHE_RESULTS,
-)(_fp8_gemv_kernel)
+)(_fp8_gemv)
 
 
 @triton.jit
@@ -334,7 +349,7 @@ def fp8_gemv(
         split = _fp8_gemv_autotuned.best_config.kwargs["SPLIT_K"]
     else:
         tc = config.triton()
-        _fp8_gemv_kernel[grid(tc.kwargs)](
+        _fp8_gemv[grid(tc.kwargs)](
             **args, **tc.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
         )
         split = config.split_k

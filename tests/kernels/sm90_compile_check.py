@@ -324,9 +324,10 @@ def _other_cases() -> list[CompileCase]:
 def _fp8_gemv_cases() -> list[CompileCase]:
     """The FP8 GEMV in every configuration its autotuner can pick, per row bucket (one row:
     all; 16 rows: the dot tiles, splits included; 32 and 64 rows: the unsplit dot tiles),
-    bf16 activations, per-channel scales; the first dot tile with a per-tensor scale; and the
-    split reduction. Not fp32 activations (a test-only dtype on a GPU): its `ieee` dots spill
-    ~300 bytes a thread in the 16-row tile, as flash_prefill's do."""
+    bf16 activations, per-channel scales, K a multiple of the step (as the served shapes);
+    the first dot tile with a per-tensor scale, the first dot and FMA tiles with a K tail;
+    and the split reduction. Not fp32 activations (a test-only dtype on a GPU): its `ieee`
+    dots spill ~300 bytes a thread in the 16-row tile, as flash_prefill's do."""
     gemv = importlib.import_module("kernels.fp8_gemv")
     arg_types = {
         "x_ptr": "*bf16",
@@ -344,6 +345,7 @@ def _fp8_gemv_cases() -> list[CompileCase]:
                 "M_BUCKET": bucket,
                 "PER_CHANNEL": True,
                 "DOT_PRECISION": None,
+                "EVEN_K": True,  # the 8B shapes' K in every config
                 **config.triton().kwargs,
             }
             cases.append(
@@ -357,20 +359,40 @@ def _fp8_gemv_cases() -> list[CompileCase]:
                 )
             )
     first_dot = next(c for c in gemv.GPU_CONFIGS if c.dot)
-    constexprs = {
-        "M_BUCKET": 16,
-        "PER_CHANNEL": False,
-        "DOT_PRECISION": None,
-        **first_dot.triton().kwargs,
-    }
+    for per_channel, even_k in ((False, True), (True, False)):
+        constexprs = {
+            "M_BUCKET": 16,
+            "PER_CHANNEL": per_channel,
+            "DOT_PRECISION": None,
+            "EVEN_K": even_k,
+            **first_dot.triton().kwargs,
+        }
+        variant = "per-tensor" if not per_channel else "K tail"
+        cases.append(
+            CompileCase(
+                f"fp8_gemv rows<=16 {variant} {first_dot}",
+                gemv._fp8_gemv_kernel,
+                arg_types,
+                constexprs,
+                first_dot.num_warps,
+                first_dot.num_stages,
+            )
+        )
+    first_fma = next(c for c in gemv.GPU_CONFIGS if not c.dot)
     cases.append(
         CompileCase(
-            f"fp8_gemv rows<=16 per-tensor {first_dot}",
+            f"fp8_gemv rows<=1 K tail {first_fma}",
             gemv._fp8_gemv_kernel,
             arg_types,
-            constexprs,
-            first_dot.num_warps,
-            first_dot.num_stages,
+            {
+                "M_BUCKET": 1,
+                "PER_CHANNEL": True,
+                "DOT_PRECISION": None,
+                "EVEN_K": False,
+                **first_fma.triton().kwargs,
+            },
+            first_fma.num_warps,
+            first_fma.num_stages,
         )
     )
     cases.append(

@@ -18,6 +18,7 @@ from kernels.fp8_gemv import (
     FP8_DTYPE,
     GPU_CONFIGS,
     Fp8GemvConfig,
+    _even_k,
     candidate_configs,
     fp8_gemv,
     ref_fp8_gemv,
@@ -84,10 +85,20 @@ def test_autotuned_matches_float64(dtype, per_channel, m) -> None:
     ],
     ids=["fma", "fma-split3", "dot-1row-split2", "dot-split4", "dot-16", "dot-64rows"],
 )
-def test_every_tile_shape_matches_float64(dtype, m, config) -> None:
-    x, weight, scale = _operands(m, 24, 190, dtype, per_channel=True, seed=7 * m)
+@pytest.mark.parametrize("k", [190, 256], ids=["k-tail", "k-even"])
+def test_every_tile_shape_matches_float64(dtype, m, config, k) -> None:
+    """K = 190 leaves a partial step (masked loads); K = 256 whole steps in most of these
+    configs (`EVEN_K`: the unmasked loads the GPU vectorizes)."""
+    x, weight, scale = _operands(m, 24, k, dtype, per_channel=True, seed=7 * m)
     out = fp8_gemv(x, weight, scale, config=config)
     _check_within_bounds(out, x, weight, scale)
+
+
+def test_even_k_is_whole_steps_in_every_split() -> None:
+    assert _even_k({"K": 256, "BLOCK_K": 64, "SPLIT_K": 2})
+    assert not _even_k({"K": 256, "BLOCK_K": 32, "SPLIT_K": 3})
+    assert not _even_k({"K": 190, "BLOCK_K": 64, "SPLIT_K": 1})
+    assert _even_k({"K": 14336, "BLOCK_K": 512, "SPLIT_K": 2})  # Llama-3.1-8B's down_proj
 
 
 def test_splits_are_summed_in_a_fixed_order() -> None:
