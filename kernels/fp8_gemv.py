@@ -17,6 +17,11 @@ accumulates in fp32; the scale multiplies each output once at the end::
     [SPLIT_K, M, N], then `_sum_splits_kernel` adds them in split order (deterministic: no
     atomics) and casts.
 
+Where K is a multiple of BLOCK_K * SPLIT_K (`EVEN_K`, a heuristic per config: every served
+shape) the loads carry no K mask: a mask on a run-time bound made the sm_90 code load the
+weight byte by byte, without it the FMA path loads 16 bytes at a time and the dot path
+pipelines 16-byte `cp.async` copies. Other K take the masked loads (tests, odd shapes).
+
 The activations are not quantized: this is W8A16, the product of the stored FP8 weight
 (exact in fp32, bf16 and fp16) with the unrounded activations. The FP8 path's error bound
 (tests/engine/layers/test_fp8_linear.py: the activations' FP8 rounding, per token) holds a
