@@ -21,11 +21,19 @@
 #                  batch-200 decode step with the aten kernels left
 #   tests_kernels  tests/kernels at full size
 #   kernels        benchmarks/gpu/kernel_bandwidth.py: bandwidth of each kernel
-#   int4           benchmarks/gpu/int4_decode.py: the 8B shape from a random INT4 (GPTQ)
-#                  checkpoint: batch-1 ms/token, a decode step at batch 200, offline tok/s
-#                  beside TensorRT-LLM's FP8 table (its JSON goes into logs.tar.gz)
-#   fp8            benchmarks/gpu/fp8_decode.py: the 8B shape in FP8 (compressed-tensors
-#                  FP8_DYNAMIC, random weights): batch-1 ms/token, a decode step at batch
+#   int4           (int4_routes) benchmarks/gpu/int4_linear.py: the INT4 layer's kernel
+#                  against dequantize + cuBLAS per row count (1 .. 128) on the 8B shapes, GB/s
+#                  and share of the copy bandwidth, the crossovers; then
+#                  benchmarks/gpu/int4_decode.py: the 8B shape from a random INT4 (GPTQ)
+#                  checkpoint: the engine's measured crossovers, batch-1 ms/token, a decode
+#                  step at batch 200, offline tok/s beside TensorRT-LLM's FP8 table (the JSON
+#                  of both goes into logs.tar.gz)
+#   fp8            (fp8_routes) benchmarks/gpu/fp8_gemm.py --part routes: the FP8 GEMV
+#                  against quantize + _scaled_mm per row count (1 .. 128) on the 8B shapes,
+#                  GB/s and share of the copy bandwidth, the crossovers; then
+#                  benchmarks/gpu/fp8_decode.py: the 8B shape in FP8 (compressed-tensors
+#                  FP8_DYNAMIC, random weights): the engine's measured crossovers, batch-1
+#                  ms/token with the GEMV and with _scaled_mm only, a decode step at batch
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
 #
 #   batch_invariant  benchmarks/gpu/batch_invariant_decode.py: the 8B shape's decode step at
@@ -66,7 +74,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=("$@")
 
-ON_REQUEST=" step_kernels int4 fp8 batch_invariant batch_invariant_tests "  # run only when named (or `issues`)
+ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 batch_invariant batch_invariant_tests "  # run only when named (or `issues`)
 
 wanted() {  # wanted NAME: NAME was named; or no part was and NAME is in the default check
     local p on_request=0
@@ -146,8 +154,11 @@ DECODE_ARGS=(--part all --workloads $WORKLOADS --hf-prompts 16 --profile-dir "$W
 KERNELS=("$PY" benchmarks/gpu/kernel_bandwidth.py)
 INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats 1
     --decode-tokens 64 --batch-requests 200)
+INT4_ROUTES=("$PY" benchmarks/gpu/int4_linear.py --output-json "$WORK/int4_routes.json")
+FP8_ROUTES=("$PY" benchmarks/gpu/fp8_gemm.py --part routes --output-json "$WORK/fp8_routes.json")
 STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
-FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200)
+FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200
+    --output-json "$WORK/fp8_decode.json")
 INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --decode-tokens 32)
 TESTS_INVARIANT=(tests/engine/batch_invariant/test_triton_backend.py
     tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py
@@ -164,8 +175,11 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     INT4_ARGS=(--part all --shape tiny --group-size 32 --max-model-len 256 --kv-cache-gib 0.05
         --repeats 2 --decode-tokens 4 --prompt-len 16 --batch-requests 8 --workloads 16x4x4)
     STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
+    INT4_ROUTES+=(--smoke --rows 1 2 4)  # tiny shapes, the kernels in Triton's interpreter
+    FP8_ROUTES+=(--smoke --route-rows 1 2 4)
     FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
-        --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8)  # the FP8 path on a CPU
+        --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8
+        --output-json "$WORK/fp8_decode.json")  # the FP8 path on a CPU
     # the GPU's path (the triton backend's invariant kernels) in Triton's interpreter
     INVARIANT=(env TRITON_INTERPRET=1 "$PY" benchmarks/gpu/batch_invariant_decode.py --shape tiny
         --device cpu --dtype float32 --attention-backend triton --batches 1 2 --prompt-len 16 --decode-tokens 2 --max-model-len 256 --kv-cache-gib 0.05)
@@ -183,9 +197,13 @@ part throughput 140 "$PY" benchmarks/gpu/gpu_decode.py "${DECODE_ARGS[@]}" \
 part step_kernels 150 "${STEP_KERNELS[@]}" --output-json "$OUT/step_kernels.json"
 part tests_kernels 150 "${PYTEST[@]}" --junitxml="$WORK/tests_kernels.xml" "${TESTS_KERNELS[@]}"
 part kernels 40 "${KERNELS[@]}"
+wanted int4 && PARTS+=(int4_routes)  # the layer's two routes: part of the same request
+part int4_routes 60 "${INT4_ROUTES[@]}"
 part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \
     --output-json "$WORK/int4_decode.json"
-part fp8 150 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
+wanted fp8 && PARTS+=(fp8_routes)  # the layer's two routes: part of the same request
+part fp8_routes 90 "${FP8_ROUTES[@]}"
+part fp8 180 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
 part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
 wanted batch_invariant && PARTS+=(batch_invariant_tests)  # its tests: part of the same request
 part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \

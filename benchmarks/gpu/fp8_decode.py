@@ -12,8 +12,12 @@ on sm_89+, dequantized at load elsewhere (`--fp8-compute fp8` forces the FP8 pat
 on the CPU for a smoke run).
 
 Printed, with benchmarks/gpu/gpu_decode.py's measurements:
+- the kernel/GEMM crossover the engine measured per projection shape at load
+  (engine/layers/crossover.py: up to it the FP8 GEMV of kernels/fp8_gemv.py, past it
+  quantize + `_scaled_mm`);
 - batch-1 decode ms/token and its weight bandwidth as a share of the copy bandwidth
-  (goal on an H200: <= 2.4 ms/token);
+  (goal on an H200: <= 2.4 ms/token), then the same with `_scaled_mm` at every row count
+  (`--no-gemv-baseline` skips it): the GEMV's gain;
 - one decode step at `--batch` requests (ms per step: the difference between runs of
   1 + N and 1 new tokens over N);
 - offline output tok/s per workload beside TensorRT-LLM's published FP8 table (goal: >=
@@ -47,6 +51,7 @@ from benchmarks.gpu.gpu_decode import (
     timed_generate,
 )
 from benchmarks.gpu.llama8b import write_model_dir
+from benchmarks.gpu.route_timing import engine_crossovers, with_kernel_rows
 from engine import LLM
 
 H200_BATCH1_GOAL_MS = 2.4
@@ -95,6 +100,9 @@ def main() -> int:
     add_arguments(parser)
     parser.add_argument("--batch", type=int, default=200, help="the decode step's batch")
     parser.add_argument("--fp8-compute", choices=["auto", "fp8", "dequantize"], default="auto")
+    parser.add_argument(
+        "--no-gemv-baseline", action="store_true", help="skip batch-1 with _scaled_mm only"
+    )
     parser.set_defaults(workloads=[(128, 128, None), (1000, 1000, None), (2048, 128, None)])
     args = parser.parse_args()
     args.weights_label = "FP8"  # how part_throughput names ours beside TensorRT-LLM's
@@ -131,8 +139,14 @@ def main() -> int:
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(results, indent=2, default=str))
 
+    results["crossovers"] = crossovers = engine_crossovers(runner.model)
     if args.part in ("decode", "all"):
         results["decode"] = part_decode(llm, args, peak["copy_gbps"], weight_bytes)
+        if any(crossovers.values()) and not args.no_gemv_baseline:
+            print("batch-1 decode with _scaled_mm at every row count (the GEMV off):")
+            with_kernel_rows(runner, 0)
+            results["decode_scaled_mm"] = part_decode(llm, args, peak["copy_gbps"], weight_bytes)
+            with_kernel_rows(runner, crossovers)
         best = min(r["ms_per_token"] for r in results["decode"].values() if isinstance(r, dict))
         if "H200" in peak["device"]:
             verdict = "met" if best <= H200_BATCH1_GOAL_MS else "NOT met"

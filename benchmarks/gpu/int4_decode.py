@@ -8,7 +8,9 @@
 The checkpoint is written once into a temporary directory in GPTQ's layout (one safetensors
 file per layer; the embedding, norms and LM head in bf16), then loaded as a user's `-GPTQ`
 directory would be. Figures, as benchmarks/gpu/gpu_decode.py measures them (its functions):
-batch-1 ms/token and the share of the copy bandwidth the weights stream at (INT4 codes,
+the kernel/GEMM crossover the engine measured per projection shape at load
+(engine/layers/crossover.py: the dequantize-GEMM kernel up to it, dequantize + cuBLAS past
+it), batch-1 ms/token and the share of the copy bandwidth the weights stream at (INT4 codes,
 scales and zero points, the bf16 LM head); one decode step with `--batch-requests` running
 requests; offline output tok/s per ISL x OSL beside TensorRT-LLM's published FP8 table
 (their FP8 weights and activations, our INT4 weights and bf16 activations). On a CPU the
@@ -39,6 +41,7 @@ from benchmarks.gpu.gpu_decode import (
     timed_generate,
 )
 from benchmarks.gpu.llama8b import write_model_dir
+from benchmarks.gpu.route_timing import engine_crossovers
 from engine import LLM
 
 PROJECTIONS = {
@@ -172,6 +175,7 @@ def main() -> int:
         results["start_s"] = time.perf_counter() - start
     weight_bytes = decode_weight_bytes(llm.llm_engine.runner.model)
     results["weight_bytes_per_token"] = weight_bytes
+    results["crossovers"] = engine_crossovers(llm.llm_engine.runner.model)
     print(
         f"{args.shape} INT4 (GPTQ g{args.group_size}): {weight_bytes / 1e9:.2f} GB of decode "
         f"weights; checkpoint written in {results['write_s']:.1f} s, ready in "

@@ -21,6 +21,13 @@ twice) and still needs only one row-wise `_scaled_mm`.
 Why per-token dynamic activation scales even for static checkpoints: the calibrated
 `input_scale` is an upper bound over a calibration set; a token's own amax is never
 coarser, so the error can only shrink, at the cost of one row reduction per call.
+
+Decode rows take another route on CUDA: up to `max_kernel_rows` rows, the Triton GEMV of
+kernels/fp8_gemv.py (W8A16: the weight dequantized in registers, the activations not
+quantized at all, so within the same error bound) instead of quantize + `_scaled_mm`, whose
+FP8 GEMM at a few rows is far from the weights' bandwidth. The threshold is measured per
+shape at load (engine/layers/crossover.py; `FP8_GEMV_MAX_ROWS` until then, or when the
+measurement is off). On the CPU there is no GEMV: every row count takes `_scaled_mm`.
 """
 
 from __future__ import annotations
@@ -41,8 +48,13 @@ _ALIGN = 16  # _scaled_mm: K and N multiples of 16
 # unset or "auto": FP8 where the device has FP8 tensor cores.
 FP8_COMPUTE_ENV = "PAGEDSERVE_FP8_COMPUTE"
 
+# Rows up to which CUDA layers take the GEMV before the crossover is measured (or with the
+# measurement off: $PAGEDSERVE_KERNEL_ROWS=off). Not measured: the GEMV's regime by design.
+FP8_GEMV_MAX_ROWS = 16
+
 ScaledMM = Callable[..., torch.Tensor]
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def quantize_per_token(
@@ -112,21 +124,53 @@ def scaled_mm_reference(
 
 class Fp8LinearMethod:
     """The `LinearMethod` of an FP8 projection: reads the layer's `weight` (fp8 [N, K]) and
-    `weight_scale` (fp32 [N]) at each call, so sleep/wake's swaps of `.data` are seen."""
+    `weight_scale` (fp32 [N]) at each call, so sleep/wake's swaps of `.data` are seen.
+    With a `gemv` (CUDA: `fp8_gemv_kernel`), rows up to `max_kernel_rows` take it; it is a
+    `TwoRoutes` method (engine/layers/crossover.py), which measures that threshold."""
 
     def __init__(
         self,
         layer: torch.nn.Module,
         scaled_mm: ScaledMM = torch._scaled_mm,
         quantize: Quantizer | None = None,
+        gemv: Gemv | None = None,
+        max_kernel_rows: int = FP8_GEMV_MAX_ROWS,
     ) -> None:
         self.layer = layer
         self.scaled_mm = scaled_mm
         self.quantize = quantize
+        self.gemv = gemv
+        self.max_kernel_rows = max_kernel_rows if gemv is not None else 0
+
+    @property
+    def in_features(self) -> int:
+        return self.layer.weight.shape[1]
+
+    def crossover_key(self) -> str | None:
+        if self.gemv is None:
+            return None
+        n, k = self.layer.weight.shape
+        per_tensor = " per-tensor" if self.layer.weight_scale.numel() == 1 else ""
+        return f"fp8 {n}x{k}{per_tensor}"
+
+    def route(self, x: torch.Tensor, kernel: bool) -> torch.Tensor:  # [M, K] -> [M, N]
+        layer = self.layer
+        if kernel:
+            assert self.gemv is not None, "no GEMV on this device"
+            return self.gemv(x, layer.weight, layer.weight_scale)
+        return fp8_linear(x, layer.weight, layer.weight_scale, None, self.scaled_mm, self.quantize)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.scaled_mm, self.quantize)
+        n, k = layer.weight.shape
+        x2 = x.reshape(-1, k)
+        if self.gemv is None or x2.shape[0] > self.max_kernel_rows:
+            return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.scaled_mm,
+                              self.quantize)  # fmt: skip
+        out = self.gemv(x2.contiguous(), layer.weight, layer.weight_scale)  # [M, N]
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], n)
 
 
 def token_quantizer(triton: bool) -> Quantizer:
@@ -138,6 +182,16 @@ def token_quantizer(triton: bool) -> Quantizer:
     from kernels.fp8_quant import quantize_per_token_fp8
 
     return quantize_per_token_fp8
+
+
+def fp8_gemv_kernel(triton: bool) -> Gemv | None:
+    """The decode-row GEMV, chosen once at build: kernels/fp8_gemv.py for a CUDA model,
+    None elsewhere (the CPU keeps `_scaled_mm` at every row count)."""
+    if not triton:
+        return None
+    from kernels.fp8_gemv import fp8_gemv
+
+    return fp8_gemv
 
 
 def fp8_compute_forced() -> bool | None:

@@ -4,13 +4,15 @@
 `Int4Weight` parts (engine/loader/int4_packing.py) laid side by side along the output (a
 fused q|k|v or gate|up whose checkpoint shards arrive separately)::
 
-    rows <= INT4_GEMM_MAX_ROWS   int4_gemm(x, part)                 weights read at 4 bits
-    more rows                    x @ int4_dequantize(part)          a library GEMM
+    rows <= max_kernel_rows   int4_gemm(x, part)                 weights read at 4 bits
+    more rows                 x @ int4_dequantize(part)          a library GEMM
 
 Decode steps are memory-bound (the kernel reads a quarter of bf16's bytes); prefill chunks
-are compute-bound, where cuBLAS on the dequantized matrix wins. `INT4_GEMM_MAX_ROWS` is a
-placeholder (vLLM's AWQ path switches at 256 tokens) until benchmarks/gpu/int4_linear.py
-measures the crossover on an H100/H200. Act-order parts gather their input columns first.
+are compute-bound, where cuBLAS on the dequantized matrix wins. Where the two cross is
+measured per shape on the GPU at load (engine/layers/crossover.py: this is a `TwoRoutes`
+method); `INT4_GEMM_MAX_ROWS` is the value until then, with the measurement off, and on the
+CPU (vLLM's AWQ path switches at 256 tokens). Act-order parts gather their input columns
+first.
 
 engine/layers/int4_installer.py gives each projection `Linear` its method as the checkpoint
 streams by, so no bf16 copy of a quantized projection is ever made.
@@ -23,27 +25,38 @@ import torch
 from engine.loader.int4_packing import Int4Weight
 from kernels.int4_gemm import int4_dequantize, int4_gemm
 
-# Rows up to which the in-kernel dequantization beats dequantize-then-GEMM. Not measured
-# yet: waits for a GPU run of benchmarks/gpu/int4_linear.py.
+# Rows up to which the in-kernel dequantization runs when the crossover is not measured
+# (engine/layers/crossover.py measures it per shape on CUDA).
 INT4_GEMM_MAX_ROWS = 64
 
 
 class Int4LinearMethod:
     """x @ W.T + b over INT4 parts (Triton kernels: CUDA, or the interpreter in tests)."""
 
-    def __init__(self, parts: list[Int4Weight], max_gemm_rows: int | None = None) -> None:
+    def __init__(self, parts: list[Int4Weight], max_kernel_rows: int | None = None) -> None:
         self.parts = fused_parts(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
-        self.max_gemm_rows = INT4_GEMM_MAX_ROWS if max_gemm_rows is None else max_gemm_rows
+        self.max_kernel_rows = INT4_GEMM_MAX_ROWS if max_kernel_rows is None else max_kernel_rows
 
-    def _part(self, x: torch.Tensor, part: Int4Weight) -> torch.Tensor:  # [M, K] -> [M, N]
+    def crossover_key(self) -> str:
+        shapes = "+".join(f"{p.out_features}" for p in self.parts)
+        group = self.parts[0].group_size
+        order = " act-order" if any(p.perm is not None for p in self.parts) else ""
+        return f"int4 {shapes}x{self.in_features} g{group}{order}"
+
+    def _part(self, x: torch.Tensor, part: Int4Weight, kernel: bool) -> torch.Tensor:
+        # [M, K] -> [M, N]
         if part.perm is not None:
             x = x[:, part.perm]  # act-order: the rows of W are sorted by group
-        if x.shape[0] <= self.max_gemm_rows:
+        if kernel:
             return int4_gemm(x, part.qweight, part.scales, part.zeros, part.group_size)
         weight = int4_dequantize(part.qweight, part.scales, part.zeros, part.group_size, x.dtype)
         return x @ weight  # [M, K] @ [K, N]
+
+    def route(self, x: torch.Tensor, kernel: bool) -> torch.Tensor:  # [M, K] -> [M, N]
+        outs = [self._part(x, part, kernel) for part in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def apply(
         self,
@@ -51,8 +64,7 @@ class Int4LinearMethod:
         bias: torch.Tensor | None,  # [out_features]
     ) -> torch.Tensor:  # [..., out_features]
         x2 = x.reshape(-1, self.in_features).contiguous()
-        outs = [self._part(x2, part) for part in self.parts]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = self.route(x2, kernel=x2.shape[0] <= self.max_kernel_rows)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
-from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, Quantizer, ScaledMM
+from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, Gemv, Quantizer, ScaledMM
 from engine.layers.linear import Linear
 
 _QUANT_TENSOR = re.compile(r"^(?P<module>.+)\.(?P<leaf>weight|weight_scale|input_scale)$")
@@ -126,10 +126,12 @@ def install_fp8_layers(
     packed: Mapping[str, tuple[str, ...]],
     scaled_mm: ScaledMM = torch._scaled_mm,
     quantize: Quantizer | None = None,
+    gemv: Gemv | None = None,
 ) -> frozenset[str]:
     """On a meta-built model: every projection the config quantizes gets an FP8 `weight`,
-    an fp32 `weight_scale` per output row and `Fp8LinearMethod`; returns the checkpoint
-    modules now kept in FP8. The LM head and embedding are dequantized (a `Linear` only)."""
+    an fp32 `weight_scale` per output row and `Fp8LinearMethod` (with the decode-row
+    `gemv` where there is one: CUDA); returns the checkpoint modules now kept in FP8. The
+    LM head and embedding are dequantized (a `Linear` only)."""
     kept: set[str] = set()
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
@@ -152,6 +154,6 @@ def install_fp8_layers(
             requires_grad=False,
         )
         layer.packed_weight = None
-        layer.quant_method = Fp8LinearMethod(layer, scaled_mm, quantize)
+        layer.quant_method = Fp8LinearMethod(layer, scaled_mm, quantize, gemv)
         kept.update(members)
     return frozenset(kept)

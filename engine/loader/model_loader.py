@@ -19,7 +19,13 @@ from engine.config.weights.checkpoint_quantization import read_checkpoint_quanti
 from engine.config.weights.int4_checkpoint import INT4_METHODS
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.layers.batch_invariant import make_batch_invariant
-from engine.layers.fp8_linear import fp8_compute_forced, fp8_tensor_cores, token_quantizer
+from engine.layers.crossover import plan_crossovers
+from engine.layers.fp8_linear import (
+    fp8_compute_forced,
+    fp8_gemv_kernel,
+    fp8_tensor_cores,
+    token_quantizer,
+)
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
@@ -131,6 +137,9 @@ def load_model(
             num_int8 = plan_quantized_routes(model)
             if num_int8:
                 logger.info("%d quantized weights take the int8 route on batched steps.", num_int8)
+    # Two-route layers (FP8, INT4 on CUDA): their kernel/GEMM crossover, timed before any
+    # CUDA graph is captured (a no-op on the CPU: engine/layers/crossover.py).
+    plan_crossovers(model, dtype, device)
     if attn_backend.batch_invariant:  # EngineArgs batch_invariant: one kernel for every route
         num_invariant = make_batch_invariant(model, attn_backend.name)
         logger.info("Put %d weight matrices on the batch-invariant kernel.", num_invariant)
@@ -174,9 +183,13 @@ def _fp8_checkpoint(
         keep_fp8 = fp8_tensor_cores(device)
     kept: frozenset[str] = frozenset()
     if keep_fp8:
-        quantize = token_quantizer(triton=device.type == "cuda")
+        triton = device.type == "cuda"
         kept = install_fp8_layers(
-            model, found.scheme, model.packed_modules_mapping, quantize=quantize
+            model,
+            found.scheme,
+            model.packed_modules_mapping,
+            quantize=token_quantizer(triton),
+            gemv=fp8_gemv_kernel(triton),
         )
         logger.info(
             "FP8 checkpoint (%s): %d projections run in FP8.", found.quant_method, len(kept)

@@ -28,7 +28,7 @@ import torch
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Integer arguments that are not multiples of 16 in real launches (no divisibility hint).
-UNALIGNED_INTS = {"num_reqs", "stride_bt_req", "eps", "scale_log2", "K"}
+UNALIGNED_INTS = {"num_reqs", "stride_bt_req", "eps", "scale_log2", "K", "M", "MN"}
 
 
 def _compile(
@@ -321,6 +321,91 @@ def _other_cases() -> list[CompileCase]:
     ]
 
 
+def _fp8_gemv_cases() -> list[CompileCase]:
+    """The FP8 GEMV in every configuration its autotuner can pick, per row bucket (one row:
+    all; 16 rows: the dot tiles, splits included; 32 and 64 rows: the unsplit dot tiles),
+    bf16 activations, per-channel scales, K a multiple of the step (as the served shapes);
+    the first dot tile with a per-tensor scale, the first dot and FMA tiles with a K tail;
+    and the split reduction. Not fp32 activations (a test-only dtype on a GPU): its `ieee`
+    dots spill ~300 bytes a thread in the 16-row tile, as flash_prefill's do."""
+    gemv = importlib.import_module("kernels.fp8_gemv")
+    arg_types = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*fp8e4nv",
+        "scale_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "partial_ptr": "*fp32",
+    }
+    cases = []
+    for bucket in (1, 16, 32, 64):
+        for config in gemv.GPU_CONFIGS:
+            if not gemv.config_fits(config, bucket) or (config.split_k > 1 and bucket > 16):
+                continue
+            constexprs = {
+                "M_BUCKET": bucket,
+                "PER_CHANNEL": True,
+                "DOT_PRECISION": None,
+                "EVEN_K": True,  # the 8B shapes' K in every config
+                **config.triton().kwargs,
+            }
+            cases.append(
+                CompileCase(
+                    f"fp8_gemv rows<={bucket} {config}",
+                    gemv._fp8_gemv_kernel,
+                    arg_types,
+                    constexprs,
+                    config.num_warps,
+                    config.num_stages,
+                )
+            )
+    first_dot = next(c for c in gemv.GPU_CONFIGS if c.dot)
+    for per_channel, even_k in ((False, True), (True, False)):
+        constexprs = {
+            "M_BUCKET": 16,
+            "PER_CHANNEL": per_channel,
+            "DOT_PRECISION": None,
+            "EVEN_K": even_k,
+            **first_dot.triton().kwargs,
+        }
+        variant = "per-tensor" if not per_channel else "K tail"
+        cases.append(
+            CompileCase(
+                f"fp8_gemv rows<=16 {variant} {first_dot}",
+                gemv._fp8_gemv_kernel,
+                arg_types,
+                constexprs,
+                first_dot.num_warps,
+                first_dot.num_stages,
+            )
+        )
+    first_fma = next(c for c in gemv.GPU_CONFIGS if not c.dot)
+    cases.append(
+        CompileCase(
+            f"fp8_gemv rows<=1 K tail {first_fma}",
+            gemv._fp8_gemv_kernel,
+            arg_types,
+            {
+                "M_BUCKET": 1,
+                "PER_CHANNEL": True,
+                "DOT_PRECISION": None,
+                "EVEN_K": False,
+                **first_fma.triton().kwargs,
+            },
+            first_fma.num_warps,
+            first_fma.num_stages,
+        )
+    )
+    cases.append(
+        CompileCase(
+            "fp8_gemv sum_splits",
+            gemv._sum_splits_kernel,
+            {"partial_ptr": "*fp32", "out_ptr": "*bf16"},
+            {"SPLIT_K": 2, "BLOCK": 1024},
+        )
+    )
+    return cases
+
+
 def _ptxas() -> str | None:
     """The ptxas binary Triton will run for sm_90 ($TRITON_PTXAS_PATH, else its own), or
     None when there is none that runs."""
@@ -383,7 +468,7 @@ def main(argv: list[str]) -> int:
     print(f"ptxas: {ptxas}")
     failures = 0
     cases = [*_attention_cases(), *_flash_prefill_cases(), *_other_cases()]
-    for case in [*cases, *_fp8_cache_cases(cases)][:limit]:
+    for case in [*cases, *_fp8_cache_cases(cases), *_fp8_gemv_cases()][:limit]:
         label = case.label
         if only not in label:
             continue

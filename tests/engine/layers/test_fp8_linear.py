@@ -12,12 +12,14 @@ from engine.layers.fp8_linear import (
     FP8_MAX,
     Fp8LinearMethod,
     fp8_compute_forced,
+    fp8_gemv_kernel,
     fp8_linear,
     quantize_per_token,
     quantize_weight_per_row,
     scaled_mm_reference,
     token_quantizer,
 )
+from tests.triton_utils import import_triton
 
 # E4M3: 3 mantissa bits, so rounding to nearest is off by at most 2^-4 of the value
 # (normal numbers); below 2^-6 (subnormals) by at most half the spacing 2^-9, times the scale.
@@ -129,3 +131,32 @@ def test_the_cuda_quantizer_gives_the_same_layer_output() -> None:
     triton_side = Fp8LinearMethod(layer, quantize=token_quantizer(triton=True)).apply(x, None)
     torch_side = Fp8LinearMethod(layer, quantize=token_quantizer(triton=False)).apply(x, None)
     assert torch.equal(triton_side, torch_side)
+
+
+def test_the_cuda_layer_takes_the_gemv_up_to_its_threshold() -> None:
+    """The layer a CUDA model gets (the GEMV in the interpreter here): rows up to
+    `max_kernel_rows` give the GEMV's result (W8A16: within the FP8 bound of float64, and
+    tighter), more rows the quantized `_scaled_mm` path's, bit for bit; bias and a leading
+    batch dimension on both routes."""
+    import_triton()
+    from kernels.fp8_gemv import fp8_gemv
+
+    generator = torch.Generator().manual_seed(5)
+    w_q, w_scale = quantize_weight_per_row(torch.randn(40, 72, generator=generator))
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale = w_q, w_scale
+    method = Fp8LinearMethod(layer, gemv=fp8_gemv_kernel(triton=True), max_kernel_rows=3)
+    assert method.crossover_key() == "fp8 40x72"
+    bias = torch.randn(40, generator=generator)
+    w = w_q.double() * w_scale.double()[:, None]
+    for rows in (1, 3, 4):
+        x = torch.randn(1, rows, 72, generator=generator)
+        out = method.apply(x, bias)
+        assert out.shape == (1, rows, 40)
+        if rows <= 3:
+            assert torch.equal(out[0], fp8_gemv(x[0], w_q, w_scale) + bias)
+            expected = x[0].double() @ w.T + bias.double()
+            _, x_scale = quantize_per_token(x[0])
+            assert bool(((out[0].double() - expected).abs() <= _bound(x[0], x_scale, w)).all())
+        else:
+            assert torch.equal(out, fp8_linear(x, w_q, w_scale, bias))

@@ -57,7 +57,7 @@ def test_both_routes_match_the_dequantized_weight(checkpoints, rows) -> None:
     scheme = Int4Scheme("gptq", 32, True, 1, True)
     prefix = "model.layers.0.mlp.down_proj"
     part = _part(quant_dir, prefix, scheme)
-    method = Int4LinearMethod([part.to(device())], max_gemm_rows=4)
+    method = Int4LinearMethod([part.to(device())], max_kernel_rows=4)
     weight = load_file(ref_dir / "model.safetensors")[f"{prefix}.weight"]
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(weight.shape[0])

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from engine.config.weights.fp8_checkpoint import Fp8Scheme
-from engine.layers.fp8_linear import FP8_DTYPE
+from engine.layers.fp8_linear import FP8_DTYPE, fp8_gemv_kernel
 from engine.layers.linear import Linear
 from engine.loader.fp8_weights import Fp8Checkpoint, dequantize_fp8, install_fp8_layers
 from engine.loader.weight_loader import load_weights
+from tests.triton_utils import import_triton
 
 TENSOR = Fp8Scheme("tensor", "static", ("lm_head",), True)
 
@@ -57,13 +58,19 @@ def test_a_weight_without_its_scale_is_refused() -> None:
         list(checkpoint.weights(iter([("m.q_proj.weight", _fp8(2, 8, 3))])))
 
 
-def test_fused_layer_keeps_fp8_with_each_shards_scale() -> None:
-    """q | k | v with per-tensor scales 0.5, 2, 8: one fp8 matrix, per-row scales."""
+@pytest.mark.parametrize("triton", [False, True], ids=["cpu", "cuda-gemv"])
+def test_fused_layer_keeps_fp8_with_each_shards_scale(triton) -> None:
+    """q | k | v with per-tensor scales 0.5, 2, 8: one fp8 matrix, per-row scales; on the
+    CPU through `_scaled_mm`, and as a CUDA model's layers (the decode-row GEMV, here in
+    Triton's interpreter)."""
+    if triton:
+        import_triton()
     model = torch.nn.Module()
     with torch.device("meta"):
         model.qkv_proj = Linear(8, 10, bias=False, output_sizes=(4, 4, 2))
     packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-    kept = install_fp8_layers(model, TENSOR, packed)
+    kept = install_fp8_layers(model, TENSOR, packed, gemv=fp8_gemv_kernel(triton))
+    assert (model.qkv_proj.quant_method.crossover_key() is not None) == triton
     assert kept == {"q_proj", "k_proj", "v_proj"}
     model = model.to_empty(device="cpu")
     shards = {
