@@ -9,7 +9,9 @@ step():
 
 With pipeline parallelism up to `pipeline_parallel_size` steps are submitted before the
 oldest is collected, so the stages work on different batches at once (vLLM's virtual
-engines); a request is in at most one of them.
+engines); a request is in at most one of them. With `async_scheduling` two steps are in
+flight on one device: step N+1 is scheduled and submitted before step N is collected, its
+decoding requests again, each with one placeholder token (engine/core/async_scheduling.py).
 
 Beside this file: `add_request`'s arguments become one `EngineRequest`
 (engine/core/engine_request.py), which request_builder.py turns into `Request`s; the
@@ -40,6 +42,7 @@ from engine.config.engine_config import (
 )
 from engine.config.parallel import ParallelConfig
 from engine.config.rope import rope_regime
+from engine.core import async_scheduling
 from engine.core.engine_request import EngineRequest
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus
@@ -119,6 +122,7 @@ class LLMEngine(LLMEngineAdminMixin):
             config, num_blocks, self.get_tokenizer, stop_tokenizer
         )
         self._pending_outputs: list[RequestOutput | PoolingRequestOutput] = []
+        self._max_in_flight = self._steps_in_flight(config)
         self.recorder = EngineRecorder(config, self.scheduler, self.kv_cache_manager, log_stats)
         self.structured_output_manager = StructuredOutputManager(model_config)
         self.request_builder = RequestBuilder(
@@ -344,6 +348,18 @@ class LLMEngine(LLMEngineAdminMixin):
         self.recorder.update_gauges()
         return outputs
 
+    def _steps_in_flight(self, config: EngineConfig) -> int:
+        """Steps the engine keeps submitted: the executor's, or two with async scheduling
+        (whose placeholders the scheduler then counts)."""
+        if not config.async_scheduling:
+            return self.executor.max_concurrent_batches
+        reason = async_scheduling.unsupported_reason(config.parallel_config)
+        if reason is not None:
+            logger.warning("async_scheduling is off: %s.", reason)
+            return self.executor.max_concurrent_batches
+        self.scheduler.async_scheduling = True
+        return 2
+
     def _batch_cap(self) -> int | None:
         """With several batches in flight, each takes at most its share of the live
         requests, so every stage of the pipeline has a batch to work on."""
@@ -355,11 +371,18 @@ class LLMEngine(LLMEngineAdminMixin):
 
     def _submit_steps(self) -> None:
         """Schedules and submits steps until the executor has as many in flight as it
-        takes (one without pipeline parallelism) or nothing more can be scheduled."""
+        takes (one without pipeline parallelism; two with async scheduling, unless the
+        last step's requests need their tokens on the host first) or nothing more can be
+        scheduled."""
         while (
-            len(self._in_flight) < self.executor.max_concurrent_batches
-            and self.scheduler.has_unfinished_requests()
+            len(self._in_flight) < self._max_in_flight and self.scheduler.has_unfinished_requests()
         ):
+            if self.scheduler.async_scheduling and self._in_flight:
+                blocker = async_scheduling.overlap_blocker(
+                    self._in_flight[-1], self.scheduler.proposer is not None
+                )
+                if blocker is not None:  # this step runs synchronously
+                    return
             scheduler_output = self.scheduler.schedule(self._batch_cap())
             if scheduler_output.is_empty:
                 self.executor.skip(scheduler_output)
