@@ -32,15 +32,10 @@ from engine.api.model_files import load_tokenizer
 from engine.api.outputs import PoolingRequestOutput, RequestOutput
 from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import (
-    CacheConfig,
-    DeviceConfig,
     EngineArgs,
     EngineConfig,
     LoRAConfig,
-    ModelConfig,
-    SchedulerConfig,
 )
-from engine.config.parallel import ParallelConfig
 from engine.config.rope import rope_regime
 from engine.core import async_scheduling
 from engine.core.engine_request import EngineRequest
@@ -49,6 +44,7 @@ from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.executor.uniproc import create_executor
+from engine.front.config_getters import LLMEngineConfigGetters
 from engine.front.llm_engine_admin import LLMEngineAdminMixin
 from engine.models.registry import get_model_class
 from engine.observability.metrics import EngineMetrics
@@ -60,7 +56,6 @@ from engine.processing.output_processor import OutputProcessor
 from engine.processing.request_builder import RequestBuilder
 from engine.processing.resume import ResumedOutputTokenIds
 from engine.processing.stop_tokenizer import StopStringTokenizer
-from engine.structured_output.config import DecodingConfig
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -68,7 +63,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.01
 
 
-class LLMEngine(LLMEngineAdminMixin):
+class LLMEngine(LLMEngineConfigGetters, LLMEngineAdminMixin):
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         model_config = config.model_config
         self.tokenizer = None
@@ -150,30 +145,6 @@ class LLMEngine(LLMEngineAdminMixin):
         """The stats line's counters, and token totals since start
         (engine/observability/stats.py)."""
         return self.recorder.stat_logger
-
-    # ---- config getters -----------------------------------------------------------------
-
-    def get_model_config(self) -> ModelConfig:
-        return self.config.model_config
-
-    def get_cache_config(self) -> CacheConfig:
-        return self.config.cache_config
-
-    def get_scheduler_config(self) -> SchedulerConfig:
-        return self.config.scheduler_config
-
-    def get_device_config(self) -> DeviceConfig:
-        return self.config.device_config
-
-    def get_engine_config(self) -> EngineConfig:
-        return self.config
-
-    def get_decoding_config(self) -> DecodingConfig:
-        """Which grammar backend enforces structured outputs."""
-        return self.structured_output_manager.decoding_config
-
-    def get_parallel_config(self) -> ParallelConfig:
-        return self.config.parallel_config
 
     # ---- the executor -------------------------------------------------------------------
 
