@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from tests.model_utils import make_tiny_llama
@@ -39,11 +40,20 @@ def _prompt(i: int, length: int) -> dict[str, list[int]]:
     return {"prompt_token_ids": [(7 * i + 3 * k) % 240 + 3 for k in range(length)]}
 
 
+_CUDA = pytest.param(
+    "cuda",
+    marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+)
+DEVICES = pytest.mark.parametrize("device", ["cpu", _CUDA])
+
+
 def run(model: Path, async_scheduling: bool, workload: Workload, **kwargs: Any) -> Run:
     args = dict(
         device="cpu", skip_tokenizer_init=True, max_model_len=128, dtype="float32",
         kv_cache_memory_bytes=1 << 22,
     )  # fmt: skip
+    if kwargs.get("device") == "cuda":  # a few graphs: the placeholder ids go through them
+        args["cuda_graph_sizes"] = [1, 2, 4, 8, 16]
     llm = LLM(model=str(model), async_scheduling=async_scheduling, **{**args, **kwargs})
     engine = llm.llm_engine
     assert engine.scheduler.async_scheduling == async_scheduling
@@ -137,10 +147,11 @@ def test_step_n_plus_1_is_submitted_before_step_n_is_collected(model: Path) -> N
     assert num_overlapped(overlapped.calls) >= 9  # every decode step but the last
 
 
-def test_greedy_seeded_n_stop_tokens_max_tokens_abort_and_joins(model: Path) -> None:
+@DEVICES
+def test_greedy_seeded_n_stop_tokens_max_tokens_abort_and_joins(model: Path, device: str) -> None:
     """Requests join mid-run with long prompts in chunks of 16 tokens, one is aborted
     mid-stream, one stops at a token it samples (EOS-like), others at max_tokens; n = 3."""
-    probe = run(model, False, Workload([(0, "p", _prompt(2, 6), _GREEDY)]))
+    probe = run(model, False, Workload([(0, "p", _prompt(2, 6), _GREEDY)]), device=device)
     stop_token = probe.outputs["p"][0][1][4]  # a token the greedy run samples 5th
     requests = [
         (0, "greedy", _prompt(0, 7), _GREEDY),
@@ -154,20 +165,23 @@ def test_greedy_seeded_n_stop_tokens_max_tokens_abort_and_joins(model: Path) -> 
         (6, "later", _prompt(7, 20), SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)),
     ]  # fmt: skip
     workload = Workload(requests, aborts={6: ["aborted"]})
-    sync, overlapped = both(model, workload, max_num_batched_tokens=16)
+    sync, overlapped = both(model, workload, max_num_batched_tokens=16, device=device)
     assert sync.outputs["stops"][0][3] == "stop" and len(sync.outputs["stops"][0][1]) == 5
     assert sync.outputs["aborted"][0][3] == "abort"
     assert len(sync.outputs["n3"]) == 3
     assert num_overlapped(overlapped.calls) > 5
 
 
-def test_preemption_with_a_step_in_flight(model: Path) -> None:
+@DEVICES
+def test_preemption_with_a_step_in_flight(model: Path, device: str) -> None:
     requests = [
         (i // 3, f"r{i}", _prompt(i, 10 + 3 * i),
          SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=24, ignore_eos=True))
         for i in range(6)
     ]  # fmt: skip
-    sync, overlapped = both(model, Workload(requests), num_gpu_blocks_override=14, block_size=8)
+    sync, overlapped = both(
+        model, Workload(requests), num_gpu_blocks_override=14, block_size=8, device=device
+    )
     assert sync.engine.scheduler.num_preemptions_total > 0
     assert overlapped.engine.scheduler.num_preemptions_total > 0
     assert num_overlapped(overlapped.calls) > 0
