@@ -49,6 +49,7 @@ from engine.worker.profiler import TorchProfiler
 from engine.worker.sleep import SleepMode
 from engine.worker.step_rows import classify_rows
 from engine.worker.step_sampler import StepSampler
+from engine.worker.uploads import make_uploader
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ModelRunner:
         # Async scheduling: the step's one read to the host (pinned + event on a GPU) and
         # the sampled ids kept on the device for the next step's placeholder rows.
         self.host_copy = make_host_copy(self.device)
+        self.upload = make_uploader(self.device, config.async_scheduling)  # uploads.py
         self.placeholder_inputs = PlaceholderInputs()
         self.pooler = Pooler(config.pooler_config.pooling_type or "LAST")
         self.profiler = TorchProfiler(self.device, self.ranks.rank)  # start/stop_profile()
@@ -353,14 +355,13 @@ class ModelRunner:
         None on a rank that does not answer."""
         rows = classify_rows(scheduler_output, self.step_sampler.wants_prompt_logprobs)
         batch = rows.batch
-        inputs = build_step_inputs(
+        inputs = self.upload.step_inputs(
             rows.requests,
             self.block_size,
-            self.device,
             [e.request.rope_length for e in batch] if self._rope_lengths else None,
         )
         if rows.has_placeholders:  # async scheduling: ids sampled by the step before
-            self.placeholder_inputs.fill(batch, inputs.input_ids, inputs.query_start_loc_cpu)
+            self.placeholder_inputs.fill(batch, inputs, self.upload)
         lora = self.lora_manager is not None and self.lora_manager.prepare(
             [(e.request.lora_request, len(e.token_ids)) for e in batch]
         )

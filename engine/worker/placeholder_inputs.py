@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from engine.core.sched_output import ScheduledRequest
+from engine.worker.inputs import StepInputs
+from engine.worker.uploads import Uploader
 
 
 class PlaceholderInputs:
@@ -34,14 +36,11 @@ class PlaceholderInputs:
         tensors = [ids.reshape(-1).to(torch.int64) for _, ids in groups]
         self._ids = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    def fill(
-        self,
-        batch: list[ScheduledRequest],
-        input_ids: torch.Tensor,  # [num_tokens] int64, on the device
-        query_start_loc: list[int],  # [len(batch) + 1]
-    ) -> None:
-        """Writes each placeholder row's input id from the last step's sampled ids, on the
-        device (one gather and one scatter for the whole batch, no host read)."""
+    def fill(self, batch: list[ScheduledRequest], inputs: StepInputs, upload: Uploader) -> None:
+        """Writes each placeholder row's input id (in `inputs.input_ids`, on the device) from
+        the last step's sampled ids: one gather and one scatter for the whole batch, no host
+        read; the two index lists go up with `upload` (engine/worker/uploads.py)."""
+        query_start_loc = inputs.query_start_loc_cpu  # [len(batch) + 1]
         dst: list[int] = []
         src: list[int] = []
         for i, entry in enumerate(batch):
@@ -57,7 +56,5 @@ class PlaceholderInputs:
         if not dst:
             return
         assert self._ids is not None
-        device = input_ids.device
-        dst_index = torch.tensor(dst, dtype=torch.int64, device=device)
-        src_index = torch.tensor(src, dtype=torch.int64, device=device)
-        input_ids.index_copy_(0, dst_index, self._ids.index_select(0, src_index))
+        dst_index, src_index = upload(dst, torch.int64), upload(src, torch.int64)
+        inputs.input_ids.index_copy_(0, dst_index, self._ids.index_select(0, src_index))

@@ -187,8 +187,8 @@ class StepSampler:
     # ---- which hidden rows get logits (the sampling rank and its TP peers agree) ----------
 
     def _last_token_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
-        return torch.tensor(
-            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.runner.device
+        return self.runner.upload(
+            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], torch.int64
         )
 
     def _draft_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from engine.worker.async_output import PinnedEventCopy, SyncCopy, make_host_copy
 from engine.worker.host_reads import StepReads
 from engine.worker.placeholder_inputs import PlaceholderInputs
+from engine.worker.uploads import Uploader, make_uploader
 
 
 class RecordingEvent:
@@ -73,16 +74,59 @@ def test_placeholder_rows_take_the_previous_steps_ids() -> None:
     )
     # step N+1: c and a are placeholders (one token each), p is a 3-token prefill chunk
     batch = [_entry("c", 1), _entry("a", 1), _entry("p")]
-    input_ids = torch.tensor([0, 0, 7, 8, 9])
-    inputs.fill(batch, input_ids, [0, 1, 2, 5])
-    assert input_ids.tolist() == [13, 11, 7, 8, 9]
+    step = _inputs([0, 0, 7, 8, 9], [0, 1, 2, 5])
+    pinned: list[list[int]] = []
+    upload = Uploader(torch.device("cpu"), pinned=True, pin=_recording_pin(pinned))
+    inputs.fill(batch, step, upload)
+    assert step.input_ids.tolist() == [13, 11, 7, 8, 9]
+    assert pinned == [[0, 1], [2, 0]]  # the index lists went up through pinned memory
 
 
 def test_a_placeholder_without_a_sampled_id_is_an_error() -> None:
     inputs = PlaceholderInputs()
     inputs.remember([([_entry("a")], torch.tensor([4]))])
+    upload = Uploader(torch.device("cpu"), pinned=False)
     with pytest.raises(RuntimeError, match="'b'"):
-        inputs.fill([_entry("b", 1)], torch.zeros(1, dtype=torch.int64), [0, 1])
+        inputs.fill([_entry("b", 1)], _inputs([0], [0, 1]), upload)
     inputs.remember([])
     with pytest.raises(RuntimeError, match="'a'"):
-        inputs.fill([_entry("a", 1)], torch.zeros(1, dtype=torch.int64), [0, 1])
+        inputs.fill([_entry("a", 1)], _inputs([0], [0, 1]), upload)
+
+
+def _inputs(input_ids: list[int], query_start_loc: list[int]) -> Any:
+    return SimpleNamespace(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64), query_start_loc_cpu=query_start_loc
+    )
+
+
+def _recording_pin(log: list[list[int]]) -> Any:
+    def pin(tensor: torch.Tensor) -> torch.Tensor:
+        log.append(tensor.tolist())
+        return tensor.clone()  # a copy, as pinning makes one
+
+    return pin
+
+
+def test_step_inputs_uploaded_through_pinned_memory_equal_direct_ones() -> None:
+    """The GPU's path (pinned, non-blocking) with a stand-in pin: every tensor of the step's
+    inputs goes through it, and the inputs equal those built on the device directly."""
+    requests = [([5], 9, [3, 1]), ([6, 7, 8], 0, [2])]
+    direct = Uploader(torch.device("cpu"), pinned=False).step_inputs(requests, 8, None)
+    pinned: list[list[int]] = []
+    uploader = Uploader(torch.device("cpu"), pinned=True, pin=_recording_pin(pinned))
+    moved = uploader.step_inputs(requests, 8, None)
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(moved, name), getattr(direct, name))
+    metadata, expected = moved.attn_metadata, direct.attn_metadata
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(metadata, name), getattr(expected, name)), name
+        assert getattr(metadata, name).dtype == getattr(expected, name).dtype
+    assert len(pinned) == 6  # ids, positions and the four metadata tensors
+    assert metadata.query_start_loc_cpu == expected.query_start_loc_cpu
+    assert uploader([4, 2], torch.int64).tolist() == [4, 2] and pinned[-1] == [4, 2]
+
+
+def test_uploads_are_pinned_only_for_async_scheduling_on_a_gpu() -> None:
+    assert make_uploader(torch.device("cuda"), async_scheduling=True).pin is not None
+    assert make_uploader(torch.device("cuda"), async_scheduling=False).pin is None
+    assert make_uploader(torch.device("cpu"), async_scheduling=True).pin is None
