@@ -315,6 +315,11 @@ class LLMEngine(LLMEngineConfigGetters, LLMEngineAdminMixin):
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             outputs.extend(step_outputs)
             self.recorder.record_step(scheduler_output)
+        # Async scheduling: a step launched after the last requests' final step holds only
+        # their dropped rows; collected now, so nothing is left in flight when idle.
+        while self._in_flight and not self.scheduler.has_unfinished_requests():
+            self._in_flight.popleft()
+            self.executor.collect()
         self.recorder.record_finished(outputs)
         self.recorder.update_gauges()
         return outputs

@@ -73,6 +73,7 @@ def run(model: Path, async_scheduling: bool, workload: Workload, **kwargs: Any) 
         step += 1
         assert step < 500, "the run does not end"
     assert not engine.scheduler.requests
+    assert not engine._in_flight  # idle: the last step's dropped rows were collected
     assert engine.kv_cache_manager.get_num_free_blocks() == free_at_start  # no KV leak
     return Run(outputs, calls, engine)
 
@@ -236,14 +237,23 @@ def test_the_flag_is_checked() -> None:
         EngineArgs(model=None, async_scheduling="yes").create_engine_config()  # type: ignore[arg-type]
 
 
-def test_structured_outputs_fall_back(tmp_path: Path) -> None:
+def test_structured_outputs_fall_back_and_stop_strings(tmp_path: Path) -> None:
     """A constrained request's next bitmask follows the token it samples: the steps it
-    samples in run synchronously; the plain request beside it is unchanged too."""
+    samples in run synchronously; the plain request beside it is unchanged too. A stop
+    string (found by the engine's detokenizer, after the scheduler's update) drops the
+    token of the step in flight."""
     from engine.structured_output import StructuredOutputsParams
 
     model = make_tiny_llama(tmp_path / "tok", with_tokenizer=True, num_layers=1)
+    probe = run(model, False, Workload([(0, "p", _prompt(4, 6), _GREEDY)]),
+                skip_tokenizer_init=False)  # fmt: skip
+    probe_ids = probe.outputs["p"][0][1]
+    stop = probe.engine.tokenizer.decode(probe_ids[3:6]).strip()
+    assert stop
     regex = StructuredOutputsParams(regex=r"[a-c ]{4,12}")
     requests = [
+        (0, "stop-string", _prompt(4, 6), SamplingParams(temperature=0.0, max_tokens=12,
+                                                         ignore_eos=True, stop=[stop])),
         (0, "plain", _prompt(0, 6), _GREEDY),
         (2, "regex", _prompt(1, 6), SamplingParams(temperature=0.0, max_tokens=16,
                                                    structured_outputs=regex)),
@@ -252,4 +262,6 @@ def test_structured_outputs_fall_back(tmp_path: Path) -> None:
     ]  # fmt: skip
     sync, overlapped = both(model, Workload(requests), skip_tokenizer_init=False)
     assert sync.outputs["regex"][0][3] == "stop"  # the grammar ended it
+    assert sync.outputs["stop-string"][0][3:] == ("stop", stop)
+    assert len(sync.outputs["stop-string"][0][1]) < 12
     assert num_overlapped(overlapped.calls) > 0  # before the constrained requests joined
