@@ -7,6 +7,7 @@ hidden states of pooling requests (engine/worker/pooler.py: LAST, MEAN or CLS, a
 over prefill chunks), and returns a `ModelRunnerOutput`.
 Speculative entries (greedy, with draft tokens) are verified: see `_verify_drafts`.
 On CUDA, pure decode steps replay captured CUDA graphs (engine/worker/cuda_graphs.py).
+`execute` = `launch` (ends by starting the one host copy) then `finish` (async_output.py).
 
 As a rank of a tensor/pipeline-parallel engine (engine/distributed/) it holds its share of
 the model and of the KV cache; a stage before the last hands its output on and returns
