@@ -41,9 +41,13 @@
 #                  in a batch of 200 (rc 1 if not); then (batch_invariant_tests)
 #                  tests/engine/batch_invariant/test_triton_backend.py and the invariant
 #                  kernels' tests on the GPU
+#   async_scheduling  benchmarks/gpu/async_scheduling_decode.py: the 8B shape's batch-1
+#                  ms/token and batch-200 decode step with async_scheduling off and on, and
+#                  the same greedy tokens both ways (rc 1 if not); then
+#                  (async_scheduling_tests) the equality tests on the GPU
 #
 # The parts from step_kernels on the list below tests_kernels (step_kernels, int4, fp8,
-# batch_invariant) measure one piece of work each and run only when named, alone or as the
+# batch_invariant, async_scheduling) measure one piece of work each and run only when named, alone or as the
 # group `issues`, so the default check (the product as users start it) keeps to its budget.
 #
 #   OUT=/tmp/out scripts/gpu_check.sh                    # the default check
@@ -74,7 +78,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=("$@")
 
-ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 batch_invariant batch_invariant_tests "  # run only when named (or `issues`)
+ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 batch_invariant batch_invariant_tests async_scheduling async_scheduling_tests "  # run only when named (or `issues`)
 
 wanted() {  # wanted NAME: NAME was named; or no part was and NAME is in the default check
     local p on_request=0
@@ -163,6 +167,11 @@ INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --deco
 TESTS_INVARIANT=(tests/engine/batch_invariant/test_triton_backend.py
     tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py
     tests/kernels/test_row_kernels_are_batch_invariant.py)
+ASYNC=("$PY" benchmarks/gpu/async_scheduling_decode.py --batches 1 200 --decode-tokens 32)
+# the equality tests built on the GPU (their CPU twins run in the CPU suite), and the
+# pinned-copy logic
+TESTS_ASYNC=(tests/engine/front/test_async_scheduling.py tests/engine/worker/test_async_output.py
+    -k "cuda or pinned or host_copy")
 
 if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     SERVING_ARGS=(--shape tiny --concurrency 1 2 --input-len 16 --output-len 8)
@@ -184,6 +193,10 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     INVARIANT=(env TRITON_INTERPRET=1 "$PY" benchmarks/gpu/batch_invariant_decode.py --shape tiny
         --device cpu --dtype float32 --attention-backend triton --batches 1 2 --prompt-len 16 --decode-tokens 2 --max-model-len 256 --kv-cache-gib 0.05)
     TESTS_INVARIANT=(tests/kernels/test_batch_invariant_matmul.py)
+    ASYNC=("$PY" benchmarks/gpu/async_scheduling_decode.py --shape tiny --device cpu
+        --dtype float32 --batches 1 4 --prompt-len 16 --decode-tokens 4 --repeats 1
+        --max-model-len 256 --kv-cache-gib 0.05)
+    TESTS_ASYNC=(tests/engine/worker/test_async_output.py)
 fi
 
 part env 30 bash -c env_report
@@ -208,5 +221,9 @@ part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_
 wanted batch_invariant && PARTS+=(batch_invariant_tests)  # its tests: part of the same request
 part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \
     "${TESTS_INVARIANT[@]}"
+part async_scheduling 200 "${ASYNC[@]}" --output-json "$WORK/async_scheduling_decode.json"
+wanted async_scheduling && PARTS+=(async_scheduling_tests)  # its tests: the same request
+part async_scheduling_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_async.xml" \
+    "${TESTS_ASYNC[@]}"
 echo "=== done in $(($(date +%s) - START))s; summary:"
 cat "$SUMMARY"

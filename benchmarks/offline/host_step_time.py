@@ -18,6 +18,9 @@ and range over `--repeats` runs (sizes alternate run by run). `--stub-forward` r
 forward pass and the greedy argmax by zeros of the right shapes (the real step with the
 device's work stubbed): what is left is the host's own time. `--profile` prints the
 cProfile of one run per size instead (the top functions by own time).
+`--async-scheduling` takes the figures with the engine's async scheduling on (each step()
+launches step N+1 and finishes step N; on the CPU the host does the same work, so the
+figure tells its own cost: the overlap itself needs a GPU).
 
 One torch thread by default (`--threads`): on a shared machine a parallel region of the
 tiny forward waits for a descheduled peer thread, milliseconds that are no part of the
@@ -120,6 +123,10 @@ def main() -> int:
         "--stub-forward", action="store_true",
         help="the model's forward and greedy argmax return zeros: the host's work alone",
     )  # fmt: skip
+    parser.add_argument(
+        "--async-scheduling", action="store_true",
+        help="EngineArgs async_scheduling: a step() launches step N+1, then finishes step N",
+    )  # fmt: skip
     parser.add_argument("--sort", default="tottime", help="the profile's order (cumtime, ...)")
     parser.add_argument("--top", type=int, default=25, help="functions the profile prints")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per size")
@@ -129,7 +136,7 @@ def main() -> int:
         llm = LLM(
             model=str(_model_dir(Path(tmp))), load_format="dummy", skip_tokenizer_init=True,
             device="cpu", max_model_len=ns.input_len + ns.output_len + 16,
-            max_num_seqs=max(ns.batch_sizes), seed=0,
+            max_num_seqs=max(ns.batch_sizes), seed=0, async_scheduling=ns.async_scheduling,
         )  # fmt: skip
         if ns.stub_forward:
             _stub_forward(llm)

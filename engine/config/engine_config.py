@@ -179,6 +179,8 @@ class EngineConfig:
     cuda_graph_config: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     # Each row computed alike whatever the batch (engine/config/batch_invariant.py).
     batch_invariant: bool = False
+    # The host schedules step N+1 while step N runs (engine/core/async_scheduling.py).
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -265,6 +267,11 @@ class EngineArgs:
     # bitwise the same alone or in any batch, chunked or not, after a prefix-cache hit, a
     # preemption or a migration. CPU, float32; costs some throughput. Off by default.
     batch_invariant: bool = False
+    # vLLM's name: the host schedules and prepares step N+1 while step N runs on the device
+    # (docs/engine.md "Async scheduling"); same tokens either way. Off by default until a
+    # GPU measures it; steps whose requests need their tokens on the host first run
+    # synchronously (engine/core/async_scheduling.py).
+    async_scheduling: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         # Converting a GGUF model loads torch: imported when a config is made, so importing
@@ -361,6 +368,9 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
         )
+        if not isinstance(self.async_scheduling, bool):
+            value = self.async_scheduling
+            raise ValueError(f"async_scheduling must be True or False, got {value!r}.")
         if self.batch_invariant:
             check_batch_invariant(
                 device=device,
@@ -385,6 +395,7 @@ class EngineArgs:
             pooler_config=pooler_config.resolve(model_dir),
             cuda_graph_config=cuda_graph_config,
             batch_invariant=self.batch_invariant,
+            async_scheduling=self.async_scheduling,
         )
 
 

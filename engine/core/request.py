@@ -123,6 +123,9 @@ class Request:
         # Draft tokens scheduled for verification this step (speculative decoding): not in
         # all_token_ids; cleared when the step's tokens are appended or on preemption.
         self.spec_token_ids: list[int] = []
+        # Async scheduling: tokens sampled by steps in flight, not yet appended (each has
+        # its KV slot allocated; engine/core/async_scheduling.py).
+        self.num_output_placeholders = 0
         # Structured outputs: the grammar state (engine.structured_output.request), set by
         # the engine for a constrained request; the scheduler only calls its methods.
         self.structured_output: Any = None

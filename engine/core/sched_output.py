@@ -31,6 +31,12 @@ class ScheduledRequest:
     # The request's preemption count when scheduled: with several steps in flight
     # (pipeline parallelism) an output computed before a preemption is dropped.
     num_preemptions: int = 0
+    # Async scheduling (engine/core/async_scheduling.py): the entry's last
+    # `num_placeholder_inputs` tokens are ones a step still in flight samples; the runner
+    # takes their ids from that step's sampled ids on the device. `adds_placeholder`: this
+    # entry's own sampled token was counted in `request.num_output_placeholders`.
+    num_placeholder_inputs: int = 0
+    adds_placeholder: bool = False
 
     @property
     def request_id(self) -> str:
@@ -38,13 +44,20 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
+        """The step's input ids; 0 stands for each placeholder (filled on the device)."""
         start = self.num_computed_tokens
-        num_known = self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.all_token_ids[start : start + num_known] + self.spec_token_ids
+        num_known = self.num_new_tokens - len(self.spec_token_ids) - self.num_placeholder_inputs
+        known = self.request.all_token_ids[start : start + num_known]
+        if self.num_placeholder_inputs:
+            known = known + [0] * self.num_placeholder_inputs
+        return known + self.spec_token_ids
 
     @property
     def reaches_last_token(self) -> bool:
-        """True when this step computes the request's last known token."""
+        """True when this step computes the request's last known token (or, for an entry
+        with placeholder inputs, the token a step in flight samples)."""
+        if self.num_placeholder_inputs:
+            return True
         num_known = self.num_new_tokens - len(self.spec_token_ids)
         return self.num_computed_tokens + num_known == self.request.num_tokens
 

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 from engine.config.engine_config import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
+from engine.core import async_scheduling
 from engine.core.fairness import VirtualTokenCounter, create_waiting_queue
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
@@ -61,6 +62,8 @@ class Scheduler:
         self.num_accepted_draft_tokens = 0
         self.num_output_tokens_last_update = 0
         self._max_scheduled = config.max_num_seqs  # this step's cap (see schedule)
+        # Async scheduling's placeholders (engine/core/async_scheduling.py); set by the engine.
+        self.async_scheduling = False
 
     # ---- queue management -------------------------------------------------------------
 
@@ -117,6 +120,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0 and len(scheduled) < self._max_scheduled:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders:  # async scheduling: a token in flight
+                num_new = min(
+                    async_scheduling.num_tokens_to_schedule(request, self.config.max_model_len),
+                    budget,
+                )
             if num_new <= 0:  # its last step is still in flight (pipeline parallelism)
                 index += 1
                 continue
@@ -154,6 +162,8 @@ class Scheduler:
 
         for entry in scheduled:
             entry.request.num_computed_tokens += entry.num_new_tokens
+        if self.async_scheduling:
+            async_scheduling.mark_placeholders(scheduled)
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled=scheduled,
@@ -264,6 +274,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_output_placeholders = 0  # their tokens are dropped and recomputed
         request.num_preemptions += 1
         request.times.preemption_times.append(time.time())
         self.num_preemptions_total += 1
@@ -287,6 +298,8 @@ class Scheduler:
                 continue
             if request.num_preemptions != entry.num_preemptions:
                 continue  # preempted while its step was in flight: it recomputes later
+            if entry.adds_placeholder:  # async scheduling: the token in flight arrived
+                request.num_output_placeholders -= 1
             if not request.spec_token_ids and request.structured_output is None:
                 # A plain decode or prefill row: at most its one sampled token.
                 token_id = runner_output.sampled_token_ids.get(request.request_id)

@@ -1,7 +1,9 @@
 """Executors: where the model runs for an engine (vLLM's `distributed_executor_backend`).
 
-- "uni" (`UniProcExecutor`): the model runner in the engine's own process; a step runs
-  when it is submitted.
+- "uni" (`UniProcExecutor`): the model runner in the engine's own process; a step is
+  launched when it is submitted (on a GPU its kernels are queued) and finished when it is
+  collected (its sampled ids read back: engine/worker/async_output.py), so with async
+  scheduling two steps are in flight (engine/core/async_scheduling.py).
 - "mp" (`engine.executor.mp_executor.MultiprocExecutor`): one worker process per
   tensor/pipeline-parallel rank; up to `pipeline_parallel_size` steps in flight.
 
@@ -66,22 +68,23 @@ class UniProcExecutor:
         self.worker = Worker(config)
         self.runner = self.worker.runner
         self.num_blocks = self.runner.num_blocks
-        self._outputs: deque[ModelRunnerOutput] = deque()
+        self._outputs: deque[Any] = deque()  # PendingOutput, oldest first
 
     @property
     def pids(self) -> list[int]:
         return []  # the model runs in this process
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        output = self.worker.execute_model(scheduler_output)
-        assert output is not None, "a world of one always answers"
-        self._outputs.append(output)
+        pending = self.worker.launch_model(scheduler_output)
+        assert pending is not None, "a world of one always answers"
+        self._outputs.append(pending)
 
     def skip(self, scheduler_output: SchedulerOutput) -> None:
-        return None
+        """Nothing to run; the runner still forgets the requests that ended."""
+        self.runner.drop_request_state(scheduler_output)
 
     def collect(self) -> ModelRunnerOutput:
-        return self._outputs.popleft()
+        return self._outputs.popleft().finish()
 
     def collective_rpc(
         self,

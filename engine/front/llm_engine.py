@@ -9,7 +9,9 @@ step():
 
 With pipeline parallelism up to `pipeline_parallel_size` steps are submitted before the
 oldest is collected, so the stages work on different batches at once (vLLM's virtual
-engines); a request is in at most one of them.
+engines); a request is in at most one of them. With `async_scheduling` two steps are in
+flight on one device: step N+1 is scheduled and submitted before step N is collected, its
+decoding requests again, each with one placeholder token (engine/core/async_scheduling.py).
 
 Beside this file: `add_request`'s arguments become one `EngineRequest`
 (engine/core/engine_request.py), which request_builder.py turns into `Request`s; the
@@ -30,22 +32,19 @@ from engine.api.model_files import load_tokenizer
 from engine.api.outputs import PoolingRequestOutput, RequestOutput
 from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import (
-    CacheConfig,
-    DeviceConfig,
     EngineArgs,
     EngineConfig,
     LoRAConfig,
-    ModelConfig,
-    SchedulerConfig,
 )
-from engine.config.parallel import ParallelConfig
 from engine.config.rope import rope_regime
+from engine.core import async_scheduling
 from engine.core.engine_request import EngineRequest
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
 from engine.executor.uniproc import create_executor
+from engine.front.config_getters import LLMEngineConfigGetters
 from engine.front.llm_engine_admin import LLMEngineAdminMixin
 from engine.models.registry import get_model_class
 from engine.observability.metrics import EngineMetrics
@@ -57,7 +56,6 @@ from engine.processing.output_processor import OutputProcessor
 from engine.processing.request_builder import RequestBuilder
 from engine.processing.resume import ResumedOutputTokenIds
 from engine.processing.stop_tokenizer import StopStringTokenizer
-from engine.structured_output.config import DecodingConfig
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -65,7 +63,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.01
 
 
-class LLMEngine(LLMEngineAdminMixin):
+class LLMEngine(LLMEngineConfigGetters, LLMEngineAdminMixin):
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         model_config = config.model_config
         self.tokenizer = None
@@ -119,6 +117,7 @@ class LLMEngine(LLMEngineAdminMixin):
             config, num_blocks, self.get_tokenizer, stop_tokenizer
         )
         self._pending_outputs: list[RequestOutput | PoolingRequestOutput] = []
+        self._max_in_flight = self._steps_in_flight(config)
         self.recorder = EngineRecorder(config, self.scheduler, self.kv_cache_manager, log_stats)
         self.structured_output_manager = StructuredOutputManager(model_config)
         self.request_builder = RequestBuilder(
@@ -146,30 +145,6 @@ class LLMEngine(LLMEngineAdminMixin):
         """The stats line's counters, and token totals since start
         (engine/observability/stats.py)."""
         return self.recorder.stat_logger
-
-    # ---- config getters -----------------------------------------------------------------
-
-    def get_model_config(self) -> ModelConfig:
-        return self.config.model_config
-
-    def get_cache_config(self) -> CacheConfig:
-        return self.config.cache_config
-
-    def get_scheduler_config(self) -> SchedulerConfig:
-        return self.config.scheduler_config
-
-    def get_device_config(self) -> DeviceConfig:
-        return self.config.device_config
-
-    def get_engine_config(self) -> EngineConfig:
-        return self.config
-
-    def get_decoding_config(self) -> DecodingConfig:
-        """Which grammar backend enforces structured outputs."""
-        return self.structured_output_manager.decoding_config
-
-    def get_parallel_config(self) -> ParallelConfig:
-        return self.config.parallel_config
 
     # ---- the executor -------------------------------------------------------------------
 
@@ -340,9 +315,26 @@ class LLMEngine(LLMEngineAdminMixin):
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             outputs.extend(step_outputs)
             self.recorder.record_step(scheduler_output)
+        # Async scheduling: a step launched after the last requests' final step holds only
+        # their dropped rows; collected now, so nothing is left in flight when idle.
+        while self._in_flight and not self.scheduler.has_unfinished_requests():
+            self._in_flight.popleft()
+            self.executor.collect()
         self.recorder.record_finished(outputs)
         self.recorder.update_gauges()
         return outputs
+
+    def _steps_in_flight(self, config: EngineConfig) -> int:
+        """Steps the engine keeps submitted: the executor's, or two with async scheduling
+        (whose placeholders the scheduler then counts)."""
+        if not config.async_scheduling:
+            return self.executor.max_concurrent_batches
+        reason = async_scheduling.unsupported_reason(config.parallel_config)
+        if reason is not None:
+            logger.warning("async_scheduling is off: %s.", reason)
+            return self.executor.max_concurrent_batches
+        self.scheduler.async_scheduling = True
+        return 2
 
     def _batch_cap(self) -> int | None:
         """With several batches in flight, each takes at most its share of the live
@@ -355,11 +347,18 @@ class LLMEngine(LLMEngineAdminMixin):
 
     def _submit_steps(self) -> None:
         """Schedules and submits steps until the executor has as many in flight as it
-        takes (one without pipeline parallelism) or nothing more can be scheduled."""
+        takes (one without pipeline parallelism; two with async scheduling, unless the
+        last step's requests need their tokens on the host first) or nothing more can be
+        scheduled."""
         while (
-            len(self._in_flight) < self.executor.max_concurrent_batches
-            and self.scheduler.has_unfinished_requests()
+            len(self._in_flight) < self._max_in_flight and self.scheduler.has_unfinished_requests()
         ):
+            if self.scheduler.async_scheduling and self._in_flight:
+                blocker = async_scheduling.overlap_blocker(
+                    self._in_flight[-1], self.scheduler.proposer is not None
+                )
+                if blocker is not None:  # this step runs synchronously
+                    return
             scheduler_output = self.scheduler.schedule(self._batch_cap())
             if scheduler_output.is_empty:
                 self.executor.skip(scheduler_output)

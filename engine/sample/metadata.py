@@ -33,6 +33,9 @@ class SamplingRow:
     output_token_ids: list[int]  # tokens generated so far, not yet the one being sampled
     seed: int  # the request's fixed seed (Request.seed)
     grammar: Any = None  # the request's GrammarMatcher under structured outputs
+    # Tokens sampled by steps still in flight (async scheduling), not yet in
+    # output_token_ids: they count for the seeded sampler's position.
+    num_output_placeholders: int = 0
 
 
 @dataclass(slots=True)
@@ -140,7 +143,7 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             all_random=not any(greedy),
             seeds=ints([_to_int64(row.seed) for row in rows]),
-            positions=ints([len(row.output_token_ids) for row in rows]),
+            positions=ints([len(r.output_token_ids) + r.num_output_placeholders for r in rows]),
             top_k=ints(top_k) if any(top_k) else None,
             max_top_k=max(top_k, default=0),
             top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,

@@ -1,5 +1,5 @@
 """The default KV-cache budget on the CPU, in bytes, when the user sets none (the runner
-divides it into blocks: ModelRunner._determine_num_blocks)."""
+divides it into blocks: kv_sizing.determine_num_blocks)."""
 
 from __future__ import annotations
 

@@ -43,15 +43,39 @@ class StepReads:
 
     def read(self) -> list[list[Any]]:
         """Every queued tensor as lists (2-D ones as lists of rows), with one copy."""
+        return self.start().wait()
+
+    def start(self, copy: Any = None) -> PendingReads:
+        """Starts the one copy (`copy`: an `async_output.HostCopy`; None reads now);
+        `wait()` on the result gives what `read()` does."""
         parts = self._parts
         if not parts:
-            return []
+            return PendingReads([], None)
         floating = any(p.dtype.is_floating_point for p in parts)
         dtype = torch.float64 if floating else torch.int64
         flat = torch.cat([p.reshape(-1).to(dtype) for p in parts]) if len(parts) > 1 else (
             parts[0].reshape(-1).to(dtype)
         )  # fmt: skip
-        values = to_host(flat)
+        if copy is None:
+            values: list[Any] = to_host(flat)
+            return PendingReads(parts, lambda: values)
+        pending = copy.start(flat)
+        return PendingReads(parts, pending.wait)
+
+
+class PendingReads:
+    """A started `StepReads` copy; `wait()` splits the values into the parts' lists."""
+
+    def __init__(self, parts: list[torch.Tensor], values: Any) -> None:
+        self._parts = parts
+        self._values = values  # () -> flat list, or None when nothing was queued
+
+    def wait(self) -> list[list[Any]]:
+        parts = self._parts
+        if not parts:
+            return []
+        floating = any(p.dtype.is_floating_point for p in parts)
+        values = self._values()
         result: list[list[Any]] = []
         offset = 0
         for part in parts:

@@ -7,6 +7,7 @@ hidden states of pooling requests (engine/worker/pooler.py: LAST, MEAN or CLS, a
 over prefill chunks), and returns a `ModelRunnerOutput`.
 Speculative entries (greedy, with draft tokens) are verified: see `_verify_drafts`.
 On CUDA, pure decode steps replay captured CUDA graphs (engine/worker/cuda_graphs.py).
+`execute` = `launch` (ends by starting the one host copy) then `finish` (async_output.py).
 
 As a rank of a tensor/pipeline-parallel engine (engine/distributed/) it holds its share of
 the model and of the KV cache; a stage before the last hands its output on and returns
@@ -36,16 +37,20 @@ from engine.loader.model_loader import load_model
 from engine.lora.manager import LoRAManager
 from engine.sample import Sampler
 from engine.sample.sampler import select_argmax
-from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
+from engine.worker.async_output import PendingOutput, make_host_copy
 from engine.worker.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
 from engine.worker.device_runtime import device_runtime
 from engine.worker.inputs import StepInputs, build_step_inputs
 from engine.worker.kv_memory import lazily_zeroed
+from engine.worker.kv_sizing import determine_num_blocks
 from engine.worker.malloc_tuning import keep_freed_memory_mapped
+from engine.worker.placeholder_inputs import PlaceholderInputs
 from engine.worker.pooler import Pooler
 from engine.worker.profiler import TorchProfiler
 from engine.worker.sleep import SleepMode
+from engine.worker.step_rows import classify_rows
 from engine.worker.step_sampler import StepSampler
+from engine.worker.uploads import make_uploader
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +114,11 @@ class ModelRunner:
         logits_ops = select_op_impl(self.attn_backend.name, self.device, torch.float32)
         self.sampler = Sampler(select_argmax(logits_ops))
         self.step_sampler = StepSampler(self)  # sampling, drafts, prompt logprobs
+        # Async scheduling: the step's one read to the host (pinned + event on a GPU) and
+        # the sampled ids kept on the device for the next step's placeholder rows.
+        self.host_copy = make_host_copy(self.device)
+        self.upload = make_uploader(self.device, config.async_scheduling)  # uploads.py
+        self.placeholder_inputs = PlaceholderInputs()
         self.pooler = Pooler(config.pooler_config.pooling_type or "LAST")
         self.profiler = TorchProfiler(self.device, self.ranks.rank)  # start/stop_profile()
         self.sleep_mode = SleepMode(self)  # sleep() / wake_up()
@@ -280,41 +290,15 @@ class ModelRunner:
         return per_layer * self.model.num_local_layers
 
     def _determine_num_blocks(self, cache_config: CacheConfig) -> int:
-        """Blocks from the memory budget: an explicit byte budget, the free GPU memory
-        times `gpu_memory_utilization`, or the CPU budget (what the scheduler can use,
-        capped by the available memory: cpu_kv_budget.default_cpu_kv_cache_bytes). Never more
-        than the scheduler could ever use (max_num_seqs full-length sequences)."""
-        per_block = self.kv_bytes_per_block
-        sched = self.config.scheduler_config
-        max_useful = sched.max_num_seqs * math.ceil(sched.max_model_len / self.block_size)
-        if cache_config.num_gpu_blocks_override is not None:
-            num_blocks = cache_config.num_gpu_blocks_override
-            source = "num_gpu_blocks_override"
-        else:
-            if cache_config.kv_cache_memory_bytes is not None:
-                budget, source = cache_config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-            elif self.runtime is not None:  # a GPU
-                budget, source = self._gpu_kv_budget(cache_config.gpu_memory_utilization), "GPU"
-            else:
-                budget = default_cpu_kv_cache_bytes(max_useful * per_block)
-                source = "CPU budget"
-            num_blocks = budget // per_block
-            num_blocks = min(num_blocks, max_useful)
-        if num_blocks < 1:
-            raise ValueError(
-                f"The KV-cache budget ({source}) holds no block of {per_block} bytes; "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization."
-            )
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s (%s)",
-            num_blocks,
+        """Blocks from the memory budget (engine/worker/kv_sizing.py)."""
+        return determine_num_blocks(
+            cache_config,
+            self.config.scheduler_config,
+            self.kv_bytes_per_block,
+            self._gpu_kv_budget if self.runtime is not None else None,
             self.block_size,
-            num_blocks * self.block_size,
-            num_blocks * per_block / 2**20,
             str(self.kv_cache_dtype).removeprefix("torch."),
-            source,
         )
-        return num_blocks
 
     def _gpu_kv_budget(self, utilization: float) -> int:
         """Memory left for the cache after the model and a worst-case forward pass: this
@@ -362,33 +346,23 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output; None on a rank that does not answer (an earlier pipeline
         stage, or a TP rank other than 0)."""
-        # Decode tokens (one query token) first, then prefill chunks: the layout the
-        # attention backends expect.
-        batch = sorted(scheduler_output.scheduled, key=lambda e: e.num_new_tokens != 1)
-        # One pass over the batch: the inputs and which rows sample, verify drafts, pool or
-        # want prompt logprobs.
-        step_requests: list[tuple[list[int], int, list[int]]] = []
-        sampling: list[int] = []
-        speculative: list[int] = []
-        pooling: list[int] = []  # every chunk: MEAN and CLS accumulate over chunks
-        prompt_lp: list[int] = []
-        wants_prompt_logprobs = self.step_sampler.wants_prompt_logprobs
-        for i, e in enumerate(batch):
-            step_requests.append((e.token_ids, e.num_computed_tokens, e.block_ids))
-            if e.spec_token_ids:
-                speculative.append(i)
-            elif e.samples:
-                sampling.append(i)
-            if e.request.is_pooling:
-                pooling.append(i)
-            elif wants_prompt_logprobs(e):
-                prompt_lp.append(i)
-        inputs = build_step_inputs(
-            step_requests,
+        pending = self.launch(scheduler_output)
+        return None if pending is None else pending.finish()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
+        """Inputs, forward and sampling; the sampled ids' copy to the host is started, not
+        waited for: `PendingOutput.finish()` gives the output (engine/worker/async_output.py).
+        None on a rank that does not answer."""
+        rows = classify_rows(scheduler_output, self.step_sampler.wants_prompt_logprobs)
+        batch = rows.batch
+        inputs = self.upload.step_inputs(
+            rows.requests,
             self.block_size,
-            self.device,
             [e.request.rope_length for e in batch] if self._rope_lengths else None,
         )
+        if rows.has_placeholders:  # async scheduling: ids sampled by the step before
+            self.placeholder_inputs.fill(batch, inputs, self.upload)
         lora = self.lora_manager is not None and self.lora_manager.prepare(
             [(e.request.lora_request, len(e.token_ids)) for e in batch]
         )
@@ -396,20 +370,31 @@ class ModelRunner:
         if hidden is None:  # an earlier pipeline stage: the output went to the next one
             return None
 
-        self.pooler.drop(scheduler_output.finished_request_ids)
-        self.pooler.drop(scheduler_output.preempted_request_ids)
-        self.step_sampler.drop(scheduler_output.finished_request_ids)
-        self.step_sampler.drop(scheduler_output.preempted_request_ids)
+        self.drop_request_state(scheduler_output)
+        sampling, speculative, prompt_lp = rows.sampling, rows.speculative, rows.prompt_lp
         if not self.is_driver_rank:
             self.step_sampler.follow_logits(batch, sampling, speculative, prompt_lp, inputs, hidden)
             return None
         output = ModelRunnerOutput()
+        finishers = []
+        self.step_sampler.device_sampled = []
         if sampling:
-            self.step_sampler.sample(batch, sampling, inputs, hidden, output)
+            finishers.append(
+                self.step_sampler.sample(batch, sampling, inputs, hidden, output, self.host_copy)
+            )
+        self.placeholder_inputs.remember(self.step_sampler.device_sampled)
+        # The features below read the device themselves (not overlapped: the engine falls
+        # back to synchronous steps for them, engine/core/async_scheduling.py).
         if speculative:
             self.step_sampler.verify_drafts(batch, speculative, inputs, hidden, output)
-        if pooling:
-            self.pooler(batch, pooling, inputs, hidden, output)
+        if rows.pooling:
+            self.pooler(batch, rows.pooling, inputs, hidden, output)
         for i in prompt_lp:
             self.step_sampler.prompt_logprobs(batch[i], inputs, i, hidden, output)
-        return output
+        return PendingOutput(output, finishers)
+
+    def drop_request_state(self, scheduler_output: SchedulerOutput) -> None:
+        """Forgets what the runner keeps for requests that finished or were preempted."""
+        for ids in (scheduler_output.finished_request_ids, scheduler_output.preempted_request_ids):
+            self.pooler.drop(ids)
+            self.step_sampler.drop(ids)

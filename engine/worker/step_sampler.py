@@ -8,6 +8,7 @@ model reloaded after sleep mode is the one used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ class StepSampler:
         # when it joins (the parameters never change), dropped when it leaves (persistent
         # per-request state, as vLLM's persistent batch keeps).
         self._argmax_only_params: dict[str, tuple[Any, bool]] = {}
+        # The last `sample` call's ids on the device, per group of entries (reset by the
+        # runner each step): the inputs of the next step's placeholder rows.
+        self.device_sampled: list[tuple[list[ScheduledRequest], torch.Tensor]] = []
 
     def drop(self, request_ids: set[str]) -> None:
         """Forgets the per-request state of requests that finished or were preempted."""
@@ -53,9 +57,13 @@ class StepSampler:
         inputs: StepInputs,
         hidden: torch.Tensor,
         output: ModelRunnerOutput,
-    ) -> None:
+        copy: Any = None,
+    ) -> Callable[[], None]:
         """Samples the rows' next tokens; the ids (and logprobs) of every row come to the
-        host in one copy (engine/worker/host_reads.py)."""
+        host in one copy (engine/worker/host_reads.py), started here with `copy` (an
+        `async_output.HostCopy`; None: read now). Returns what fills `output` once the
+        copy is done (engine/worker/async_output.py). The sampled ids stay on the device
+        in `device_sampled` for the next step's placeholder rows."""
         index = self._last_token_index(rows, inputs)
         reads = StepReads()
         screened, rows, index = self._screen_argmax_rows(batch, rows, index, hidden, reads)
@@ -70,6 +78,7 @@ class StepSampler:
                         prompt_token_ids=e.request.prompt_token_ids,
                         output_token_ids=e.request.output_token_ids,
                         seed=e.request.seed,
+                        num_output_placeholders=e.num_placeholder_inputs,
                         grammar=_matcher(e.request),
                     )
                     for e in entries
@@ -78,28 +87,34 @@ class StepSampler:
                 device=self.runner.device,
             )
             result = self.runner.sampler(logits, metadata)
+            self.device_sampled.append((entries, result.sampled_token_ids))
             sampled = reads.add(result.sampled_token_ids)
             if result.logprobs is not None:
                 lp = result.logprobs
                 logprobs = (reads.add(lp.token_ids), reads.add(lp.logprobs), reads.add(lp.ranks))
-        host = reads.read()  # the step's one device-to-host copy
-        if screened is not None:
-            screened_entries, slot = screened
-            for entry, token in zip(screened_entries, host[slot]):
+        pending = reads.start(copy)  # the step's one device-to-host copy
+
+        def finish() -> None:
+            host = pending.wait()
+            if screened is not None:
+                screened_entries, slot = screened
+                for entry, token in zip(screened_entries, host[slot]):
+                    output.sampled_token_ids[entry.request_id] = token
+            if sampled is None:
+                return
+            for entry, token in zip(entries, host[sampled]):
                 output.sampled_token_ids[entry.request_id] = token
-        if sampled is None:
-            return
-        for entry, token in zip(entries, host[sampled]):
-            output.sampled_token_ids[entry.request_id] = token
-        if logprobs is None:
-            return
-        token_ids, values, ranks = (host[j] for j in logprobs)
-        for row, entry in enumerate(entries):
-            k = entry.request.sampling_params.logprobs  # type: ignore[union-attr]
-            if k is not None:
-                output.logprobs[entry.request_id] = LogprobsLists(
-                    [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
-                )
+            if logprobs is None:
+                return
+            token_ids, values, ranks = (host[j] for j in logprobs)
+            for row, entry in enumerate(entries):
+                k = entry.request.sampling_params.logprobs  # type: ignore[union-attr]
+                if k is not None:
+                    output.logprobs[entry.request_id] = LogprobsLists(
+                        [token_ids[row][: k + 1]], [values[row][: k + 1]], [ranks[row]]
+                    )
+
+        return finish
 
     def _screen_argmax_rows(
         self,
@@ -124,6 +139,7 @@ class StepSampler:
         if tokens is None:
             return None, rows, index
         screened = ([batch[rows[j]] for j in plain], reads.add(tokens))
+        self.device_sampled.append((screened[0], tokens))
         if every_row:
             return screened, [], index[:0]
         rest = sorted(set(range(len(rows))) - set(plain))
@@ -171,8 +187,8 @@ class StepSampler:
     # ---- which hidden rows get logits (the sampling rank and its TP peers agree) ----------
 
     def _last_token_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:
-        return torch.tensor(
-            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], device=self.runner.device
+        return self.runner.upload(
+            [inputs.query_start_loc_cpu[i + 1] - 1 for i in rows], torch.int64
         )
 
     def _draft_index(self, rows: list[int], inputs: StepInputs) -> torch.Tensor:

@@ -26,6 +26,7 @@ from engine.config.engine_config import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
+from engine.worker.async_output import PendingOutput
 from engine.worker.model_runner import ModelRunner
 
 
@@ -64,6 +65,12 @@ class Worker:
         output = self.runner.execute(scheduler_output)
         self.num_steps += 1
         return output
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
+        """The step launched (`ModelRunner.launch`); its `finish()` gives the output."""
+        pending = self.runner.launch(scheduler_output)
+        self.num_steps += 1
+        return pending
 
     def collective_stats(self) -> dict[str, float]:
         """Steps run, and time spent in collectives (`CollectiveStats`)."""

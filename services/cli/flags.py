@@ -47,6 +47,10 @@ _FLAG_HELP = {
     "proportion to its API-key-file weight) or off (first come, first served)",
     "fairness_prompt_token_weight": "vtc's cost of a computed prompt token",
     "fairness_output_token_weight": "vtc's cost of a generated token",
+    "async_scheduling": "the host schedules and prepares step N+1 while step N runs on the "
+    "device; same tokens; steps that need their tokens on the host first (structured outputs, "
+    "n-gram drafts, penalties) run synchronously; off with pipeline parallelism or rank "
+    "processes (docs/engine.md)",
     "batch_invariant": "a request's tokens and logprobs bitwise the same whatever else is "
     "in the batch (chunking, prefix hits, preemption, migration included); CPU, float32; "
     "costs throughput (docs/determinism.md)",

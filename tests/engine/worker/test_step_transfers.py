@@ -64,12 +64,14 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counte
     monkeypatch.undo()
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def llm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> LLM:
+    """With async scheduling a step() launches step N+1 (its copy started: the read, on
+    the CPU) and finishes step N (its copy already done): still one read per step."""
     model = make_tiny_llama(tmp_path_factory.mktemp("m"), num_layers=1, vocab_size=256)
     return LLM(
         model=str(model), device="cpu", skip_tokenizer_init=True, max_model_len=64,
-        max_num_seqs=8, enable_prefix_caching=False,
+        max_num_seqs=8, enable_prefix_caching=False, async_scheduling=request.param,
     )  # fmt: skip
 
 
