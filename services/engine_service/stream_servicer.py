@@ -115,6 +115,9 @@ class EngineStreamRpcs:
 
     @rpc_method
     async def GenerateStream(self, request_iterator: Any, context: Any) -> None:
+        # At once: the caller learns that this engine serves the call (an older one answers
+        # UNIMPLEMENTED) before it sends anything.
+        await context.send_initial_metadata(())
         writer = StreamBatchWriter(context)
         writing = asyncio.ensure_future(writer.run())
         tasks: dict[int, asyncio.Task[None]] = {}
@@ -188,6 +191,8 @@ class EngineStreamRpcs:
         async def write(response: engine_pb2.EngineGenerateResponse) -> None:
             writer.add(stream_id, response)
 
+        context = RequestContext(context)
+
         with tracing.rpc_span(_REQUEST_SPAN, request, context) as span:
             span.set_attribute("pagedserve.engine_stream", True)
             try:
@@ -209,6 +214,21 @@ class EngineStreamRpcs:
                 if self.rpc_metrics is not None:
                     self.rpc_metrics.count_rpc("GenerateStream.request", code)
         writer.end(stream_id, code, text, trailing)
+
+
+class RequestContext:
+    """The call's context as one request on it sees it: the trace context in the call's
+    metadata is the call's own (not sampled), so a request's comes from its `trace_headers`
+    only."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def _log_rejected(request_id: str, code: grpc.StatusCode, message: str) -> None:
