@@ -212,7 +212,7 @@ class EngineStreamRpcs:
             finally:
                 tracing.end_rpc_span(span, code, text)
                 if self.rpc_metrics is not None:
-                    self.rpc_metrics.count_rpc("GenerateStream.request", code)
+                    self.rpc_metrics.count_rpc("Generate", code)  # as on its own call
         writer.end(stream_id, code, text, trailing)
 
 

@@ -142,10 +142,12 @@ class EngineBackend:
         )
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health_stub = health_pb2_grpc.HealthStub(self.channel)
-        if self.stream_mux is not None:
-            self.stream_mux.retire()  # its requests finish on the old channel
+        old_mux = self.stream_mux
         if self._multiplex:
             self.stream_mux = EngineStreamMux(self.stub, self.address)
+        if old_mux is not None:
+            old_mux.retire()  # its requests finish on the old channel
+            self.stream_mux.num_batches = old_mux.num_batches  # a counter goes on
 
     def replace_credentials(self, credentials: grpc.ChannelCredentials | None) -> None:
         """New calls go over a new channel with `credentials` (a rotated client
