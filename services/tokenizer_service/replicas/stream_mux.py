@@ -171,7 +171,8 @@ class EngineStreamMux:
         # request carries its own context in its `trace_headers`.
         unsampled = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
         call = self.stub.GenerateStream(_drain(outgoing), metadata=(("traceparent", unsampled),))
-        await call.initial_metadata()  # the engine's first answer: it serves the call
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the call's status says why
+            await call.initial_metadata()  # the engine's first answer: it serves the call
         if call.done():
             code = await call.code()
             if code == grpc.StatusCode.UNIMPLEMENTED:
