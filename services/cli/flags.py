@@ -195,7 +195,8 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--engine-per-request-calls",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="one Generate call per request to the engine, instead of every request over "
         "one multiplexed GenerateStream call per engine connection (the default, where the "
         "engine serves it; docs/services.md)",
