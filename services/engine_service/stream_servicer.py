@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import grpc
@@ -161,6 +162,14 @@ class EngineStreamRpcs:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "EngineStreamRequest needs `generate` or `abort`",
                 )
+            elif message.HasField("timeout_s") and not (
+                math.isfinite(message.timeout_s) and message.timeout_s >= 0
+            ):
+                writer.end(
+                    stream_id,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"timeout_s must be a finite number of seconds >= 0, got {message.timeout_s}",
+                )
             elif stream_id in tasks:
                 writer.end(
                     stream_id,
@@ -198,7 +207,7 @@ class EngineStreamRpcs:
             try:
                 run = self.generate_one(request, context, write)
                 if message.HasField("timeout_s"):
-                    await asyncio.wait_for(run, max(message.timeout_s, 0.0))
+                    await asyncio.wait_for(run, message.timeout_s)
                 else:
                     await run
             except asyncio.CancelledError:

@@ -50,7 +50,8 @@ class StreamCall:
     def __init__(self, stack) -> None:
         self.sent: queue.Queue = queue.Queue()
         self.responses: dict[int, list[engine_pb2.EngineGenerateResponse]] = {}
-        self.ends: dict[int, engine_pb2.EngineStreamEnd] = {}
+        self.ends: dict[int, engine_pb2.EngineStreamEnd] = {}  # the last one per stream id
+        self.all_ends: list[tuple[int, engine_pb2.EngineStreamEnd]] = []
         self.num_batches = 0
         self.error: grpc.RpcError | None = None
         self.call = stack.engine_stub.GenerateStream(iter(self.sent.get, None), timeout=120)
@@ -64,6 +65,7 @@ class StreamCall:
                 for entry in batch.outputs:
                     if entry.WhichOneof("kind") == "end":
                         self.ends[entry.stream_id] = entry.end
+                        self.all_ends.append((entry.stream_id, entry.end))
                     else:
                         self.responses.setdefault(entry.stream_id, []).append(entry.response)
         except grpc.RpcError as exc:
@@ -139,13 +141,19 @@ def test_bad_request_ends_alone(stack) -> None:
     call.send(start(3, generate_request("", PROMPTS[2], max_tokens=4)))
     call.send(start(4, generate_request("mux-good-2", PROMPTS[3], max_tokens=8, ignore_eos=True)))
     call.send(start(4, generate_request("mux-dup", PROMPTS[3], max_tokens=8)))
+    call.send(start(5, generate_request("mux-nan", PROMPTS[3], max_tokens=8), float("nan")))
     call.close()
     assert call.error is None
     assert call.ends[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "sampling_params.top_p" in call.ends[2].message
     assert call.ends[3].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "request_id" in call.ends[3].message
-    assert 2 not in call.responses and 3 not in call.responses
+    (duplicate,) = [end for sid, end in call.all_ends if sid == 4 and end.code != 0]
+    assert duplicate.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "stream_id 4 is already in use" in duplicate.message
+    assert call.ends[5].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "timeout_s" in call.ends[5].message
+    assert not {2, 3, 5} & call.responses.keys()
     for good in (1, 4):
         assert call.ends[good].code == 0
         assert sum(len(r.token_ids) for r in call.responses[good]) == 8
