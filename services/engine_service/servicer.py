@@ -6,6 +6,9 @@ Token ids in, token-id deltas out; it never sees text (the engine runs with
     EngineGenerateRequest ──▶ engine.generate(..., output_kind=DELTA, detokenize=False)
     EngineGenerateResponse ◀── one message per changed output index per engine step
 
+The same per-request path (`generate_one`) serves the requests of a GenerateStream call, many
+requests over one call with one batch of messages per step (stream_servicer.py).
+
 When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
 engine's generator then aborts the request, which frees its KV blocks at once. A request the
 server hands back while draining (services/engine_service/server.py) ends with UNAVAILABLE and
