@@ -12,8 +12,13 @@ child processes and an asyncio client in this process streaming all prompts at o
 the public API (random token-id prompts, greedy, `ignore_eos`). Per run it prints:
 
 - `tokens_per_s`: output tokens over the wall time of the whole burst;
-- `client_msgs_per_token` / `engine_msgs_per_token`: messages the client got, and messages the
-  tokenizer service got from the engine (its `pagedserve:engine_messages` counter), per token;
+- `client_msgs_per_token` / `engine_msgs_per_token`: messages the client got, and Generate
+  messages the tokenizer service got from the engine (its `pagedserve:engine_messages`
+  counter: per request, whatever carried them), per token;
+- `hop1_msgs_per_token`: gRPC messages on the engine -> tokenizer hop per token: the
+  batches of the multiplexed GenerateStream calls
+  (`pagedserve:engine_replica_stream_batches`) where the tokenizer uses them, else (per-request
+  Generate calls, `--per-request-calls`, or a tree without the call) the Generate messages;
 - `cpu_us_per_token` for each process: user + system CPU time over the run (/proc/<pid>/stat
   of the real processes, their children included; the client's own `process_time`) per
   output token. On a machine with few cores CPU time is the comparable figure: the wall
@@ -144,19 +149,25 @@ async def _stream_all(
     return sum(t for t, _ in results), sum(m for _, m in results)
 
 
-def _engine_messages(metrics_port: int) -> float:
-    """The tokenizer service's `pagedserve:engine_messages` counter, summed over its
-    workers (NaN if it has none)."""
+def _counter(metrics_port: int, name: str) -> float:
+    """A counter of the tokenizer service's /metrics, summed over its labels and workers
+    (NaN if it has none)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(
-            ("pagedserve:engine_messages_total ", "pagedserve:engine_messages_total{")
-        )
+        if line.startswith((f"{name}_total ", f"{name}_total{{"))
     ]
     return sum(values) if values else float("nan")
+
+
+def _hop1_counts(metrics_port: int) -> tuple[float, float]:
+    """(Generate messages, GenerateStream batches) the tokenizer service has received."""
+    return (
+        _counter(metrics_port, "pagedserve:engine_messages"),
+        _counter(metrics_port, "pagedserve:engine_replica_stream_batches"),
+    )
 
 
 def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
@@ -170,6 +181,8 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
     tokenizer_argv += ["--metrics-port", str(metrics_port)]
     if args.workers is not None:
         tokenizer_argv += ["--workers", str(args.workers)]
+    if args.per_request_calls:
+        tokenizer_argv += ["--engine-per-request-calls"]
     engine = subprocess.Popen(engine_argv, env=env, cwd=ROOT)
     tokenizer = subprocess.Popen(tokenizer_argv, env=env, cwd=ROOT)
     address = f"127.0.0.1:{port}"
@@ -179,7 +192,7 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
             raise RuntimeError("the services did not become healthy")
         asyncio.run(_stream_all(address, prompts[:4], 8))  # warm-up
         for _ in range(args.repeats):
-            before_msgs = _engine_messages(metrics_port)
+            before = _hop1_counts(metrics_port)
             cpu = (
                 process_tree_cpu_s(engine.pid),
                 process_tree_cpu_s(tokenizer.pid),
@@ -195,7 +208,10 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
                 process_tree_cpu_s(tokenizer.pid) - cpu[1],
                 time.process_time() - cpu[2],
             )
-            engine_msgs = _engine_messages(metrics_port) - before_msgs
+            after = _hop1_counts(metrics_port)
+            engine_msgs = after[0] - before[0]
+            batches = after[1] - before[1]  # NaN: no multiplexed call in this tree
+            hop1_msgs = batches if batches > 0 else engine_msgs
             if num_tokens != len(prompts) * args.output_len:
                 raise RuntimeError(f"{num_tokens} tokens came back")
             runs.append(
@@ -203,6 +219,7 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
                     "tokens_per_s": num_tokens / wall,
                     "client_msgs_per_token": num_messages / num_tokens,
                     "engine_msgs_per_token": engine_msgs / num_tokens,
+                    "hop1_msgs_per_token": hop1_msgs / num_tokens,
                     "engine_cpu_us_per_token": 1e6 * used[0] / num_tokens,
                     "tokenizer_cpu_us_per_token": 1e6 * used[1] / num_tokens,
                     "client_cpu_us_per_token": 1e6 * used[2] / num_tokens,
@@ -339,6 +356,11 @@ def main() -> int:
         "--channels", type=int, default=1, help="client connections the streams share (1)"
     )
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument(
+        "--per-request-calls",
+        action="store_true",
+        help="the tokenizer's --engine-per-request-calls (one Generate call per request)",
+    )
     parser.add_argument(
         "--openai", action="store_true", help="also through the OpenAI door (smg gateway)"
     )

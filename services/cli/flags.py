@@ -197,6 +197,14 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="streams in flight; more get RESOURCE_EXHAUSTED (1024)",
     )
+    group.add_argument(
+        "--engine-per-request-calls",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="one Generate call per request to the engine, instead of every request over "
+        "one multiplexed GenerateStream call per engine connection (the default, where the "
+        "engine serves it; docs/services.md)",
+    )
 
 
 def _add_workers_arg(tokenizer: argparse.ArgumentParser) -> None:

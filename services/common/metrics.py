@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger("services.common.metrics")
 
@@ -138,7 +138,17 @@ class _ReplicaCollector:
             out["num_requests_running"].add_metric(address, replica.load.num_running)
             out["kv_cache_usage_perc"].add_metric(address, replica.load.kv_cache_usage)
             out["num_inflight_requests"].add_metric(address, replica.num_inflight)
-        return out.values()
+        # The internal hop's messages on the replica's GenerateStream call (one per engine
+        # step for all its requests; per-request calls: pagedserve:engine_messages).
+        batches = CounterMetricFamily(
+            "pagedserve:engine_replica_stream_batches",
+            "Batches received on the replica's multiplexed GenerateStream call.",
+            labels=["engine_address"],
+        )
+        for replica in self._replicas():
+            mux = getattr(replica, "stream_mux", None)
+            batches.add_metric([replica.address], mux.num_batches if mux is not None else 0)
+        return [*out.values(), batches]
 
 
 class EngineServiceMetrics(RpcMetrics):

@@ -210,6 +210,7 @@ class EngineServer:
         try:
             await self._wait_for_streams(grace)
             await self._hand_back()
+            self.servicer.end_stream_calls()  # GenerateStream calls end with their requests
             await self.server.stop(_HAND_BACK_MARGIN_S)
         finally:
             for task in self._tasks:

@@ -6,6 +6,9 @@ Token ids in, token-id deltas out; it never sees text (the engine runs with
     EngineGenerateRequest ──▶ engine.generate(..., output_kind=DELTA, detokenize=False)
     EngineGenerateResponse ◀── one message per changed output index per engine step
 
+The same per-request path (`generate_one`) serves the requests of a GenerateStream call, many
+requests over one call with one batch of messages per step (stream_servicer.py).
+
 When the client cancels (or its deadline passes) gRPC cancels the handler; closing the
 engine's generator then aborts the request, which frees its KV blocks at once. A request the
 server hands back while draining (services/engine_service/server.py) ends with UNAVAILABLE and
@@ -22,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -49,9 +52,11 @@ from services.common.migration import INSTANCE_DETAIL, REASON_DRAINED, migrate_m
 from services.engine_service import convert
 from services.engine_service.admin import EngineAdminRpcs
 from services.engine_service.lora import EngineLoraRpcs
+from services.engine_service.stream_servicer import EngineStreamRpcs
 
 logger = logging.getLogger("services.engine")
 
+WriteResponse = Callable[[engine_pb2.EngineGenerateResponse], Awaitable[Any]]
 INSTANCE_ID = uuid.uuid4().hex  # this process's (Health details: INSTANCE_DETAIL)
 
 
@@ -73,7 +78,9 @@ def model_info_from_config(config: EngineConfig) -> common_pb2.ModelInfo:
     )
 
 
-class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServiceServicer):
+class EngineServicer(
+    EngineStreamRpcs, EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServiceServicer
+):
     """Thin: proto → engine call → proto; errors become statuses in `services.common.errors`."""
 
     SERVICE_NAME = ENGINE_SERVICE
@@ -114,11 +121,21 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
 
     @rpc_method
     async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
-        with _fields_named_by_proto_path():
-            await self._generate(request, context)
+        await self.generate_one(request, context, context.write)
 
-    async def _generate(self, request: engine_pb2.EngineGenerateRequest, context: Any) -> None:
-        span = trace.get_current_span()  # this call's (rpc_method): llm_request's parent
+    async def generate_one(
+        self, request: engine_pb2.EngineGenerateRequest, context: Any, write: WriteResponse
+    ) -> None:
+        """One Generate request, its messages handed to `write`: the call's own stream
+        (Generate) or the batch of a multiplexed call (GenerateStream, stream_servicer.py).
+        Raises what the request's status comes from."""
+        with _fields_named_by_proto_path():
+            await self._generate(request, context, write)
+
+    async def _generate(
+        self, request: engine_pb2.EngineGenerateRequest, context: Any, write: WriteResponse
+    ) -> None:
+        span = trace.get_current_span()  # the request's SERVER span: llm_request's parent
         engine = self._ready_engine()
         self._check_accepting()
         request_id = _check_request_id(request.request_id)
@@ -147,7 +164,7 @@ class EngineServicer(EngineAdminRpcs, EngineLoraRpcs, engine_pb2_grpc.EngineServ
                             if request_id in self._handing_back:
                                 response = _without_abort(response)
                             if response is not None:
-                                await context.write(response)
+                                await write(response)
             finally:
                 handed_back = request_id in self._handing_back
                 self._handing_back.discard(request_id)

@@ -31,6 +31,9 @@ class TokenizerServerConfig:
     # sent nothing on any of them this long is stalled (0: never).
     migration_limit: int = 3
     engine_stall_timeout_s: float = 10.0
+    # Every request to a replica over one GenerateStream call (replicas/stream_mux.py) where
+    # the engine serves it; False: one Generate call per request (--engine-per-request-calls).
+    engine_multiplex: bool = True
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
     metrics_name_prefix: str = "pagedserve"  # or "vllm": vLLM's metric names on /metrics
     tls: ServerTLSConfig | None = None  # the public API's TLS / mTLS; None: plaintext

@@ -61,6 +61,7 @@ class TokenizerServer:
             max_queue_imbalance=config.route_max_queue_imbalance,
             policy=config.route_policy,
             stall_timeout_s=config.engine_stall_timeout_s,
+            multiplex=config.engine_multiplex,
             resolver=resolver,
             credentials=engine_tls.credentials() if engine_tls.enabled else None,
             channel_options=engine_tls.channel_options(),

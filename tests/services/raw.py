@@ -51,13 +51,16 @@ def call_raw(
     payload: bytes,
     timeout: float,
     metadata: list[tuple[str, str]] | None = None,
+    responses: list[bytes] | None = None,
 ) -> grpc.StatusCode:
-    """Sends `payload` as the request; the call's final status (a stream is drained)."""
+    """Sends `payload` as the request (on a request stream: its only message); the call's
+    final status (a stream is drained, into `responses` if given)."""
     try:
         if method.server_streaming:
             call = channel.unary_stream(method.path)(payload, timeout=timeout, metadata=metadata)
-            for _ in call:
-                pass
+            for response in call:
+                if responses is not None:
+                    responses.append(response)
         else:
             channel.unary_unary(method.path)(payload, timeout=timeout, metadata=metadata)
     except grpc.RpcError as exc:

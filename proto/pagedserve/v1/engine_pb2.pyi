@@ -67,6 +67,55 @@ class EngineGenerateResponse(_message.Message):
     cumulative_logprob: float
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
+class EngineStreamRequest(_message.Message):
+    __slots__ = ("stream_id", "generate", "abort", "timeout_s")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    generate: EngineGenerateRequest
+    abort: EngineStreamAbort
+    timeout_s: float
+    def __init__(self, stream_id: _Optional[int] = ..., generate: _Optional[_Union[EngineGenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[EngineStreamAbort, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class EngineStreamAbort(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineStreamBatch(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[EngineStreamOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineStreamOutput, _Mapping]]] = ...) -> None: ...
+
+class EngineStreamOutput(_message.Message):
+    __slots__ = ("stream_id", "response", "end")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: EngineGenerateResponse
+    end: EngineStreamEnd
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[EngineGenerateResponse, _Mapping]] = ..., end: _Optional[_Union[EngineStreamEnd, _Mapping]] = ...) -> None: ...
+
+class EngineStreamEnd(_message.Message):
+    __slots__ = ("code", "message", "trailing_metadata")
+    class TrailingMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    trailing_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., trailing_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class EngineEncodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "pooling_params", "priority", "trace_headers", "cache_salt", "lora_name", "fairness_key", "fairness_weight")
     class TraceHeadersEntry(_message.Message):

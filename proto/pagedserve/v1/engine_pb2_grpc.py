@@ -41,6 +41,11 @@ class EngineServiceStub:
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/pagedserve.v1.EngineService/GenerateStream',
+                request_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineStreamRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineStreamBatch.FromString,
+                _registered_method=True)
         self.Encode = channel.unary_unary(
                 '/pagedserve.v1.EngineService/Encode',
                 request_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineEncodeRequest.SerializeToString,
@@ -109,6 +114,18 @@ class EngineServiceServicer:
 
     def Generate(self, request, context):
         """Streams token-id deltas for each of the request's n outputs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate requests over one long-lived call (the tokenizer service opens one per
+        engine connection): the caller starts and aborts requests on it; the engine answers with
+        one batch whenever outputs are ready (about once per engine step), carrying the ready
+        messages of every request on the call. Each request ends with its own status (an
+        `EngineStreamEnd`), as a Generate call would; one bad request never ends the call. When
+        the call ends (either side, or a broken connection) every request still on it is aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +223,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
             ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineStreamRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_engine__pb2.EngineStreamBatch.SerializeToString,
+            ),
             'Encode': grpc.unary_unary_rpc_method_handler(
                     servicer.Encode,
                     request_deserializer=pagedserve_dot_v1_dot_engine__pb2.EngineEncodeRequest.FromString,
@@ -295,6 +317,33 @@ class EngineService:
             '/pagedserve.v1.EngineService/Generate',
             pagedserve_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
             pagedserve_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.v1.EngineService/GenerateStream',
+            pagedserve_dot_v1_dot_engine__pb2.EngineStreamRequest.SerializeToString,
+            pagedserve_dot_v1_dot_engine__pb2.EngineStreamBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,11 +28,12 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.v1 import common_pb2, engine_pb2_grpc
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.errors import ServiceError, engine_call_error, engine_unreachable
 from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, ENGINE_SERVICE
 from services.common.migration import (
@@ -43,6 +44,7 @@ from services.common.migration import (
     migrate_reason,
 )
 from services.tokenizer_service.replicas.migration import DEFAULT_STALL_TIMEOUT_S, StreamWatch
+from services.tokenizer_service.replicas.stream_mux import EngineStreamMux
 
 logger = logging.getLogger("services.tokenizer_service.replicas.engine_client")
 
@@ -98,10 +100,14 @@ class EngineBackend:
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[ChannelOption] = (),
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        multiplex: bool = True,
     ) -> None:
         """`credentials` (TLS / mTLS to the engine) and `extra_options` (e.g. the TLS
-        name override) come from `services.security.tls.EngineLinkTLS`; None: plaintext."""
+        name override) come from `services.security.tls.EngineLinkTLS`; None: plaintext.
+        `multiplex`: Generate requests go over one GenerateStream call (stream_mux.py)."""
         self.address = address
+        self._multiplex = multiplex
+        self.stream_mux: EngineStreamMux | None = None
         self._channel_options = channel_options
         self._max_message_bytes = max_message_bytes
         self._open(credentials)
@@ -136,6 +142,12 @@ class EngineBackend:
         )
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health_stub = health_pb2_grpc.HealthStub(self.channel)
+        old_mux = self.stream_mux
+        if self._multiplex:
+            self.stream_mux = EngineStreamMux(self.stub, self.address)
+        if old_mux is not None:
+            old_mux.retire()  # its requests finish on the old channel
+            self.stream_mux.num_batches = old_mux.num_batches  # a counter goes on
 
     def replace_credentials(self, credentials: grpc.ChannelCredentials | None) -> None:
         """New calls go over a new channel with `credentials` (a rotated client
@@ -152,7 +164,23 @@ class EngineBackend:
     async def close(self) -> None:
         if self._poll_task is not None:
             self._poll_task.cancel()
+        if self.stream_mux is not None:
+            await self.stream_mux.close()
         await self.channel.close()
+
+    async def open_generate(
+        self,
+        request: engine_pb2.EngineGenerateRequest,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> Any:
+        """The call of one Generate request, to async-iterate and cancel: on the
+        multiplexed call where the engine serves it, else a call of its own (with the
+        trace context in `metadata`; the multiplexed one carries it in `trace_headers`)."""
+        mux = self.stream_mux
+        if mux is not None and await mux.available() and mux.accepting:
+            return mux.generate(request, timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=metadata)
 
     @property
     def num_waiting(self) -> int:

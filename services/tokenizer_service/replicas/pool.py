@@ -102,6 +102,7 @@ class EnginePool:
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[ChannelOption] = (),
         stall_timeout_s: float = 10.0,
+        multiplex: bool = True,
     ) -> None:
         self.address = spec
         self.fixed, self.names = parse_engine_addresses(spec)
@@ -122,6 +123,7 @@ class EnginePool:
         self._credentials = credentials
         self._channel_options = channel_options
         self._stall_timeout_s = stall_timeout_s
+        self._multiplex = multiplex
         self._winner: tuple | None = None  # the model key the replicas agree on
         self._mismatch_logged: dict[str, common_pb2.ModelInfo] = {}
         self._dns_task: asyncio.Task[None] | None = None
@@ -170,6 +172,7 @@ class EnginePool:
             credentials=self._credentials,
             channel_options=self._options_for(dns_name),
             stall_timeout_s=self._stall_timeout_s,
+            multiplex=self._multiplex,
         )
         replica.accepts_model = self._accepts_model
         replica.before_available = self._before_available

@@ -7,9 +7,10 @@ relay of engine messages to the client through the request's `TextStream`.
                          a Generate stream's replica lost after that (`migration.Moved`:
                          killed, stalled, drained)? the stream continues on another replica,
                          resumed with its tokens so far (replicas/migration.py)
-                         ├─▶ Generate: one streaming call per replica, read ahead and
-                         │   relayed into the request's one TextStream (what waited while the
-                         │   client was behind goes as one message: replicas/merging_reader.py)
+                         ├─▶ Generate: one stream per replica (on the replica's multiplexed
+                         │   call, replicas/stream_mux.py, or a call of its own), read ahead
+                         │   and relayed into the request's one TextStream (what waited while
+                         │   the client was behind goes as one message: merging_reader.py)
                          └─▶ Encode: one call per input, all on the same replica
 """
 
@@ -227,10 +228,12 @@ class EngineRelay:
         context: grpc.aio.ServicerContext,
     ) -> None:
         with tracked(replica) as tracking, replica.watch.hold() as held:
-            call = held.call = replica.stub.Generate(
-                engine_request, timeout=context.time_remaining(), metadata=trace_metadata(headers)
+            call = held.call = await replica.open_generate(
+                engine_request, context.time_remaining(), trace_metadata(headers)
             )
             live.calls.append(call)
+            if held.lost is not None or live.aborted:
+                call.cancel()  # given up (or aborted) while the call was being opened
             try:
                 await self._relay(call, replica, tracking, held, live, stream, context)
             finally:

@@ -140,6 +140,9 @@ def test_client_context_continues_through_both_services(stack, exporter, via):
         assert dict(llm_request.context.trace_state) == {"client": "1"}
 
     engine_rpc = spans[(ENGINE_GENERATE, SpanKind.SERVER)]
+    # The request went over the replica's multiplexed call (the default): the context in
+    # its trace_headers made the engine's span a child of the tokenizer's CLIENT span.
+    assert engine_rpc.attributes["pagedserve.engine_stream"] is True
     for span in (root, engine_rpc, llm_request):
         a = span.attributes
         assert a["gen_ai.request.id"] == request_id, span.name

@@ -48,8 +48,14 @@ def _check(stack, side: str, method, payload: bytes) -> None:
     channel = stack.public_channel if side == "public" else stack.engine_channel
     # The deadline bounds each call (a hung handler ends DEADLINE_EXCEEDED, allowed): what
     # is asserted is the status, never how long it took on a loaded machine.
-    code = call_raw(channel, method, payload, timeout=DEADLINE_S)
+    responses: list[bytes] = []
+    code = call_raw(channel, method, payload, timeout=DEADLINE_S, responses=responses)
     assert code in ALLOWED, (method.path, code, payload[:80])
+    if method.name == "GenerateStream":  # each request on the call ends with its own status
+        batches = [engine_pb2.EngineStreamBatch.FromString(r) for r in responses]
+        ends = [e.end.code for b in batches for e in b.outputs if e.WhichOneof("kind") == "end"]
+        allowed = {c.value[0] for c in ALLOWED}
+        assert set(ends) <= allowed, (method.path, ends, payload[:80])
 
 
 @FUZZ
@@ -162,6 +168,27 @@ _ENGINE = {
         _TEXT,
         _TOKEN_IDS,
         _sampling_params(),
+    ),
+    "GenerateStream": st.builds(
+        lambda stream_id, rid, ids, params, abort, timeout_s: engine_pb2.EngineStreamRequest(
+            stream_id=stream_id,
+            **(
+                {"abort": engine_pb2.EngineStreamAbort()}
+                if abort
+                else {
+                    "generate": engine_pb2.EngineGenerateRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling_params=params
+                    )
+                }
+            ),
+            **({} if timeout_s is None else {"timeout_s": timeout_s}),
+        ),
+        st.integers(0, 2**64 - 1),
+        _TEXT,
+        _TOKEN_IDS,
+        _sampling_params(),
+        st.booleans(),
+        st.one_of(st.none(), _FLOAT),
     ),
     "Encode": st.builds(
         lambda rid, ids: engine_pb2.EngineEncodeRequest(request_id=rid, prompt_token_ids=ids),
