@@ -53,7 +53,8 @@ def test_a_consumer_that_falls_behind_gets_the_same_answer_in_fuller_messages(
         fast = list(stack.public.Generate(request(token_ids=prompt, **params)))
         assert common_pb2.FINISH_REASON_STOP in {r.finish_reason for r in fast}
         assert len(gather(fast)[0].token_ids) > 10
-    assert max(len(r.token_ids) for r in fast) == 1  # kept up: one message per token
+    # (Whether `fast` kept up, one message per token, depends on the machine's load: the
+    # reference is its content, not its message count.)
 
     slow = []
     stream = stack.public.Generate(request(token_ids=prompt, **params))
@@ -63,8 +64,7 @@ def test_a_consumer_that_falls_behind_gets_the_same_answer_in_fuller_messages(
     stack.loop.loop.call_soon_threadsafe(time.sleep, 0.5)
     slow += list(stream)
 
-    assert max(len(r.token_ids) for r in slow) > 1
-    assert len(slow) < len(fast)
+    assert max(len(r.token_ids) for r in slow) > 1  # tokens that waited went out together
     assert _summary(slow) == _summary(fast)
     for index in (0, 1):
         assert _last_cumulative(slow, index) == pytest.approx(_last_cumulative(fast, index))
