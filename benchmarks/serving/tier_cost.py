@@ -183,6 +183,8 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
         tokenizer_argv += ["--workers", str(args.workers)]
     if args.per_request_calls:
         tokenizer_argv += ["--engine-per-request-calls"]
+    if args.stream_interval != 1:
+        tokenizer_argv += ["--stream-interval", str(args.stream_interval)]
     engine = subprocess.Popen(engine_argv, env=env, cwd=ROOT)
     tokenizer = subprocess.Popen(tokenizer_argv, env=env, cwd=ROOT)
     address = f"127.0.0.1:{port}"
@@ -360,6 +362,12 @@ def main() -> int:
         "--per-request-calls",
         action="store_true",
         help="the tokenizer's --engine-per-request-calls (one Generate call per request)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the tokenizer's --stream-interval (tokens per client message; 1)",
     )
     parser.add_argument(
         "--openai", action="store_true", help="also through the OpenAI door (smg gateway)"

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from clients.cli import add_client_commands
@@ -56,6 +57,21 @@ _FLAG_HELP = {
     "costs throughput (docs/determinism.md)",
 }
 
+
+
+def _positive_int(flag: str) -> Callable[[str], int]:
+    """An argparse type: an integer of at least 1, the flag named when not."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least 1, got {value}")
+        return value
+
+    return parse
 
 def _env(name: str, default: Any) -> Any:
     """The variable's value; an empty value counts as unset (compose files often set "")."""
@@ -203,7 +219,16 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="one Generate call per request to the engine, instead of every request over "
         "one multiplexed GenerateStream call per engine connection (the default, where the "
-        "engine serves it; docs/services.md)",
+        "engine serves it; docs/grpc.md)",
+    )
+    group.add_argument(
+        "--stream-interval",
+        type=_positive_int("--stream-interval"),
+        default=1,
+        help="tokens per streamed message while an output's tokens keep coming: 1 (default) "
+        "sends each token as it comes; N holds them until N have come or the output ends "
+        "(the first token is never held): fewer messages per token for the tokenizer service "
+        "and the client, text in steps of N",
     )
 
 

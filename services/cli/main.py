@@ -143,6 +143,7 @@ async def run_tokenizer(ns: argparse.Namespace) -> int:
             migration_limit=ns.migration_limit,
             engine_stall_timeout_s=ns.engine_stall_timeout,
             engine_multiplex=not ns.engine_per_request_calls,
+            stream_interval=ns.stream_interval,
             tls=server_tls_from(ns),
             engine_tls=engine_link_tls_from(ns),
             api_key_file=ns.api_key_file,

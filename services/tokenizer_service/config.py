@@ -34,6 +34,10 @@ class TokenizerServerConfig:
     # Every request to a replica over one GenerateStream call (replicas/stream_mux.py) where
     # the engine serves it; False: one Generate call per request (--engine-per-request-calls).
     engine_multiplex: bool = True
+    # Tokens per client message while an output's tokens keep coming (SGLang's
+    # --stream-interval): 1 sends each as it comes; N holds them until N have come or the
+    # output ends (its first message is never held). Fewer messages, text in steps of N.
+    stream_interval: int = 1
     metrics_address: str | None = None  # host:port of /metrics (port 0: a free one); None: off
     metrics_name_prefix: str = "pagedserve"  # or "vllm": vLLM's metric names on /metrics
     tls: ServerTLSConfig | None = None  # the public API's TLS / mTLS; None: plaintext
@@ -41,3 +45,9 @@ class TokenizerServerConfig:
     api_key_file: str | None = None  # None: no keys, every caller is let in
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may cost
     reuse_port: bool = False  # a worker of `--workers N`: the port is shared (SO_REUSEPORT)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int):
+            raise ValueError(f"stream_interval must be an integer, got {self.stream_interval!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")

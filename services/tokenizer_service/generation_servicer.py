@@ -81,7 +81,9 @@ class TextGenerationServicer(PublicLoraRpcs, generation_pb2_grpc.TextGenerationS
         self.requests: RequestRegistry[LiveRequest] = RequestRegistry(config.max_inflight_requests)
         self.token_texts = TokenTexts(self.tokenizer)
         self.rpc_metrics = TokenizerMetrics(num_inflight=lambda: len(self.requests))
-        self.relay = EngineRelay(backend, self.rpc_metrics, config.migration_limit)
+        self.relay = EngineRelay(
+            backend, self.rpc_metrics, config.migration_limit, config.stream_interval
+        )
         self.serving = False
         self._preprocessor: Preprocessor | None = None
         self._preprocessor_info: common_pb2.ModelInfo | None = None

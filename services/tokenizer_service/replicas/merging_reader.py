@@ -6,6 +6,12 @@ engine's messages one by one, as they came.
 
     engine call ──▶ reader task ──▶ pending {index: merged message} ──▶ relay (process, write)
 
+With a stream interval of N tokens (`--stream-interval`, SGLang's knob of the same name)
+an output's tokens are held until N have come, the output ends or the call does: fewer,
+fuller messages on the client hop even when the client keeps up, at the price of the text
+arriving in steps of N tokens. An output's first message is never held (time to first token
+is the same at any interval).
+
 The reader ends with the call; the call's error (a broken or cancelled call) is raised to
 the relay after the messages that came before it, so a stream that moves to another replica
 has taken in every token the old one sent.
@@ -41,8 +47,10 @@ class MergingReader:
     """Async-iterates an engine Generate call's messages, merged per output index while
     they wait. `on_message` runs for each message as it arrives (liveness, counters)."""
 
-    def __init__(self, call: Any, on_message: Any) -> None:
+    def __init__(self, call: Any, on_message: Any, stream_interval: int = 1) -> None:
         self._pending: dict[int, engine_pb2.EngineGenerateResponse] = {}
+        self._interval = stream_interval
+        self._started: set[int] = set()  # output indexes whose first message went out
         self._arrived = asyncio.Event()
         self._error: BaseException | None = None
         self._done = False
@@ -68,7 +76,11 @@ class MergingReader:
         return self
 
     async def __anext__(self) -> engine_pb2.EngineGenerateResponse:
-        while not self._pending:
+        while True:
+            index = self._ripe()
+            if index is not None:
+                self._started.add(index)
+                return self._pending.pop(index)
             if self._done:
                 if self._error is not None:
                     error, self._error = self._error, None
@@ -76,8 +88,19 @@ class MergingReader:
                 raise StopAsyncIteration
             self._arrived.clear()
             await self._arrived.wait()
-        index = next(iter(self._pending))
-        return self._pending.pop(index)
+
+    def _ripe(self) -> int | None:
+        """The first output index whose waiting message may go now."""
+        if self._interval == 1 or self._done:
+            return next(iter(self._pending), None)
+        for index, msg in self._pending.items():
+            if (
+                len(msg.token_ids) >= self._interval
+                or msg.finish_reason
+                or index not in self._started
+            ):
+                return index
+        return None
 
     @property
     def call_ended(self) -> bool:

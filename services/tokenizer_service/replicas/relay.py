@@ -69,10 +69,12 @@ class EngineRelay:
         pool: EnginePool,
         metrics: TokenizerMetrics,
         migration_limit: int = migration.DEFAULT_MIGRATION_LIMIT,
+        stream_interval: int = 1,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
         self.migration_limit = migration_limit
+        self.stream_interval = stream_interval  # tokens per client message (merging_reader.py)
 
     async def generate(
         self,
@@ -260,7 +262,7 @@ class EngineRelay:
             self.metrics.engine_messages.inc()
 
         # Read ahead: what came while the client was behind goes out in one message.
-        messages = MergingReader(call, heard)
+        messages = MergingReader(call, heard, self.stream_interval)
         try:
             async for msg in messages:
                 response = stream.process(msg)
