@@ -58,7 +58,6 @@ _FLAG_HELP = {
 }
 
 
-
 def _positive_int(flag: str) -> Callable[[str], int]:
     """An argparse type: an integer of at least 1, the flag named when not."""
 
@@ -72,6 +71,7 @@ def _positive_int(flag: str) -> Callable[[str], int]:
         return value
 
     return parse
+
 
 def _env(name: str, default: Any) -> Any:
     """The variable's value; an empty value counts as unset (compose files often set "")."""

@@ -110,9 +110,7 @@ def test_a_stream_interval_sends_tokens_in_fours_with_the_same_answer(
         # Every message between the first and the one that ends the output held 4 or more.
         assert all(size >= 4 for size in sizes[1:-1]), sizes
         assert finished[-1] and not any(finished[:-1])
-        assert _last_cumulative(grouped, index) == pytest.approx(
-            _last_cumulative(reference, index)
-        )
+        assert _last_cumulative(grouped, index) == pytest.approx(_last_cumulative(reference, index))
     assert len(grouped) < sum(len(r.token_ids) for r in grouped)
     stack.wait_until_idle()
 
