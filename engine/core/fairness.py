@@ -207,6 +207,25 @@ class VirtualTokenCounter:
             self._charge(request.fairness_key, 0, num_output_tokens)
             self._consume_reserve(request, self.output_weight * num_output_tokens)
 
+    def on_one_output(self, request: Request) -> None:
+        """`on_output(request, 1)` in one call, the same operations in the same order: the
+        decode fast path (engine/core/plain_decode.py) charges every row of a step."""
+        key = request.fairness_key
+        state = self.keys.get(key)
+        output_weight = self.output_weight
+        if state is not None:
+            state.counter += output_weight / state.weight  # the cost of 0 prompt + 1 output
+        served = self._served.get(key)
+        if served is None:
+            served = self._served[key] = ServedTokens()
+        served.output += 1
+        held = self._reserved.get(request.request_id)
+        if held:
+            used = min(held, output_weight)
+            self._reserved[request.request_id] = held - used
+            if state is not None:
+                state.reserved = max(0.0, state.reserved - used)
+
     def _charge(self, key: str, num_prompt: int, num_output: int) -> None:
         state = self.keys.get(key)
         if state is not None:

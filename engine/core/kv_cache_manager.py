@@ -88,6 +88,12 @@ class KVCacheManager:
         """Whether a sequence of `num_tokens` tokens fits in the whole cache at all."""
         return self.num_blocks_needed(num_tokens) <= self.num_blocks
 
+    def block_id_tables(self) -> dict[str, list[int]]:
+        """Every request's block table as ids, live (kept in step by this manager): for
+        readers that must not change them, such as the decode fast path
+        (engine/core/plain_decode.py)."""
+        return self._req_to_block_ids
+
     def get_block_ids(self, request_id: str) -> list[int]:
         ids = self._req_to_block_ids.get(request_id)
         return [] if ids is None else ids.copy()

@@ -126,6 +126,9 @@ class Request:
         # Structured outputs: the grammar state (engine.structured_output.request), set by
         # the engine for a constrained request; the scheduler only calls its methods.
         self.structured_output: Any = None
+        # The scheduler's cached stop screen (engine/core/stop.py, `stop_screen`): the
+        # output count of the length cap and the stop token ids; set at its first token.
+        self.stop_screen: tuple[int, set[int]] | None = None
 
     @classmethod
     def from_engine_request(
