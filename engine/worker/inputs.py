@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
@@ -34,50 +34,73 @@ def build_step_inputs(
 
         block_table = [7, 2]      block_size = 4      positions 0..5
         slots       = [28, 29, 30, 31, 8, 9]
+
+    The per-token arrays are computed with numpy over the whole batch (a request's row
+    repeated over its tokens), so a decode step costs a few list comprehensions and array
+    operations rather than a Python loop per token (issue 42: the host's time per step).
     """
+    num_reqs = len(requests)
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    token_rope_lengths: list[int] = []
-    num_decodes = 0
-    for i, (token_ids, num_computed, block_table) in enumerate(requests):
-        num_new = len(token_ids)
-        if num_new == 1 and num_decodes == len(seq_lens):
-            num_decodes += 1
-        input_ids.extend(token_ids)
-        for pos in range(num_computed, num_computed + num_new):
-            positions.append(pos)
-            slots.append(block_table[pos // block_size] * block_size + pos % block_size)
-        if rope_lengths is not None:
-            token_rope_lengths.extend([rope_lengths[i]] * num_new)
-        query_start_loc.append(query_start_loc[-1] + num_new)
-        seq_lens.append(num_computed + num_new)
-    max_blocks = max(len(table) for _, _, table in requests)
-    tables = [table + [0] * (max_blocks - len(table)) for _, _, table in requests]
-    query_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
+    for token_ids, _, _ in requests:
+        input_ids += token_ids
+    query_lens = np.fromiter((len(t) for t, _, _ in requests), np.int64, num_reqs)
+    num_computed = np.fromiter((c for _, c, _ in requests), np.int64, num_reqs)
+    num_decodes = 0  # requests with one new token, before the first with more
+    if num_reqs and query_lens[0] == 1:
+        longer = np.flatnonzero(query_lens != 1)
+        num_decodes = int(longer[0]) if len(longer) else num_reqs
+    query_start_loc = np.zeros(num_reqs + 1, np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = num_computed + query_lens
+    num_tokens = int(query_start_loc[-1])
+    tables = _padded_block_tables([table for _, _, table in requests])  # [num_reqs, max_blocks]
+    if num_tokens == num_reqs:  # one token each (a decode step)
+        positions = num_computed
+        rows = np.arange(num_reqs)
+    else:
+        rows = np.repeat(np.arange(num_reqs), query_lens)  # each token's request
+        positions = np.arange(num_tokens) - query_start_loc[rows] + num_computed[rows]
+    slots = tables[rows, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    query_start_loc_cpu = query_start_loc.tolist()
     metadata = AttentionMetadata(
-        num_actual_tokens=len(input_ids),
+        num_actual_tokens=num_tokens,
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=_to(query_start_loc.astype(np.int32), device),
+        seq_lens=_to(seq_lens.astype(np.int32), device),
+        block_tables=_to(tables, device),
+        slot_mapping=_to(slots, device),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens_cpu=seq_lens.tolist(),
         rope_lengths=(
             None
             if rope_lengths is None
-            else torch.tensor(token_rope_lengths, dtype=torch.int64, device=device)
+            else _to(np.repeat(np.asarray(rope_lengths, np.int64), query_lens), device)
         ),
     )
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=_to(np.asarray(input_ids, np.int64), device),
+        positions=_to(np.ascontiguousarray(positions), device),
         attn_metadata=metadata,
-        query_start_loc_cpu=query_start_loc,
+        query_start_loc_cpu=query_start_loc_cpu,
     )
+
+
+def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[num_reqs, max_blocks] int32, each table padded with block 0 (never read: the
+    attention masks past a request's length)."""
+    max_blocks = max(len(table) for table in tables)
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        if len(table) < max_blocks:
+            flat += [0] * (max_blocks - len(table))
+    return np.asarray(flat, np.int32).reshape(len(tables), max_blocks)
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The array as a tensor on `device` (on the CPU, sharing its memory: no copy)."""
+    return torch.from_numpy(array).to(device)
