@@ -11,8 +11,8 @@ hands every other row back to the general path, row by row, so the result is the
 
     step computes t5 (position 5):  slot 9 in block 2, which has room after it
                                     -> plain: no allocation, nothing becomes full
-    step computes t7 (position 7):  fills block 2, which is then published
-                                    -> general path (allocate_slots publishes it)
+    step computes t7 (position 7):  fills block 2 -> plain, and block 2 is published
+                                    (put in the prefix cache) as allocate_slots would
     step computes t8 (position 8):  needs a new block -> general path
 
 The schedule side needs no rope regime that may force a recompute, no n-gram proposer and
@@ -40,6 +40,7 @@ class PlainDecode:
         self.block_size = kv_cache_manager.block_size
         # request id -> its block table as ids (read only here; the manager keeps it).
         self._block_ids = kv_cache_manager.block_id_tables()
+        self._publish = kv_cache_manager.cache_full_blocks
 
     def schedule(
         self,
@@ -56,18 +57,20 @@ class PlainDecode:
         tables = self._block_ids
         stop = min(len(running), index + budget, index + max_scheduled - len(scheduled))
         append = scheduled.append
+        publish = self._publish
         while index < stop:
             request = running[index]
             num_computed = request.num_computed_tokens
             if (
                 len(request.all_token_ids) != num_computed + 1
                 or num_computed < len(request.prompt_token_ids)  # a prompt token: charged
-                or (num_computed + 1) % block_size == 0  # fills its block: published
             ):
                 break
             ids = tables.get(request.request_id)
             if ids is None or num_computed >= len(ids) * block_size:  # needs a block
                 break
+            if (num_computed + 1) % block_size == 0:  # fills its last block: published
+                publish(request, num_computed + 1)
             append(
                 ScheduledRequest(request, num_computed, 1, ids.copy(), [], request.num_preemptions)
             )
@@ -91,7 +94,10 @@ def update_plain_rows(
     stop token id sampled; `finish` for one that stops); any other live row goes to
     `general`, which appends to `updated` itself. Returns the plain rows' tokens."""
     num_tokens = 0
-    on_output = fairness.on_one_output
+    # Rows whose token is not charged yet: charged in one call before anything else
+    # touches the counters (a finish, a general row) and at the end, so the counters see
+    # the same operations in the same order as one charge per row.
+    charged: list[Request] = []
     for entry in entries:
         request = entry.request
         if request.status > _PREEMPTED:  # aborted while the step ran
@@ -102,6 +108,8 @@ def update_plain_rows(
         if not request.spec_token_ids and request.structured_output is None:
             token_id = sampled.get(request.request_id)
         if token_id is None:
+            fairness.on_one_output_each(charged)
+            charged.clear()
             general(entry)
             continue
         times = request.times
@@ -111,13 +119,16 @@ def update_plain_rows(
         request.output_token_ids.append(token_id)
         request.all_token_ids.append(token_id)
         num_tokens += 1
-        on_output(request)
+        charged.append(request)
         screen = request.stop_screen
         if screen is None:
             screen = request.stop_screen = stop_screen(request, max_model_len)
         if len(request.output_token_ids) >= screen[0] or token_id in screen[1]:
             status = check_stop(request, max_model_len)
             if status is not None:
+                fairness.on_one_output_each(charged)
+                charged.clear()
                 finish(request, status)
         updated.append(request)
+    fairness.on_one_output_each(charged)
     return num_tokens

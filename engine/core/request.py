@@ -90,6 +90,9 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        # Read by every step's runner and output processor: a plain attribute, not a
+        # property (the parameters never change).
+        self.is_pooling = pooling_params is not None
         self.priority = priority
         # Who the request is served for (the tenant), and that key's share: the scheduler
         # shares the batch fairly between keys (engine.core.fairness); "" is the default key.
@@ -184,10 +187,6 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens if self.sampling_params is not None else 0
-
-    @property
-    def is_pooling(self) -> bool:
-        return self.pooling_params is not None
 
     @property
     def needs_all_prompt_positions(self) -> bool:

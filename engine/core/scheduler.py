@@ -131,7 +131,8 @@ class Scheduler:
                     self.running, index, budget, scheduled, self._max_scheduled
                 )
                 budget -= index - start
-                if index == len(self.running) or not budget or len(scheduled) >= self._max_scheduled:
+                full = not budget or len(scheduled) >= self._max_scheduled
+                if full or index == len(self.running):
                     break  # else running[index] is not a plain row: the general path's
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)

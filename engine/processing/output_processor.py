@@ -27,7 +27,6 @@ from engine.api.sampling_params import RequestOutputKind, SamplingParams
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import LogprobsLists, ModelRunnerOutput
 
-
 _FINISHED = RequestStatus.FINISHED_STOPPED  # the first finished status (an ordered enum)
 
 
