@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,11 +41,10 @@ def build_step_inputs(
     operations rather than a Python loop per token (issue 42: the host's time per step).
     """
     num_reqs = len(requests)
-    input_ids: list[int] = []
-    for token_ids, _, _ in requests:
-        input_ids += token_ids
-    query_lens = np.fromiter((len(t) for t, _, _ in requests), np.int64, num_reqs)
-    num_computed = np.fromiter((c for _, c, _ in requests), np.int64, num_reqs)
+    token_id_lists, computed, block_tables = zip(*requests)  # three tuples, in C
+    input_ids = list(itertools.chain.from_iterable(token_id_lists))
+    query_lens = np.fromiter(map(len, token_id_lists), np.int64, num_reqs)
+    num_computed = np.array(computed, np.int64)
     num_decodes = 0  # requests with one new token, before the first with more
     if num_reqs and query_lens[0] == 1:
         longer = np.flatnonzero(query_lens != 1)
@@ -53,7 +53,7 @@ def build_step_inputs(
     np.cumsum(query_lens, out=query_start_loc[1:])
     seq_lens = num_computed + query_lens
     num_tokens = int(query_start_loc[-1])
-    tables = _padded_block_tables([table for _, _, table in requests])  # [num_reqs, max_blocks]
+    tables = _padded_block_tables(block_tables)  # [num_reqs, max_blocks]
     if num_tokens == num_reqs:  # one token each (a decode step)
         positions = num_computed
         rows = np.arange(num_reqs)
@@ -89,10 +89,10 @@ def build_step_inputs(
     )
 
 
-def _padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+def _padded_block_tables(tables: tuple[list[int], ...]) -> np.ndarray:
     """[num_reqs, max_blocks] int32, each table padded with block 0 (never read: the
     attention masks past a request's length)."""
-    max_blocks = max(len(table) for table in tables)
+    max_blocks = max(map(len, tables))
     flat: list[int] = []
     for table in tables:
         flat += table
