@@ -88,6 +88,7 @@ class Request:
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index  # which of the parent's n samples this is
         self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)  # read per row per step: no property
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         # Read by every step's runner and output processor: a plain attribute, not a
@@ -171,10 +172,6 @@ class Request:
     @property
     def arrival_time(self) -> float:
         return self.times.arrival_time
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
