@@ -21,6 +21,9 @@ With speculative decoding (n-gram drafts), an eligible running request in decode
 drafts are only ever dropped, never the cause of a preemption. `update` appends the tokens
 the runner verified and rolls `num_computed_tokens` back over the rejected drafts, whose
 cache slots the next step overwrites.
+
+Plain decode rows (one token in the last block's room, one sampled token) take a fast path
+with the same outcome (plain_decode.py); every other row goes through the code here.
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ class OutputProcessor:
         else:
             samples = parent.samples
         completions = [self._completion(s, s.request.index, kind) for s in parent.samples]
-        completions = [completions[parent.samples.index(s)] for s in samples]
+        if len(samples) != len(parent.samples):  # DELTA: the changed samples only
+            completions = [completions[parent.samples.index(s)] for s in samples]
         for s in parent.samples:
             s.changed = False
         prompt_logprobs = parent.prompt_logprobs
@@ -362,6 +363,19 @@ def _is_quiet(sample: _SampleState, params: SamplingParams) -> bool:
 
 def _metrics(requests: list[Request]) -> RequestMetrics:
     """One request's metrics, over its samples."""
+    if len(requests) == 1:  # n = 1, every step of a stream: the same values, directly
+        request = requests[0]
+        t = request.times
+        scheduled = t.first_scheduled_time
+        return RequestMetrics(
+            arrival_time=t.arrival_time,
+            last_token_time=t.last_token_time or t.arrival_time,
+            first_scheduled_time=scheduled,
+            first_token_time=t.first_token_time,
+            time_in_queue=None if scheduled is None else scheduled - t.arrival_time,
+            finished_time=t.finished_time,
+            num_preemptions=request.num_preemptions,
+        )
     times = [r.times for r in requests]
     first = times[0]
 
