@@ -77,6 +77,17 @@ def mark_placeholders(scheduled: list[ScheduledRequest]) -> None:
             entry.adds_placeholder = True
 
 
+def count_arrivals(scheduled: list[ScheduledRequest]) -> None:
+    """Before a step's update: each live entry that added a placeholder has its token now
+    (an aborted request needs no count; a preempted one had its count reset)."""
+    for entry in scheduled:
+        if entry.adds_placeholder:
+            request = entry.request
+            if request.is_finished() or request.num_preemptions != entry.num_preemptions:
+                continue
+            request.num_output_placeholders -= 1
+
+
 def overlap_blocker(step: SchedulerOutput, speculative: bool) -> str | None:
     """Why the step after `step` cannot be scheduled before `step` is collected (the
     module's list), or None when it can."""

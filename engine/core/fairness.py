@@ -207,6 +207,31 @@ class VirtualTokenCounter:
             self._charge(request.fairness_key, 0, num_output_tokens)
             self._consume_reserve(request, self.output_weight * num_output_tokens)
 
+    def on_one_output_each(self, requests: list[Request]) -> None:
+        """`on_output(request, 1)` for each request in turn, the same operations in the
+        same order, in one call: the decode fast path (engine/core/plain_decode.py)
+        charges every row of a step."""
+        keys, reserved, output_weight = self.keys, self._reserved, self.output_weight
+        key: str | None = None
+        state: KeyState | None = None
+        served = ServedTokens()
+        for request in requests:
+            if request.fairness_key != key:
+                key = request.fairness_key
+                state = keys.get(key)
+                served = self._served.get(key)  # type: ignore[assignment]
+                if served is None:
+                    served = self._served[key] = ServedTokens()
+            if state is not None:
+                state.counter += output_weight / state.weight  # 0 prompt + 1 output token
+            served.output += 1
+            held = reserved.get(request.request_id)
+            if held:
+                used = min(held, output_weight)
+                reserved[request.request_id] = held - used
+                if state is not None:
+                    state.reserved = max(0.0, state.reserved - used)
+
     def _charge(self, key: str, num_prompt: int, num_output: int) -> None:
         state = self.keys.get(key)
         if state is not None:

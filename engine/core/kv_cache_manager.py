@@ -88,6 +88,12 @@ class KVCacheManager:
         """Whether a sequence of `num_tokens` tokens fits in the whole cache at all."""
         return self.num_blocks_needed(num_tokens) <= self.num_blocks
 
+    def block_id_tables(self) -> dict[str, list[int]]:
+        """Every request's block table as ids, live (kept in step by this manager): for
+        readers that must not change them, such as the decode fast path
+        (engine/core/plain_decode.py)."""
+        return self._req_to_block_ids
+
     def get_block_ids(self, request_id: str) -> list[int]:
         ids = self._req_to_block_ids.get(request_id)
         return [] if ids is None else ids.copy()
@@ -141,7 +147,7 @@ class KVCacheManager:
             held = self.req_to_blocks.get(request.request_id)
             num_tokens = request.num_computed_tokens + num_new_tokens
             if held and num_tokens <= len(held) * self.block_size:  # a decode step, mostly
-                self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+                self.cache_full_blocks(request, min(num_tokens, request.num_tokens))
                 return []
         hit_blocks = new_computed_blocks or []
         assert num_new_tokens >= 0
@@ -175,7 +181,7 @@ class KVCacheManager:
         ids = self._req_to_block_ids.setdefault(request.request_id, [])
         ids.extend(block.block_id for block in hit_blocks)
         ids.extend(block.block_id for block in new_blocks)
-        self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+        self.cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -257,8 +263,9 @@ class KVCacheManager:
                 hash_block_tokens(parent_hash, self._block_token_ids(request, i), extra_keys)
             )
 
-    def _cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
-        """Publish the request's blocks that are full within its first `num_known_tokens`."""
+    def cache_full_blocks(self, request: Request, num_known_tokens: int) -> None:
+        """Publish the request's blocks that are full within its first `num_known_tokens`
+        (what `allocate_slots` does for a step that needs no new block)."""
         request_id = request.request_id
         blocks = self.req_to_blocks[request_id]
         num_full_blocks = num_known_tokens // self.block_size

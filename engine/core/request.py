@@ -88,8 +88,12 @@ class Request:
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index  # which of the parent's n samples this is
         self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)  # read per row per step: no property
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        # Read by every step's runner and output processor: a plain attribute, not a
+        # property (the parameters never change).
+        self.is_pooling = pooling_params is not None
         self.priority = priority
         # Who the request is served for (the tenant), and that key's share: the scheduler
         # shares the batch fairly between keys (engine.core.fairness); "" is the default key.
@@ -129,6 +133,9 @@ class Request:
         # Structured outputs: the grammar state (engine.structured_output.request), set by
         # the engine for a constrained request; the scheduler only calls its methods.
         self.structured_output: Any = None
+        # The scheduler's cached stop screen (engine/core/stop.py, `stop_screen`): the
+        # output count of the length cap and the stop token ids; set at its first token.
+        self.stop_screen: tuple[int, set[int]] | None = None
 
     @classmethod
     def from_engine_request(
@@ -170,10 +177,6 @@ class Request:
         return self.times.arrival_time
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -184,10 +187,6 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens if self.sampling_params is not None else 0
-
-    @property
-    def is_pooling(self) -> bool:
-        return self.pooling_params is not None
 
     @property
     def needs_all_prompt_positions(self) -> bool:

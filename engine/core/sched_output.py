@@ -46,6 +46,9 @@ class ScheduledRequest:
     def token_ids(self) -> list[int]:
         """The step's input ids; 0 stands for each placeholder (filled on the device)."""
         start = self.num_computed_tokens
+        if not self.spec_token_ids and not self.num_placeholder_inputs:
+            # read for every row of every step: the short way
+            return self.request.all_token_ids[start : start + self.num_new_tokens]
         num_known = self.num_new_tokens - len(self.spec_token_ids) - self.num_placeholder_inputs
         known = self.request.all_token_ids[start : start + num_known]
         if self.num_placeholder_inputs:
@@ -59,12 +62,18 @@ class ScheduledRequest:
         if self.num_placeholder_inputs:
             return True
         num_known = self.num_new_tokens - len(self.spec_token_ids)
-        return self.num_computed_tokens + num_known == self.request.num_tokens
+        return self.num_computed_tokens + num_known == len(self.request.all_token_ids)
 
     @property
     def samples(self) -> bool:
-        """True when this step samples the request's next token."""
-        return self.reaches_last_token and not self.request.is_pooling
+        """True when this step samples the request's next token (`reaches_last_token`,
+        inlined: read for every row of every step)."""
+        request = self.request
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return (
+            self.num_computed_tokens + num_known == len(request.all_token_ids)
+            and not request.is_pooling
+        )
 
     @property
     def pools(self) -> bool:

@@ -21,6 +21,9 @@ With speculative decoding (n-gram drafts), an eligible running request in decode
 drafts are only ever dropped, never the cause of a preemption. `update` appends the tokens
 the runner verified and rolls `num_computed_tokens` back over the rejected drafts, whose
 cache slots the next step overwrites.
+
+Plain decode rows (one token in the last block's room, one sampled token) take a fast path
+with the same outcome (plain_decode.py); every other row goes through the code here.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from engine.core import async_scheduling
 from engine.core.fairness import VirtualTokenCounter, create_waiting_queue
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
+from engine.core.plain_decode import PlainDecode, update_plain_rows
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.core.stop import check_stop
@@ -64,6 +68,15 @@ class Scheduler:
         self._max_scheduled = config.max_num_seqs  # this step's cap (see schedule)
         # Async scheduling's placeholders (engine/core/async_scheduling.py); set by the engine.
         self.async_scheduling = False
+        # The plain decode rows' fast path (plain_decode.py); none where a rope regime, the
+        # proposer or a sliding window makes each row's step its own case.
+        self._plain = (
+            PlainDecode(kv_cache_manager)
+            if kv_cache_manager.rope is None
+            and self.proposer is None
+            and kv_cache_manager.sliding_window is None
+            else None
+        )
 
     # ---- queue management -------------------------------------------------------------
 
@@ -118,6 +131,15 @@ class Scheduler:
 
         index = 0
         while index < len(self.running) and budget > 0 and len(scheduled) < self._max_scheduled:
+            if self._plain is not None:
+                start = index
+                index = self._plain.schedule(
+                    self.running, index, budget, scheduled, self._max_scheduled
+                )
+                budget -= index - start
+                full = not budget or len(scheduled) >= self._max_scheduled
+                if full or index == len(self.running):
+                    break  # else running[index] is not a plain row: the general path's
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if request.num_output_placeholders:  # async scheduling: a token in flight
@@ -291,60 +313,60 @@ class Scheduler:
         """
         now = time.time()
         updated: list[Request] = []
-        self.num_output_tokens_last_update = 0
-        for entry in output.scheduled:
-            request = entry.request
-            if request.is_finished():  # aborted while the step ran
-                continue
-            if request.num_preemptions != entry.num_preemptions:
-                continue  # preempted while its step was in flight: it recomputes later
-            if entry.adds_placeholder:  # async scheduling: the token in flight arrived
-                request.num_output_placeholders -= 1
-            if not request.spec_token_ids and request.structured_output is None:
-                # A plain decode or prefill row: at most its one sampled token.
-                token_id = runner_output.sampled_token_ids.get(request.request_id)
-                if token_id is not None:
-                    self._update_one_token(request, token_id, now)
-                    updated.append(request)
-                    continue
-            token_ids = self._step_token_ids(request, runner_output)
-            if request.request_id in runner_output.pooled:
-                self.running.remove(request)
-                request.status = RequestStatus.FINISHED_STOPPED
-                self._free(request)
-                updated.append(request)
-                continue
-            if not token_ids:
-                if request.request_id in runner_output.prompt_logprobs:
-                    updated.append(request)
-                continue
-            if request.times.first_token_time is None:
-                request.times.first_token_time = now
-            request.times.last_token_time = now
-            num_output = request.num_output_tokens
-            status = self._append_tokens(request, token_ids)
-            self.fairness.on_output(request, request.num_output_tokens - num_output)
-            if status is not None:
-                self.running.remove(request)
-                request.status = status
-                self._free(request)
-            updated.append(request)
+
+        def general(entry: ScheduledRequest) -> None:
+            self._update_entry(entry, runner_output, now, updated)
+
+        self.num_output_tokens_last_update = 0  # the general path counts its own
+        if self.async_scheduling:  # the tokens in flight of this step arrived
+            async_scheduling.count_arrivals(output.scheduled)
+        num_plain_tokens = update_plain_rows(
+            output.scheduled,
+            runner_output.sampled_token_ids,
+            now,
+            self.fairness,
+            self.config.max_model_len,
+            updated,
+            general,
+            self._finish,
+        )
+        self.num_output_tokens_last_update += num_plain_tokens
         return updated
 
-    def _update_one_token(self, request: Request, token_id: int, now: float) -> None:
-        """`update` for a request without drafts or a grammar that sampled `token_id`."""
-        times = request.times
-        if times.first_token_time is None:
-            times.first_token_time = now
-        times.last_token_time = now
-        request.append_output_token_ids([token_id])
-        self.num_output_tokens_last_update += 1
-        self.fairness.on_output(request, 1)
-        status = check_stop(request, self.config.max_model_len)
+    def _update_entry(
+        self,
+        entry: ScheduledRequest,
+        runner_output: ModelRunnerOutput,
+        now: float,
+        updated: list[Request],
+    ) -> None:
+        """`update` for a live entry that is not a plain row: drafts, a grammar, pooling,
+        prompt logprobs only, or nothing sampled."""
+        request = entry.request
+        token_ids = self._step_token_ids(request, runner_output)
+        if request.request_id in runner_output.pooled:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            updated.append(request)
+            return
+        if not token_ids:
+            if request.request_id in runner_output.prompt_logprobs:
+                updated.append(request)
+            return
+        if request.times.first_token_time is None:
+            request.times.first_token_time = now
+        request.times.last_token_time = now
+        num_output = request.num_output_tokens
+        status = self._append_tokens(request, token_ids)
+        self.fairness.on_output(request, request.num_output_tokens - num_output)
         if status is not None:
-            self.running.remove(request)
-            request.status = status
-            self._free(request)
+            self._finish(request, status)
+        updated.append(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """A running request stopped (or was pooled): out of the batch, its blocks freed."""
+        self.running.remove(request)
+        request.status = status
+        self._free(request)
 
     def _step_token_ids(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
         """The tokens the step produced for `request` (none, one, or a verified draft run

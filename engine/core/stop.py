@@ -26,3 +26,17 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     if request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
+
+
+def stop_screen(request: Request, max_model_len: int) -> tuple[int, set[int]]:
+    """What `check_stop` can fire on, as cheap tests of the newest token: the output count
+    at which a length limit caps the request (`max_tokens`, or the model's length), and the
+    stop token ids (the parameters' own set, so EOS ids added later count). Where neither
+    hits, `check_stop` returns None; where one does, it decides (`min_tokens`, precedence).
+    """
+    params = request.sampling_params
+    assert params is not None, "pooling requests sample no token"
+    cap = max_model_len - len(request.prompt_token_ids)
+    if params.max_tokens is not None:
+        cap = min(cap, params.max_tokens)
+    return cap, params.all_stop_token_ids

@@ -24,8 +24,10 @@ from engine.api.outputs import (
     SampleLogprobs,
 )
 from engine.api.sampling_params import RequestOutputKind, SamplingParams
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import LogprobsLists, ModelRunnerOutput
+
+_FINISHED = RequestStatus.FINISHED_STOPPED  # the first finished status (an ordered enum)
 
 
 @dataclass
@@ -78,6 +80,9 @@ class OutputProcessor:
         self.parents: dict[str, _ParentState] = {}
         self._parent_of: dict[str, str] = {}  # sample request id -> parent request id
         self.pooling: dict[str, _PoolingState] = {}  # request id -> live pooling request
+        # Samples whose steps deliver nothing until they finish (see `_is_quiet`): a step
+        # passes over them (vLLM builds outputs only for the requests that need one).
+        self._quiet: set[str] = set()
 
     def add_request(
         self,
@@ -94,8 +99,10 @@ class OutputProcessor:
         self.parents[request_id] = _ParentState(
             request_id, prompt, prompt_token_ids, params, states, prompt_logprobs
         )
-        for r in samples:
+        for r, state in zip(samples, states):
             self._parent_of[r.request_id] = request_id
+            if _is_quiet(state, params):
+                self._quiet.add(r.request_id)
 
     def add_pooling_request(self, prompt: str | None, request: Request) -> None:
         self.pooling[request.request_id] = _PoolingState(request, prompt)
@@ -154,7 +161,10 @@ class OutputProcessor:
         stopped_by_string: list[str] = []
         touched: dict[str, _ParentState] = {}
         pooled: list[PoolingRequestOutput] = []
+        quiet = self._quiet
         for request in updated:
+            if request.status < _FINISHED and request.request_id in quiet:
+                continue  # nothing to deliver: its tokens are taken in when it finishes
             if request.is_pooling:
                 pooling_output = self._pooling_output(request, runner_output)
                 if pooling_output is not None:
@@ -203,6 +213,8 @@ class OutputProcessor:
         )
 
     def _update_sample(self, sample: _SampleState, logprobs: LogprobsLists | None) -> bool:
+        """Takes in the sample's tokens since the last call (and this step's logprobs);
+        returns whether a stop string finished it here (the scheduler has yet to)."""
         request = sample.request
         sample.changed = True
         new_ids = request.output_token_ids[sample.num_processed_tokens :]
@@ -261,7 +273,8 @@ class OutputProcessor:
         else:
             samples = parent.samples
         completions = [self._completion(s, s.request.index, kind) for s in parent.samples]
-        completions = [completions[parent.samples.index(s)] for s in samples]
+        if len(samples) != len(parent.samples):  # DELTA: the changed samples only
+            completions = [completions[parent.samples.index(s)] for s in samples]
         for s in parent.samples:
             s.changed = False
         prompt_logprobs = parent.prompt_logprobs
@@ -319,6 +332,8 @@ class OutputProcessor:
             return None
         for sample in parent.samples:
             if sample.finish_reason is None:
+                if sample.request.request_id in self._quiet:
+                    self._update_sample(sample, None)  # the text of its tokens so far
                 sample.finish_reason = "abort"
                 sample.changed = True
         return self._make_output(parent)
@@ -327,13 +342,40 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         for sample in parent.samples:
             self._parent_of.pop(sample.request.request_id, None)
+            self._quiet.discard(sample.request.request_id)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents) + len(self.pooling)
 
 
+def _is_quiet(sample: _SampleState, params: SamplingParams) -> bool:
+    """Whether a sample's steps deliver nothing until it finishes: a FINAL_ONLY output with
+    no logprobs or prompt logprobs to gather per step and no stop string to look for. Its
+    tokens are detokenized when it finishes (or is aborted), all at once: the incremental
+    detokenizer takes them one by one either way, so the text is the same."""
+    return (
+        params.output_kind == RequestOutputKind.FINAL_ONLY
+        and sample.logprobs is None
+        and params.prompt_logprobs is None
+        and not params.stop
+    )
+
+
 def _metrics(requests: list[Request]) -> RequestMetrics:
     """One request's metrics, over its samples."""
+    if len(requests) == 1:  # n = 1, every step of a stream: the same values, directly
+        request = requests[0]
+        t = request.times
+        scheduled = t.first_scheduled_time
+        return RequestMetrics(
+            arrival_time=t.arrival_time,
+            last_token_time=t.last_token_time or t.arrival_time,
+            first_scheduled_time=scheduled,
+            first_token_time=t.first_token_time,
+            time_in_queue=None if scheduled is None else scheduled - t.arrival_time,
+            finished_time=t.finished_time,
+            num_preemptions=request.num_preemptions,
+        )
     times = [r.times for r in requests]
     first = times[0]
 

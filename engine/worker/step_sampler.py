@@ -37,18 +37,26 @@ class StepSampler:
         for request_id in request_ids:
             self._argmax_only_params.pop(request_id, None)
 
-    def _wants_argmax_only(self, request: Any) -> bool:
-        """`wants_argmax_only`, with the parameters' part looked up once per request."""
-        params = request.sampling_params
-        cached = self._argmax_only_params.get(request.request_id)
-        if cached is None or cached[0] is not params:
-            cached = (params, _params_want_argmax_only(params))
-            self._argmax_only_params[request.request_id] = cached
-        return (
-            cached[1]
-            and len(request.output_token_ids) >= params.min_tokens
-            and _matcher(request) is None
-        )
+    def _argmax_only_rows(self, batch: list[ScheduledRequest], rows: list[int]) -> list[int]:
+        """The positions in `rows` whose request wants only the argmax (`wants_argmax_only`),
+        with the parameters' part looked up once per request: a request whose parameters
+        qualify and ask no `min_tokens` needs only its grammar looked at per step."""
+        cache = self._argmax_only_params
+        plain: list[int] = []
+        for j, i in enumerate(rows):
+            request = batch[i].request
+            params = request.sampling_params
+            cached = cache.get(request.request_id)
+            if cached is None or cached[0] is not params:
+                cached = (params, _params_want_argmax_only(params))
+                cache[request.request_id] = cached
+            if (
+                cached[1]
+                and (not params.min_tokens or len(request.output_token_ids) >= params.min_tokens)
+                and (request.structured_output is None or _matcher(request) is None)
+            ):
+                plain.append(j)
+        return plain
 
     def sample(
         self,
@@ -98,12 +106,14 @@ class StepSampler:
             host = pending.wait()
             if screened is not None:
                 screened_entries, slot = screened
-                for entry, token in zip(screened_entries, host[slot]):
-                    output.sampled_token_ids[entry.request_id] = token
+                output.sampled_token_ids.update(
+                    zip([e.request.request_id for e in screened_entries], host[slot])
+                )
             if sampled is None:
                 return
-            for entry, token in zip(entries, host[sampled]):
-                output.sampled_token_ids[entry.request_id] = token
+            output.sampled_token_ids.update(
+                zip([e.request.request_id for e in entries], host[sampled])
+            )
             if logprobs is None:
                 return
             token_ids, values, ranks = (host[j] for j in logprobs)
@@ -131,11 +141,15 @@ class StepSampler:
         model = self.runner.model
         if getattr(model, "greedy_screen", None) is None:
             return None, rows, index
-        plain = [j for j, i in enumerate(rows) if self._wants_argmax_only(batch[i].request)]
+        plain = self._argmax_only_rows(batch, rows)
         if not plain:
             return None, rows, index
         every_row = len(plain) == len(rows)
-        tokens = model.greedy_argmax(hidden[index if every_row else index[plain]])
+        if every_row and len(rows) == hidden.shape[0]:  # one token per row: index = 0..n-1
+            screen_hidden = hidden
+        else:
+            screen_hidden = hidden[index if every_row else index[plain]]
+        tokens = model.greedy_argmax(screen_hidden)
         if tokens is None:
             return None, rows, index
         screened = ([batch[rows[j]] for j in plain], reads.add(tokens))
