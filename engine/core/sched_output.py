@@ -69,11 +69,12 @@ class ScheduledRequest:
         """True when this step samples the request's next token (`reaches_last_token`,
         inlined: read for every row of every step)."""
         request = self.request
+        if request.is_pooling:
+            return False
+        if self.num_placeholder_inputs:  # async scheduling: after the token in flight
+            return True
         num_known = self.num_new_tokens - len(self.spec_token_ids)
-        return (
-            self.num_computed_tokens + num_known == len(request.all_token_ids)
-            and not request.is_pooling
-        )
+        return self.num_computed_tokens + num_known == len(request.all_token_ids)
 
     @property
     def pools(self) -> bool:
