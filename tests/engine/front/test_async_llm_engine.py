@@ -247,7 +247,7 @@ def test_a_failing_step_kills_the_engine(model_dir) -> None:
     async def main() -> None:
         with async_engine(model_dir) as engine:
             runner = engine.engine.runner
-            real_execute = runner.execute
+            real_execute = runner.launch  # what the executor calls per step
             calls = 0
 
             def flaky_execute(scheduler_output):
@@ -257,7 +257,7 @@ def test_a_failing_step_kills_the_engine(model_dir) -> None:
                     raise RuntimeError("injected device failure")
                 return real_execute(scheduler_output)
 
-            runner.execute = flaky_execute
+            runner.launch = flaky_execute
             tasks = [
                 asyncio.create_task(collect(engine, ids([3 + i]), greedy(50), f"d{i}"))
                 for i in range(3)
@@ -321,7 +321,7 @@ def test_event_loop_stays_responsive_during_a_step(model_dir) -> None:
     async def main() -> None:
         with async_engine(model_dir) as engine:
             runner = engine.engine.runner
-            runner.execute = functools.partial(ticking_execute, runner.execute)
+            runner.launch = functools.partial(ticking_execute, runner.launch)
             done = asyncio.Event()
 
             async def ticker() -> None:
@@ -371,7 +371,7 @@ def test_encode_yields_one_pooling_output(model_dir) -> None:
             # steps of 16 tokens; the first is held until the abort is sent, so the abort
             # certainly comes first.
             runner = engine.engine.runner
-            real_execute = runner.execute
+            real_execute = runner.launch  # what the executor calls per step
             stepping, release = threading.Event(), threading.Event()
 
             def held_execute(scheduler_output):
@@ -379,7 +379,7 @@ def test_encode_yields_one_pooling_output(model_dir) -> None:
                 assert release.wait(timeout=120)
                 return real_execute(scheduler_output)
 
-            runner.execute = held_execute
+            runner.launch = held_execute
             long_prompt = [3 + i % 100 for i in range(200)]
             gen = engine.encode(ids(long_prompt), PoolingParams(), "pool-abort")
             pending = asyncio.ensure_future(gen.__anext__())

@@ -263,14 +263,14 @@ def test_cancelled_stream_is_recorded(stack, exporter, how, monkeypatch):
         # the end of its tokens, ends it.
         entered, release = threading.Event(), threading.Event()
         runner = stack.engine.engine.runner
-        real_execute = runner.execute
+        real_execute = runner.launch  # what the executor calls per step
 
         def held_execute(scheduler_output):
             entered.set()
             release.wait(120)
             return real_execute(scheduler_output)
 
-        monkeypatch.setattr(runner, "execute", held_execute)
+        monkeypatch.setattr(runner, "launch", held_execute)
         req = request(token_ids=PROMPT, max_tokens=2000, ignore_eos=True)
         try:
             with pytest.raises(grpc.RpcError) as info:
