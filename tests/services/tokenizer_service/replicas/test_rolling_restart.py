@@ -49,7 +49,9 @@ from tests.services.tokenizer_service.replicas.fleet import (
 LONG = 200  # mid-way through one of these when its replica is restarted
 SHORT = 24
 MARATHON = "marathon"
-MARATHON_TOKENS = 300
+# Long enough that the marathon cannot end in the moments between its replica being
+# continued and that replica's drain handing it back (a fast engine made 300 tokens there).
+MARATHON_TOKENS = 1500
 NUM_CLIENTS = 3
 GREEDY = {"temperature": 0.0, "logprobs": 5}  # the top-5 check needs the logprobs
 SEEDED = {"temperature": 1.0, "seed": 7, "top_k": 5}
@@ -172,7 +174,15 @@ class Restarts:
         assert engine.proc.wait(120) == 0, "a drain is a clean exit"
         wait_for(lambda: self.fleet.migrations("drained") > before, timeout=60)
         if had_marathon:
-            wait_for(lambda: self.fleet.holder(MARATHON) is not engine, timeout=60)
+            # Moved (held by another replica) or ended; not the moment in between, when no
+            # replica holds it yet (the new replica's call is still opening).
+            wait_for(
+                lambda: (
+                    (holder := self.fleet.holder(MARATHON)) is not engine
+                    and (holder is not None or not self.marathon.thread.is_alive())
+                ),
+                timeout=60,
+            )
             to = self.fleet.holder(MARATHON)  # None: it ended (the comparison says how)
             if to is not None:
                 self.moved.append(to.address)
