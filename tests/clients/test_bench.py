@@ -132,7 +132,10 @@ def test_a_small_real_benchmark(address, stack, tmp_path, capsys):
     result = asyncio.run(bench_serve(ns))
     assert (result["completed"], result["failed"]) == (6, 0)
     assert result["total_input_tokens"] == 6 * 8 and result["total_output_tokens"] == 6 * 5
-    assert result["output_lens"] == [5] * 6 and all(len(gaps) == 4 for gaps in result["itls"])
+    # One gap per message after the first: a stream whose reader falls behind gets its tokens
+    # merged (both services send all they have in one message), so at most 4 gaps a request.
+    assert result["output_lens"] == [5] * 6 and all(len(gaps) <= 4 for gaps in result["itls"])
+    assert sum(map(len, result["itls"])) >= 1 and all(g >= 0 for gs in result["itls"] for g in gs)
     assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"] <= result["p99_e2el_ms"]
     assert result["mean_tpot_ms"] > 0 and result["request_rate"] == 200.0
     assert json.loads((tmp_path / "run.json").read_text()) == result
