@@ -53,6 +53,9 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Adds tokens; returns the stop string that matched, if any (text is cut there)."""
+        if not self.stop:  # the common case, once per token on the tokenizer service
+            self._append(new_token_ids)
+            return None
         start = len(self.output_text)
         self._append(new_token_ids)
         return self._check_stop_strings(start)

@@ -85,12 +85,16 @@ class TextStream:
             for _ in range(params.n)
         ]
         self.started = False  # any engine message came back (a move now resumes outputs)
+        self._num_open = len(self.outputs)  # outputs not finished
+        # Whether logprobs can come: the engine sends them (and the cumulative logprob) only
+        # when asked, so a request without them never looks for them.
+        self._logprobs = params.logprobs is not None or params.prompt_logprobs is not None
 
     @property
     def finished(self) -> bool:
         """Every output has ended. A stream with none (n = 0) has not: that request is the
         engine's to refuse, and the relay must still ask it."""
-        return bool(self.outputs) and all(out.finished for out in self.outputs)
+        return self._num_open == 0 and bool(self.outputs)
 
     @property
     def finish_reasons(self) -> list[str]:
@@ -109,56 +113,78 @@ class TextStream:
         self, msg: engine_pb2.EngineGenerateResponse
     ) -> generation_pb2.GenerateResponse | None:
         """The client's message for one engine message; None once that output has ended
-        (a stop string ended it here while the engine was still generating)."""
+        (a stop string ended it here while the engine was still generating).
+
+        Runs once per token in the common case, so it reads each field of `msg` once and
+        sets only what differs from the default (cheap checks first: stop strings,
+        logprobs and prompt logprobs are looked at only where the request has them)."""
         self.started = True
-        out = self.outputs[msg.index]
+        index = msg.index
+        out = self.outputs[index]
         if out.finished:
             return None
         token_ids = list(msg.token_ids)
+        detokenizer = out.detokenizer
         stop = None
-        if out.detokenizer.stop:
+        if detokenizer.stop:
             for i, token_id in enumerate(token_ids):
-                stop = out.detokenizer.update([token_id])
+                stop = detokenizer.update([token_id])
                 if stop is not None:
                     token_ids = token_ids[: i + 1]
                     break
         else:
-            out.detokenizer.update(token_ids)
+            detokenizer.update(token_ids)
         out.num_tokens += len(token_ids)
         out.token_ids += token_ids
-        response = generation_pb2.GenerateResponse(
-            request_id=self.request_id,
-            index=msg.index,
-            token_ids=token_ids,
-            usage=common_pb2.Usage(
-                prompt_tokens=msg.usage.prompt_tokens,
-                completion_tokens=out.num_tokens,
-                cached_tokens=msg.usage.cached_tokens,
-            ),
-        )
+        response = generation_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids)
+        if index:
+            response.index = index
+        msg_usage = msg.usage
+        usage = response.usage
+        usage.prompt_tokens = msg_usage.prompt_tokens
+        usage.completion_tokens = out.num_tokens
+        if msg_usage.cached_tokens:
+            usage.cached_tokens = msg_usage.cached_tokens
+        if self._logprobs:
+            self._add_logprobs(msg, response, out, len(token_ids))
+        finish_reason = msg.finish_reason
+        if stop is not None:
+            finish_reason = response.finish_reason = common_pb2.FINISH_REASON_STOP
+            response.stop_reason.text = stop
+        elif finish_reason:
+            response.finish_reason = finish_reason
+            if msg.HasField("stop_reason"):
+                response.stop_reason.CopyFrom(msg.stop_reason)
+        if finish_reason:
+            out.finish_reason = finish_reason
+            out.finished = True
+            self._num_open -= 1
+        text = self._new_text(out)
+        if text:
+            response.text = text
+        return response
+
+    def _add_logprobs(
+        self,
+        msg: engine_pb2.EngineGenerateResponse,
+        response: generation_pb2.GenerateResponse,
+        out: _Output,
+        num_kept: int,
+    ) -> None:
+        """Logprobs (the first `num_kept` tokens'), prompt logprobs and the cumulative
+        logprob, with each token's text."""
         if msg.logprobs:
-            response.logprobs.extend(msg.logprobs[: len(token_ids)])
+            response.logprobs.extend(msg.logprobs[:num_kept])
             self.token_texts.fill(response.logprobs)
         if msg.prompt_logprobs:
             response.prompt_logprobs.extend(msg.prompt_logprobs)
             self.token_texts.fill(response.prompt_logprobs)
         if msg.HasField("cumulative_logprob"):
-            dropped = msg.logprobs[len(token_ids) :]
+            dropped = msg.logprobs[num_kept:]
             response.cumulative_logprob = (
                 out.logprob_base + msg.cumulative_logprob - sum(p.chosen.logprob for p in dropped)
             )
             out.cumulative_logprob = response.cumulative_logprob
-        if stop is not None:
-            response.finish_reason = common_pb2.FINISH_REASON_STOP
-            response.stop_reason.text = stop
-        elif msg.finish_reason:
-            response.finish_reason = msg.finish_reason
-            if msg.HasField("stop_reason"):
-                response.stop_reason.CopyFrom(msg.stop_reason)
-        out.finish_reason = response.finish_reason
-        out.finished = response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-        response.text = self._new_text(out)
-        return response
 
     def resume_points(self) -> dict[int, list[int]]:
         """For a move to another replica: each unfinished output's tokens so far. The new
@@ -179,6 +205,7 @@ class TextStream:
                 continue
             out.finished = True
             out.finish_reason = common_pb2.FINISH_REASON_ABORT
+            self._num_open -= 1
             responses.append(
                 generation_pb2.GenerateResponse(
                     request_id=self.request_id,

@@ -12,6 +12,13 @@ fuller messages on the client hop even when the client keeps up, at the price of
 arriving in steps of N tokens. An output's first message is never held (time to first token
 is the same at any interval).
 
+A call of the multiplexed hop (replicas/stream_mux.py) is not read by a task of its own: the
+reader subscribes to it, and the mux's reader task, in its one pass over each engine batch,
+merges each entry here and wakes the relay only if it waits. Per engine message that saves a
+task wake-up, an `asyncio.Event` and a queue; the relay's task is the one woken per client
+message. A per-request Generate call (`--engine-per-request-calls`, an older engine) keeps
+the reader task.
+
 The reader ends with the call; the call's error (a broken or cancelled call) is raised to
 the relay after the messages that came before it, so a stream that moves to another replica
 has taken in every token the old one sent.
@@ -51,26 +58,50 @@ class MergingReader:
         self._pending: dict[int, engine_pb2.EngineGenerateResponse] = {}
         self._interval = stream_interval
         self._started: set[int] = set()  # output indexes whose first message went out
-        self._arrived = asyncio.Event()
+        self._on_message = on_message
+        self._waiter: asyncio.Future[None] | None = None  # the relay, waiting
         self._error: BaseException | None = None
         self._done = False
-        self._task = asyncio.ensure_future(self._read(call, on_message))
+        self._task: asyncio.Future[None] | None = None
+        subscribe = getattr(call, "subscribe", None)
+        if subscribe is not None:  # the mux pushes (module docstring)
+            subscribe(self._arrived, self._ended)
+        else:
+            self._task = asyncio.ensure_future(self._read(call))
 
-    async def _read(self, call: Any, on_message: Any) -> None:
+    def _arrived(self, msg: engine_pb2.EngineGenerateResponse) -> None:
+        if self._done:
+            return  # closed
+        self._on_message()
+        earlier = self._pending.get(msg.index)
+        if earlier is None:
+            self._pending[msg.index] = msg
+        else:
+            merge_engine_messages(earlier, msg)
+        self._wake()
+
+    def _ended(self, error: BaseException | None) -> None:
+        if not self._done:
+            self._error = error
+            self._done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _read(self, call: Any) -> None:
+        error: BaseException | None = None
         try:
             async for msg in call:
-                on_message()
-                earlier = self._pending.get(msg.index)
-                if earlier is None:
-                    self._pending[msg.index] = msg
-                else:
-                    merge_engine_messages(earlier, msg)
-                self._arrived.set()
+                self._arrived(msg)
         except BaseException as exc:  # the relay raises it, in its own task
-            self._error = exc
+            error = exc
         finally:
-            self._done = True
-            self._arrived.set()
+            self._ended(error)
 
     def __aiter__(self) -> MergingReader:
         return self
@@ -86,8 +117,8 @@ class MergingReader:
                     error, self._error = self._error, None
                     raise error
                 raise StopAsyncIteration
-            self._arrived.clear()
-            await self._arrived.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
 
     def _ripe(self) -> int | None:
         """The first output index whose waiting message may go now."""
@@ -109,4 +140,6 @@ class MergingReader:
 
     def close(self) -> None:
         """Stops reading (the relay is done with the call, or went away)."""
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        self._done = True  # what the mux pushes from now on is dropped

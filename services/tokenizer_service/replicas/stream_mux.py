@@ -16,6 +16,11 @@ status, message and trailing metadata the request's own call would have ended wi
 field, ...), DEADLINE_EXCEEDED at its timeout, and the call's own error when the call
 breaks (an engine killed: UNAVAILABLE for every request on it, so each one migrates).
 
+A consumer that wants no task of its own subscribes instead of iterating
+(`MuxedGenerateCall.subscribe`, what the relay's merging reader does): the mux's reader then
+hands each entry of a batch straight to it, in the same pass over the batch, with no queue
+or wake-up per request in between; its end (OK, an error, a cancel, a deadline) likewise.
+
 The first use opens the call and waits for the engine's first answer (its initial
 metadata): an engine without GenerateStream answers UNIMPLEMENTED, and the replica then
 uses per-request calls (said once in the log) until the channel is replaced.
@@ -29,6 +34,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -65,33 +71,64 @@ class MuxedGenerateCall:
         self._deadline: asyncio.TimerHandle | None = None
         if timeout is not None:
             self._deadline = asyncio.get_running_loop().call_later(timeout, self._expired)
+        self._on_response: Callable[[Any], None] | None = None  # subscribed (push mode)
+        self._on_end: Callable[[BaseException | None], None] | None = None
+
+    def subscribe(
+        self,
+        on_response: Callable[[engine_pb2.EngineGenerateResponse], None],
+        on_end: Callable[[BaseException | None], None],
+    ) -> None:
+        """Push mode, in place of iteration: `on_response` gets each response as the mux's
+        reader routes it, `on_end` the end (None: OK; else the error iteration would have
+        raised: the call's, DEADLINE_EXCEEDED, or CancelledError after `cancel()`). What
+        came before is pushed now."""
+        while self._responses:
+            item = self._responses.popleft()
+            if item is _END or isinstance(item, BaseException):
+                on_end(None if item is _END else item)
+                return
+            on_response(item)
+        if self._error is not None:
+            on_end(self._error)
+            return
+        self._on_response, self._on_end = on_response, on_end
 
     # ---- from the mux -----------------------------------------------------------------
 
     def deliver(self, response: engine_pb2.EngineGenerateResponse) -> None:
-        if not self._done:
-            self._responses.append(response)
-            self._arrived.set()
+        if self._done:
+            return
+        if self._on_response is not None:
+            self._on_response(response)
+            return
+        self._responses.append(response)
+        self._arrived.set()
 
     def finish(self, error: BaseException | None) -> None:
         """The request ended: OK (None) or with `error`, after what was delivered."""
         if self._done:
             return
-        self._responses.append(_END if error is None else error)
-        self._settle()
+        if self._on_end is None:
+            self._responses.append(_END if error is None else error)
+        self._settle(error)
 
-    def _settle(self) -> None:
+    def _settle(self, error: BaseException | None) -> None:
         self._done = True
         if self._deadline is not None:
             self._deadline.cancel()
         self._mux.forget(self.stream_id)
-        self._arrived.set()
+        on_end, self._on_response, self._on_end = self._on_end, None, None
+        if on_end is not None:
+            on_end(error)
+        else:
+            self._arrived.set()
 
     def _expired(self) -> None:
         if not self._done:
             self._mux.abort(self.stream_id)
             self._error = _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            self._settle()
+            self._settle(self._error)
 
     # ---- as a grpc.aio call -----------------------------------------------------------
 
@@ -102,7 +139,7 @@ class MuxedGenerateCall:
             return False
         self._mux.abort(self.stream_id)
         self._error = asyncio.CancelledError()
-        self._settle()
+        self._settle(self._error)
         return True
 
     def done(self) -> bool:
