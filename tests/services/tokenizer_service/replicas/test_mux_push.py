@@ -1,0 +1,139 @@
+"""The relay's reader on the multiplexed hop is pushed to, not a task of its own
+(replicas/stream_mux.py `subscribe`, replicas/merging_reader.py), against the stack's real
+engine service: what waited comes merged, one message per output, with the tokens, logprobs
+and finish an iterated call gives; what was delivered before it subscribed comes too; a
+cancel and a deadline end it after the messages before them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.tokenizer_service.replicas.merging_reader import MergingReader
+from services.tokenizer_service.replicas.stream_mux import EngineStreamMux
+
+PARAMS = dict(temperature=1.0, seed=5, n=2, max_tokens=30, ignore_eos=True, logprobs=1)
+LONG = dict(temperature=0.0, max_tokens=2000, ignore_eos=True)
+
+
+def _request(request_id: str, **sampling) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=[5, 6, 7, 8],
+        sampling_params=common_pb2.SamplingParams(**sampling),
+    )
+
+
+def _per_index(messages) -> dict[int, tuple]:
+    result: dict[int, tuple] = {}
+    for msg in messages:
+        tokens, logprobs, *_ = result.get(msg.index, ([], [], 0, 0, 0.0))
+        result[msg.index] = (
+            tokens + list(msg.token_ids),
+            logprobs + [round(p.chosen.logprob, 5) for p in msg.logprobs],
+            msg.finish_reason,
+            msg.usage.completion_tokens,
+            round(msg.cumulative_logprob, 4),
+        )
+    return result
+
+
+async def _open_mux(port: int) -> tuple[grpc.aio.Channel, EngineStreamMux]:
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    mux = EngineStreamMux(engine_pb2_grpc.EngineServiceStub(channel), f"127.0.0.1:{port}")
+    assert await mux.available()
+    return channel, mux
+
+
+def test_pushed_messages_that_waited_come_merged(stack) -> None:
+    async def run():
+        channel, mux = await _open_mux(stack.engine_port)
+        direct = [msg async for msg in mux.generate(_request("push-direct", **PARAMS), 60)]
+        num_arrived = 0
+
+        def arrived() -> None:
+            nonlocal num_arrived
+            num_arrived += 1
+
+        num_tasks = len(asyncio.all_tasks())
+        reader = MergingReader(mux.generate(_request("push-merged", **PARAMS), 60), arrived)
+        tasks_added = len(asyncio.all_tasks()) - num_tasks
+        try:
+            while not reader.call_ended:  # a relay that does not read meanwhile
+                await asyncio.sleep(0.01)
+            merged = [msg async for msg in reader]
+        finally:
+            reader.close()
+        await mux.close()
+        await channel.close()
+        return direct, merged, num_arrived, tasks_added
+
+    direct, merged, num_arrived, tasks_added = stack.loop.run(run())
+    assert tasks_added == 0  # no reader task: the mux's reader pushes
+    assert len(direct) > 2 and num_arrived > 2
+    assert len(merged) == 2  # one per output index
+    assert _per_index(merged) == _per_index(direct)
+    assert {m.finish_reason for m in merged} == {common_pb2.FINISH_REASON_LENGTH}
+    stack.wait_until_idle()
+
+
+def test_what_came_before_the_subscription_is_pushed(stack) -> None:
+    async def run():
+        channel, mux = await _open_mux(stack.engine_port)
+        call = mux.generate(_request("push-late", temperature=0.0, max_tokens=12), 60)
+        while not call.done():  # every message and the end wait in the call
+            await asyncio.sleep(0.01)
+        reader = MergingReader(call, lambda: None)
+        got = [msg async for msg in reader]
+        await mux.close()
+        await channel.close()
+        return got
+
+    got = stack.loop.run(run())
+    assert sum(len(m.token_ids) for m in got) == 12
+    assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    stack.wait_until_idle()
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_the_end_comes_after_the_messages_before_it(stack, how) -> None:
+    async def run():
+        channel, mux = await _open_mux(stack.engine_port)
+        call = mux.generate(_request(f"push-{how}", **LONG), 60 if how == "cancel" else 2.0)
+        count = 0
+
+        def arrived() -> None:
+            nonlocal count
+            count += 1
+
+        reader = MergingReader(call, arrived)
+        got: list = []
+        error: BaseException | None = None
+        try:
+            if how == "cancel":
+                while count < 3:
+                    await asyncio.sleep(0.01)
+                call.cancel()  # as the replica watch does with a stalled replica
+            async for msg in reader:
+                got.append(msg)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+            error = exc
+        finally:
+            reader.close()
+        await mux.close()
+        await channel.close()
+        return got, error, count
+
+    got, error, count = stack.loop.run(run())
+    num_tokens = sum(len(m.token_ids) for m in got)
+    if how == "cancel":
+        assert isinstance(error, asyncio.CancelledError)
+        assert num_tokens >= count >= 3  # every message pushed before the cancel came out
+    else:
+        assert isinstance(error, grpc.aio.AioRpcError)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert num_tokens < LONG["max_tokens"]
+    stack.wait_until_idle()
