@@ -2,14 +2,17 @@
 the floor under each hop of the serving tier (benchmarks/serving/tier_cost.py).
 
     python benchmarks/serving/grpc_stream_floor.py [--streams 64] [--tokens 256] [--repeats 3]
-        [--tokens-per-message 1,8,16] [--message public|engine]
+        [--tokens-per-message 1,8,16] [--message public|engine] [--step-ms 0]
 
 A server process whose Generate handler only writes messages, and a client in this process
 that reads `--streams` such calls at once. `--message public` (the default) is the client
 hop the tokenizer service pays: the public `GenerateResponse` (request id, index, a few
 characters of text, k token ids, usage), written by a `TextGenerationService.Generate`;
 `--message engine` is the engine-shaped `EngineGenerateResponse` of the internal hop. Each
-call streams `--tokens` tokens, k per message, for each k of `--tokens-per-message`.
+call streams `--tokens` tokens, k per message, for each k of `--tokens-per-message`: as fast
+as the calls take them, or with `--step-ms S` at an engine's cadence (every call writes its
+next message when the next step comes, every S ms, as the tokenizer service relays each
+engine batch; the tier's 64 streams at ~2,000 tokens/s are ~30 ms steps).
 
 Per k and run it prints messages/s, the CPU microseconds per message and per token of the
 server (/proc/<pid>/stat) and of the client (`process_time`), and the server's CPU split
@@ -64,14 +67,42 @@ def _messages(request_id: str, num_tokens: int, k: int, public: bool) -> list:
     return out
 
 
+class _Steps:
+    """An engine's cadence (`--step-ms`): every handler writes its next message when the
+    next step comes, all of them at once, as the relay writes after each engine batch."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self._next: asyncio.Future[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
+
+    async def wait(self) -> None:
+        if self.step_s <= 0:
+            return
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick())
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        await self._next
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            step, self._next = self._next, None
+            if step is not None:
+                step.set_result(None)
+
+
 class _Writer(generation_pb2_grpc.TextGenerationServiceServicer):
-    def __init__(self, num_tokens: int, public: bool) -> None:
+    def __init__(self, num_tokens: int, public: bool, steps: _Steps) -> None:
         self.num_tokens = num_tokens
         self.public = public
+        self.steps = steps
 
     async def Generate(self, request, context):
         k = max(1, request.sampling_params.max_tokens)  # tokens per message
         for msg in _messages(request.request_id, self.num_tokens, k, self.public):
+            await self.steps.wait()
             await context.write(msg)
 
 
@@ -82,12 +113,13 @@ class _EngineWriter(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(self, request, context):
         k = max(1, request.sampling_params.max_tokens)
         for msg in _messages(request.request_id, self.writer.num_tokens, k, False):
+            await self.writer.steps.wait()
             await context.write(msg)
 
 
-async def _serve(port: int, num_tokens: int, public: bool) -> None:
+async def _serve(port: int, num_tokens: int, public: bool, step_s: float) -> None:
     server = grpc.aio.server()
-    writer = _Writer(num_tokens, public)
+    writer = _Writer(num_tokens, public, _Steps(step_s))
     generation_pb2_grpc.add_TextGenerationServiceServicer_to_server(writer, server)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(_EngineWriter(writer), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -159,18 +191,24 @@ def main() -> int:
     parser.add_argument("--tokens-per-message", default="1,8,16", help="k values (1,8,16)")
     parser.add_argument("--message", choices=("public", "engine"), default="public")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="write at an engine's cadence: one message per call every STEP_MS (0: at once)",
+    )
     parser.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     public = args.message == "public"
     if args.serve_port is not None:  # the server process
-        asyncio.run(_serve(args.serve_port, args.tokens, public))
+        asyncio.run(_serve(args.serve_port, args.tokens, public, args.step_ms / 1000))
         return 0
     ks = [int(k) for k in args.tokens_per_message.split(",")]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     argv = [sys.executable, __file__, "--serve-port", str(port), "--tokens", str(args.tokens)]
-    argv += ["--message", args.message]
+    argv += ["--message", args.message, "--step-ms", str(args.step_ms)]
     server = subprocess.Popen(argv)
     address = f"127.0.0.1:{port}"
     runs: dict[int, list[dict[str, float]]] = {k: [] for k in ks}
