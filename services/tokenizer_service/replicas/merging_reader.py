@@ -39,8 +39,10 @@ def merge_engine_messages(
     concatenated; the finish, stop reason, usage (a running count) and cumulative logprob
     of the later one."""
     first.token_ids.extend(later.token_ids)
-    first.logprobs.extend(later.logprobs)
-    first.prompt_logprobs.extend(later.prompt_logprobs)
+    if later.logprobs:  # (cheap checks first: this runs per token while a client is behind)
+        first.logprobs.extend(later.logprobs)
+    if later.prompt_logprobs:
+        first.prompt_logprobs.extend(later.prompt_logprobs)
     first.finish_reason = later.finish_reason
     if later.HasField("stop_reason"):
         first.stop_reason.CopyFrom(later.stop_reason)
@@ -73,12 +75,16 @@ class MergingReader:
         if self._done:
             return  # closed
         self._on_message()
-        earlier = self._pending.get(msg.index)
-        if earlier is None:
-            self._pending[msg.index] = msg
+        index = msg.index
+        merged = self._pending.get(index)
+        if merged is None:
+            merged = self._pending[index] = msg
         else:
-            merge_engine_messages(earlier, msg)
-        self._wake()
+            merge_engine_messages(merged, msg)
+        # The relay waits only while nothing is ripe, and only this output changed: it is
+        # woken when this output may go (with an interval, once per client message).
+        if self._interval == 1 or self._is_ripe(index, merged):
+            self._wake()
 
     def _ended(self, error: BaseException | None) -> None:
         if not self._done:
@@ -125,13 +131,16 @@ class MergingReader:
         if self._interval == 1 or self._done:
             return next(iter(self._pending), None)
         for index, msg in self._pending.items():
-            if (
-                len(msg.token_ids) >= self._interval
-                or msg.finish_reason
-                or index not in self._started
-            ):
+            if self._is_ripe(index, msg):
                 return index
         return None
+
+    def _is_ripe(self, index: int, msg: engine_pb2.EngineGenerateResponse) -> bool:
+        return (
+            len(msg.token_ids) >= self._interval
+            or bool(msg.finish_reason)
+            or index not in self._started
+        )
 
     @property
     def call_ended(self) -> bool:
