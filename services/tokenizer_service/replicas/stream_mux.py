@@ -100,7 +100,11 @@ class MuxedGenerateCall:
         if self._done:
             return
         if self._on_response is not None:
-            self._on_response(response)
+            try:
+                self._on_response(response)
+            except Exception as exc:  # the consumer's failure ends its request, not the call
+                self._mux.abort(self.stream_id)
+                self._settle(exc)
             return
         self._responses.append(response)
         self._arrived.set()

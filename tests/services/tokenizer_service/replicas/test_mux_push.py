@@ -137,3 +137,26 @@ def test_the_end_comes_after_the_messages_before_it(stack, how) -> None:
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert num_tokens < LONG["max_tokens"]
     stack.wait_until_idle()
+
+
+def test_a_consumer_that_fails_ends_its_request_only(stack) -> None:
+    async def run():
+        channel, mux = await _open_mux(stack.engine_port)
+        failing = mux.generate(_request("push-fails", **LONG), 60)
+        other = mux.generate(_request("push-other", temperature=0.0, max_tokens=10), 60)
+        ended: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_response(response) -> None:
+            raise ValueError("a consumer's bug")
+
+        failing.subscribe(on_response, ended.set_result)
+        error = await asyncio.wait_for(ended, 60)
+        got = [msg async for msg in other]  # the call goes on for the others
+        await mux.close()
+        await channel.close()
+        return error, got
+
+    error, got = stack.loop.run(run())
+    assert isinstance(error, ValueError)
+    assert sum(len(m.token_ids) for m in got) == 10
+    stack.wait_until_idle()  # the failed request was aborted on the engine
