@@ -23,13 +23,15 @@ When a step falls back (`overlap_blocker`): the engine collects step N before it
 schedules N+1 when a request that samples in N needs its tokens on the host first:
 - structured outputs: the next step's grammar bitmask follows the token N samples;
 - speculative (n-gram) decoding: drafts are proposed from the tokens so far, every step;
-- penalties, bad words, logits processors and min_tokens: the sampler reads the output so
-  far from the host (there is no device copy of it kept across steps);
+- bad words, logits processors and min_tokens: the sampler reads the output so far from
+  the host (penalties do not: their counts are kept on the device across steps,
+  engine/sample/penalty_state.py);
 - prompt logprobs and pooling requests: they read more from the device than the step's
   one copy (each their own read), so nothing would overlap anyway.
-Plain greedy and seeded sampling (top-k/p, min-p, logprobs, logit bias, allowed ids,
-LoRA, n > 1) overlap. The seeded sampler's position counts the placeholders
-(`SamplingRow.num_output_placeholders`), so seeded tokens are the same both ways.
+Plain greedy and seeded sampling (top-k/p, min-p, presence/frequency/repetition
+penalties, logprobs, logit bias, allowed ids, LoRA, n > 1) overlap. The seeded sampler's
+position counts the placeholders (`SamplingRow.num_output_placeholders`; the slots'
+positions in engine/sample/sampling_slots.py), so seeded tokens are the same both ways.
 """
 
 from __future__ import annotations
@@ -111,13 +113,7 @@ def overlap_blocker(step: SchedulerOutput, speculative: bool) -> str | None:
             return "structured outputs"
         if entry.spec_token_ids:
             return "draft tokens"
-        if (
-            params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0
-            or params.bad_words_token_ids
-            or params.logits_processors
-        ):
+        if params.bad_words_token_ids or params.logits_processors:
             return "a sampling parameter that reads the output so far"
         if request.num_output_tokens < params.min_tokens:
             return "min_tokens not yet reached"

@@ -85,6 +85,11 @@ class SamplingMetadata:
     logit_bias_row_ids: torch.Tensor | None = None  # [L] int64
     logit_bias_token_ids: torch.Tensor | None = None  # [L] int64
     logit_bias_values: torch.Tensor | None = None  # [L] float32
+    # The penalties' tokens as dense rows kept on the device across steps, instead of the
+    # sparse lists above (engine/sample/penalty_state.py): the batch rows with a penalty.
+    penalty_row_ids: torch.Tensor | None = None  # [P] int64
+    penalty_counts: torch.Tensor | None = None  # [P, V] int32, occurrences in the output
+    penalty_prompt_mask: torch.Tensor | None = None  # [P, V] bool, tokens of the prompt
     # (row, processors, prompt ids, output ids) for rows with Python logits processors.
     logits_processors: list[tuple[int, list[Any], list[int], list[int]]] = field(
         default_factory=list
@@ -151,16 +156,22 @@ def max_num_logprobs(params: list[SamplingParams]) -> int | None:
     return max(logprobs) if logprobs else None
 
 
-def needs_row_features(params: SamplingParams) -> bool:
-    """Whether a request with these parameters may need `add_row_features` in some step:
-    what reads its tokens so far (penalties, bad words, logits processors, min_tokens) or
-    is listed per (row, token) (allowed ids, logit bias). A grammar is the request's, not
-    its parameters': callers check it too."""
-    return bool(
+def has_penalty(params: SamplingParams) -> bool:
+    return (
         params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
-        or params.min_tokens
+    )
+
+
+def needs_row_features(params: SamplingParams) -> bool:
+    """Whether a request with these parameters may need `add_row_features` in some step
+    besides its penalties (which persistent slots count on the device): what reads its
+    tokens so far (bad words, logits processors, min_tokens) or is listed per (row, token)
+    (allowed ids, logit bias). A grammar is the request's, not its parameters': callers
+    check it too."""
+    return bool(
+        params.min_tokens
         or params.allowed_token_ids is not None
         or params.bad_words_token_ids
         or params.logit_bias
@@ -172,7 +183,8 @@ def add_row_features(
     metadata: SamplingMetadata, rows: list[SamplingRow], device: torch.device | str
 ) -> None:
     """Fills what is built from the rows' tokens and lists each step: the penalties' tokens
-    (their per-row values must be in `metadata` already), the min_tokens bans, the grammar
+    (their per-row values must be in `metadata` already; not when `penalty_row_ids` says the
+    device's counts serve), the min_tokens bans, the grammar
     bitmask and the token controls; only for the features some row uses."""
     vocab_size = metadata.vocab_size
 
@@ -180,13 +192,16 @@ def add_row_features(
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     params = [row.params for row in rows]
-    if metadata.presence_penalties is not None or metadata.frequency_penalties is not None:
+    sparse = metadata.penalty_row_ids is None  # else the device's counts serve
+    if sparse and (
+        metadata.presence_penalties is not None or metadata.frequency_penalties is not None
+    ):
         chosen = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
         token_lists = [rows[i].output_token_ids for i in chosen]
         output_rows, output_ids, counts = _distinct_tokens(chosen, token_lists, vocab_size, device)
         metadata.output_row_ids, metadata.output_token_ids = output_rows, output_ids
         metadata.output_token_counts = counts.to(torch.float32)
-    if metadata.repetition_penalties is not None:
+    if sparse and metadata.repetition_penalties is not None:
         chosen = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         token_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen]
         metadata.seen_row_ids, metadata.seen_token_ids, _ = _distinct_tokens(

@@ -22,6 +22,9 @@ mirror with each row's true position (tokens so far + placeholders in flight) an
 slot that moved otherwise (a preempted request recomputed, a migrated stream resumed, a
 request that took the greedy screen in between).
 
+A request with a penalty also gets a row of token counts on the device
+(engine/sample/penalty_state.py), built when it joins and counted by `advance`.
+
 Values are stored as `SamplingMetadata.build` makes them (greedy rows get temperature 0 and
 the filters off), so a row samples the same token either way. Only the host arrays are read
 by the host (which filters any row uses, the largest top_k): never the device.
@@ -29,22 +32,28 @@ by the host (which filters any row uses, the largest top_k): never the device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine.api.sampling_params import SamplingParams, SamplingType
-from engine.sample.metadata import SamplingMetadata, needs_row_features, to_int64
+from engine.sample.metadata import SamplingMetadata, has_penalty, needs_row_features, to_int64
+from engine.sample.penalty_state import PenaltyState
 
 Pin = Callable[[torch.Tensor], torch.Tensor]
-# (request id, parameters, seed, position of the token being sampled) per row, batch order.
-SlotRow = tuple[str, SamplingParams, int, int]
+# Per row, in batch order: request id, parameters, seed, position of the token being sampled
+# (output so far + tokens in flight), prompt token ids, output token ids (read only when a
+# penalised row's counts are built).
+SlotRow = tuple[str, SamplingParams, int, int, list[int], list[int]]
 
 _SEED, _TOP_K, _POSITION = range(3)  # rows of the int64 block
 _NUM_INTS = 3
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)  # float32 rows
 _NUM_FLOATS = 6
+# Each float row's "off" value: a row whose batch values all equal it is left out (None).
+_OFF = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=np.float32).reshape(_NUM_FLOATS, 1)
 
 
 class SamplingSlots:
@@ -60,6 +69,17 @@ class SamplingSlots:
         self._index_key: list[int] = []  # the slots `_index` holds, in batch order
         self._index: torch.Tensor | None = None  # [B] int64 on the device
         self._last: tuple[np.ndarray, torch.Tensor] | None = None  # the last gather's slots
+        # The last batch's tensors but positions, kept while its slots and values stay:
+        # `_version` counts writes of parameters (joins, growth).
+        self._version = 0
+        self._static: SamplingMetadata | None = None
+        self._static_version = -1
+        self._static_needs_rows = False
+        self.penalties: PenaltyState | None = None  # made when a penalised request joins
+        self._unfilled: set[int] = set()  # penalised slots whose counts are still to build
+        self._penalty_key: tuple[list[int], list[int]] = ([], [])
+        self._penalty_index: tuple[torch.Tensor, torch.Tensor] | None = None  # batch, state
+        self._last_penalty: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_uploads = 0  # copies of the buffer (index uploads not counted)
         self._grow(capacity)
 
@@ -71,6 +91,13 @@ class SamplingSlots:
             held = self._held.pop(request_id, None)
             if held is not None:
                 self._free.append(held[0])
+                self._release_penalty(held[0])
+
+    def _release_penalty(self, slot: int) -> None:
+        self._penalised[slot] = False
+        self._unfilled.discard(slot)
+        if self.penalties is not None:
+            self.penalties.release(slot)
 
     def _join(self, request_id: str, params: SamplingParams, seed: int, vocab_size: int) -> int:
         """Writes the request's values into its slot (a free one if it has none)."""
@@ -94,8 +121,13 @@ class SamplingSlots:
         )
         self._num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._row_features[slot] = needs_row_features(params)
+        self._release_penalty(slot)
+        if has_penalty(params):
+            self._penalised[slot] = True
+            self._unfilled.add(slot)
         self._held[request_id] = (slot, params, seed)
         self._dirty = True
+        self._version += 1
         return slot
 
     def _grow(self, capacity: int) -> None:
@@ -107,13 +139,16 @@ class SamplingSlots:
         floats = host[capacity * _NUM_INTS * 8 :].view(np.float32).reshape(_NUM_FLOATS, capacity)
         num_logprobs = np.full(capacity, -1, dtype=np.int64)
         row_features = np.zeros(capacity, dtype=bool)
+        penalised = np.zeros(capacity, dtype=bool)
         if old:
             ints[:, :old] = self._ints
             floats[:, :old] = self._floats
             num_logprobs[:old] = self._num_logprobs
             row_features[:old] = self._row_features
+            penalised[:old] = self._penalised
         self._host, self._ints, self._floats = host, ints, floats
         self._num_logprobs, self._row_features = num_logprobs, row_features
+        self._penalised = penalised
         device = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
         self._device = device
         self._device_ints = device[: capacity * _NUM_INTS * 8].view(torch.int64)
@@ -123,6 +158,7 @@ class SamplingSlots:
         self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slots first
         self._capacity = capacity
         self._dirty = True
+        self._version += 1
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -132,7 +168,7 @@ class SamplingSlots:
         need those features."""
         held = self._held
         slot_list: list[int] = []
-        for request_id, params, seed, _ in rows:
+        for request_id, params, seed, *_ in rows:
             entry = held.get(request_id)
             if entry is None or entry[1] is not params or entry[2] != seed:
                 slot_list.append(self._join(request_id, params, seed, vocab_size))
@@ -144,36 +180,54 @@ class SamplingSlots:
         if moved.any():
             self._ints[_POSITION, slots[moved]] = positions[moved]
             self._dirty = True
+            self._unfilled.update(int(s) for s in slots[moved & self._penalised[slots]])
+        if self._unfilled:
+            self._fill_penalties(rows, slot_list, vocab_size)
         if self._dirty:
             self._upload()
         index = self._index_of(slot_list)
         self._last = (slots, index)
+        if self._static is None or self._static_version != self._version:
+            self._static = self._gather_static(slots, index, vocab_size)
+            self._static_version = self._version
+        metadata = dataclasses.replace(
+            self._static,
+            positions=self._device_ints[_POSITION].index_select(0, index),  # [B]
+        )
+        self._add_penalty_rows(metadata, slots)
+        return metadata, self._static_needs_rows
+
+    def _gather_static(
+        self, slots: np.ndarray, index: torch.Tensor, vocab_size: int
+    ) -> SamplingMetadata:
+        """The batch's tensors that stay while its slots and their values do (all but the
+        positions), with the flags read from the host arrays."""
         ints = self._device_ints.index_select(1, index)  # [3, B]
         floats = self._device_floats.index_select(1, index)  # [6, B]
-        host_ints = self._ints[:, slots]  # [3, B], the host's copy of the same values
-        host_floats = self._floats[:, slots]  # [6, B]
+        host_floats = self._floats[:, slots]  # [6, B], the host's copy of the same values
+        in_use = (host_floats != _OFF).any(axis=1)  # [6]: which rows a filter/penalty is on
         greedy = host_floats[_TEMPERATURE] == 0.0
-        top_k = host_ints[_TOP_K]
-        max_top_k = int(top_k.max(initial=0))
+        max_top_k = int(self._ints[_TOP_K, slots].max(initial=0))
         num_logprobs = int(self._num_logprobs[slots].max(initial=-1))
+        self._static_needs_rows = bool(self._row_features[slots].any())
 
-        def used(row: int, off: float) -> torch.Tensor | None:
-            return floats[row] if bool((host_floats[row] != off).any()) else None
+        def used(row: int) -> torch.Tensor | None:
+            return floats[row] if in_use[row] else None
 
-        metadata = SamplingMetadata(
+        return SamplingMetadata(
             vocab_size=vocab_size,
             temperature=floats[_TEMPERATURE],
-            all_greedy=bool(greedy.all()),
+            all_greedy=not in_use[_TEMPERATURE],
             all_random=not bool(greedy.any()),
             seeds=ints[_SEED],
             positions=ints[_POSITION],
             top_k=ints[_TOP_K] if max_top_k else None,
             max_top_k=max_top_k,
-            top_p=used(_TOP_P, 1.0),
-            min_p=used(_MIN_P, 0.0),
-            presence_penalties=used(_PRESENCE, 0.0),
-            frequency_penalties=used(_FREQUENCY, 0.0),
-            repetition_penalties=used(_REPETITION, 1.0),
+            top_p=used(_TOP_P),
+            min_p=used(_MIN_P),
+            presence_penalties=used(_PRESENCE),
+            frequency_penalties=used(_FREQUENCY),
+            repetition_penalties=used(_REPETITION),
             output_row_ids=None,
             output_token_ids=None,
             output_token_counts=None,
@@ -183,16 +237,59 @@ class SamplingSlots:
             min_tokens_token_ids=None,
             max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
         )
-        return metadata, bool(self._row_features[slots].any())
 
-    def advance(self) -> None:
-        """After the last `metadata` call's rows sampled: their positions move on by one,
-        on the device and in the host mirror."""
+    def advance(self, sampled_token_ids: torch.Tensor) -> None:
+        """After the last `metadata` call's rows sampled `sampled_token_ids` ([B] on the
+        device): their positions move on by one, on the device and in the host mirror, and
+        the penalised rows count their token."""
         assert self._last is not None, "advance() without a metadata() call"
         slots, index = self._last
         self._last = None
         self._device_ints[_POSITION].index_add_(0, index, torch.ones_like(index))
         self._ints[_POSITION, slots] += 1
+        if self._last_penalty is not None:
+            assert self.penalties is not None
+            batch_rows, state_rows = self._last_penalty
+            self.penalties.count(state_rows, sampled_token_ids.index_select(0, batch_rows))
+            self._last_penalty = None
+
+    # ---- penalties (engine/sample/penalty_state.py) ------------------------------------
+
+    def _fill_penalties(self, rows: Sequence[SlotRow], slot_list: list[int], vocab: int) -> None:
+        """Builds the counts of the batch's penalised slots that joined or moved, from their
+        token lists: every token must be on the host then (none in flight)."""
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.device, vocab, self.pin)
+        for row, slot in zip(rows, slot_list):
+            if slot not in self._unfilled:
+                continue
+            request_id, _, _, position, prompt_token_ids, output_token_ids = row
+            if position != len(output_token_ids):
+                raise RuntimeError(
+                    f"{request_id!r}: a penalised request's counts to build with tokens in "
+                    "flight (its output on the host is not complete)"
+                )
+            self.penalties.fill(slot, prompt_token_ids, output_token_ids)
+            self._unfilled.discard(slot)
+
+    def _add_penalty_rows(self, metadata: SamplingMetadata, slots: np.ndarray) -> None:
+        """The penalised rows' dense counts and prompt masks, gathered on the device; the
+        two index lists go up only when they change."""
+        self._last_penalty = None
+        batch_rows = np.flatnonzero(self._penalised[slots]).tolist()
+        if not batch_rows:
+            return
+        assert self.penalties is not None
+        state_rows = [self.penalties.row(int(slots[i])) for i in batch_rows]
+        key = (batch_rows, state_rows)
+        if self._penalty_index is None or key != self._penalty_key:
+            self._penalty_key = key  # type: ignore[assignment]
+            self._penalty_index = (self._upload_ids(batch_rows), self._upload_ids(state_rows))
+        batch_index, state_index = self._penalty_index
+        metadata.penalty_row_ids = batch_index
+        metadata.penalty_counts = self.penalties.counts.index_select(0, state_index)
+        metadata.penalty_prompt_mask = self.penalties.prompt_mask.index_select(0, state_index)
+        self._last_penalty = self._penalty_index
 
     def _upload(self) -> None:
         """The whole host buffer to the device: one copy."""
@@ -207,10 +304,13 @@ class SamplingSlots:
     def _index_of(self, slot_list: list[int]) -> torch.Tensor:
         """The rows' slots on the device; uploaded only when they differ from the last."""
         if self._index is None or slot_list != self._index_key:
-            values = torch.tensor(slot_list, dtype=torch.int64)
-            if self.pin is None:
-                self._index = values.to(self.device)
-            else:
-                self._index = self.pin(values).to(self.device, non_blocking=True)
+            self._index = self._upload_ids(slot_list)
             self._index_key = slot_list
+            self._version += 1  # another batch: its tensors are gathered again
         return self._index
+
+    def _upload_ids(self, values: list[int]) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        if self.pin is None:
+            return tensor.to(self.device)
+        return self.pin(tensor).to(self.device, non_blocking=True)

@@ -56,6 +56,8 @@ class StepSampler:
                     r.sampling_params,
                     r.seed,
                     r.num_output_tokens + e.num_placeholder_inputs,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
                 )
                 for e in entries
                 for r in (e.request,)
@@ -121,7 +123,7 @@ class StepSampler:
             logits = self.runner.model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
             metadata = self._metadata(entries, logits.shape[-1])
             result = self.runner.sampler(logits, metadata)
-            self.slots.advance()  # type: ignore[union-attr]
+            self.slots.advance(result.sampled_token_ids)  # type: ignore[union-attr]
             self.device_sampled.append((entries, result.sampled_token_ids))
             sampled = reads.add(result.sampled_token_ids)
             if result.logprobs is not None:

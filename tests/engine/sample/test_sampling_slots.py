@@ -13,6 +13,7 @@ import torch
 from engine import SamplingParams
 from engine.sample import Sampler, SamplingMetadata, SamplingRow
 from engine.sample.metadata import add_row_features
+from engine.sample.penalties import apply_penalties
 from engine.sample.sampling_slots import SamplingSlots, SlotRow
 
 _VOCAB = 40
@@ -30,25 +31,51 @@ _PARAMS = {
 }
 
 
+def _token(seed: int, i: int) -> int:
+    """The i-th output token of a row (a repeat every few tokens, for the counts)."""
+    return (7 * (i % 5) + seed) % _VOCAB
+
+
 def _row(name: str, seed: int, outputs: int, placeholders: int = 0) -> SamplingRow:
     return SamplingRow(
         params=_PARAMS[name.split("#")[0]],
         prompt_token_ids=[1, 5, 5, 9],
-        output_token_ids=[(7 * i + seed) % _VOCAB for i in range(outputs)],
+        output_token_ids=[_token(seed, i) for i in range(outputs)],
         seed=seed,
         num_output_placeholders=placeholders,
     )
 
 
+def _sampled(rows: list[SamplingRow]) -> torch.Tensor:
+    """What each row samples next: the token `_row` lists at that place next step."""
+    return torch.tensor([_token(r.seed, len(r.output_token_ids)) for r in rows])
+
+
 def _slot_rows(names: list[str], rows: list[SamplingRow]) -> list[SlotRow]:
     return [
-        (name, r.params, r.seed, len(r.output_token_ids) + r.num_output_placeholders)
+        (
+            name, r.params, r.seed, len(r.output_token_ids) + r.num_output_placeholders,
+            r.prompt_token_ids, r.output_token_ids,
+        )
         for name, r in zip(names, rows)
-    ]
+    ]  # fmt: skip
+
+
+_SPARSE = {
+    "output_row_ids", "output_token_ids", "output_token_counts", "seen_row_ids",
+    "seen_token_ids", "penalty_row_ids", "penalty_counts", "penalty_prompt_mask",
+}  # fmt: skip
 
 
 def _assert_same_metadata(got: SamplingMetadata, expected: SamplingMetadata) -> None:
+    """Every field equal, but the penalties' tokens: the device's dense rows against the
+    rebuilt sparse lists, compared by what they do to logits (bit for bit)."""
+    logits = torch.randn(got.num_rows, _VOCAB, generator=torch.Generator().manual_seed(1))
+    logits[:, 3] = -logits[:, 3].abs()  # negative logits too, for the repetition penalty
+    assert torch.equal(apply_penalties(logits, got), apply_penalties(logits, expected))
     for f in dataclasses.fields(SamplingMetadata):
+        if f.name in _SPARSE:
+            continue
         a, b = getattr(got, f.name), getattr(expected, f.name)
         if isinstance(b, torch.Tensor) or isinstance(a, torch.Tensor):
             assert a is not None and b is not None, f.name
@@ -62,7 +89,11 @@ def _check(slots: SamplingSlots, names: list[str], rows: list[SamplingRow]) -> N
     if needs_rows:
         add_row_features(metadata, rows, _CPU)
     _assert_same_metadata(metadata, SamplingMetadata.build(rows, _VOCAB, _CPU))
-    assert needs_rows == any(r.params.presence_penalty for r in rows)  # only "penalised"
+    assert not needs_rows  # penalties are counted on the device
+    penalised = [i for i, r in enumerate(rows) if r.params.presence_penalty]
+    if penalised:
+        assert metadata.penalty_row_ids is not None
+        assert metadata.penalty_row_ids.tolist() == penalised
 
 
 def test_gathered_tensors_equal_the_rebuilt_ones_through_joins_leaves_and_growth() -> None:
@@ -80,7 +111,7 @@ def test_gathered_tensors_equal_the_rebuilt_ones_through_joins_leaves_and_growth
     for names in batches:
         rows = [_row(n, seeds[n], outputs[n]) for n in names]
         _check(slots, names, rows)
-        slots.advance()
+        slots.advance(_sampled(rows))
         for n in names:
             outputs[n] += 1
         slots.drop(set(outputs) - set(names))
@@ -90,8 +121,9 @@ def test_positions_count_placeholders_and_follow_a_reset() -> None:
     slots = SamplingSlots(_CPU)
     names = ["seeded", "top-k"]
     for outputs, placeholders in [(0, 0), (0, 1), (1, 1), (2, 1)]:  # async: one in flight
-        _check(slots, names, [_row(n, 4, outputs, placeholders) for n in names])
-        slots.advance()
+        rows = [_row(n, 4, outputs, placeholders) for n in names]
+        _check(slots, names, rows)
+        slots.advance(_sampled(rows))
     uploads = slots.num_uploads
     # A preemption recomputes: the same request samples again from position 1 (its slot
     # kept here, as if its drop came late): the host sees the moved position and writes it.
@@ -114,13 +146,13 @@ def test_a_steady_batch_uploads_nothing_and_a_join_uploads_once() -> None:
     for step in range(4):
         rows = [_row(n, 1, step) for n in names]
         _check(slots, names, rows)
-        slots.advance()
-        if step == 0:  # the buffer and the index, each once
-            assert slots.num_uploads == 1 and len(pinned) == 2
-    assert slots.num_uploads == 1 and len(pinned) == 2  # steady: nothing went up
+        slots.advance(_sampled(rows))
+        if step == 0:  # the buffer, the index, the penalised row's tokens and indices
+            assert slots.num_uploads == 1 and len(pinned) == 5
+    assert slots.num_uploads == 1 and len(pinned) == 5  # steady: nothing went up
     names = ["seeded", "top-k", "penalised", "greedy"]  # a join
     _check(slots, names, [_row(n, 1, 4 if n != "greedy" else 0) for n in names])
-    assert slots.num_uploads == 2 and len(pinned) == 4  # buffer + the new index
+    assert slots.num_uploads == 2 and len(pinned) == 7  # buffer + the new index
     # The device buffer holds the host's bytes (what the pinned copy carried).
     assert torch.equal(slots._device, torch.from_numpy(slots._host))
 
@@ -129,7 +161,7 @@ def test_a_changed_parameter_object_is_written_again() -> None:
     slots = SamplingSlots(_CPU)
     row = _row("seeded", 1, 0)
     _check(slots, ["a"], [row])
-    slots.advance()
+    slots.advance(_sampled([row]))
     hotter = dataclasses.replace(row, params=SamplingParams(temperature=1.5, seed=3))
     hotter.output_token_ids = [0]
     _check(slots, ["a"], [hotter])
@@ -144,14 +176,35 @@ def test_the_sampler_draws_the_same_tokens_from_slots() -> None:
         rows = [_row(n, 5 + i, step) for i, n in enumerate(names)]
         logits = torch.randn(len(rows), _VOCAB, generator=generator)
         metadata, needs_rows = slots.metadata(_slot_rows(names, rows), _VOCAB)
-        assert needs_rows
+        assert not needs_rows
         add_row_features(metadata, rows, _CPU)
         got = sampler(logits.clone(), metadata).sampled_token_ids
-        slots.advance()
+        slots.advance(_sampled(rows))
         expected = sampler(logits.clone(), SamplingMetadata.build(rows, _VOCAB, _CPU))
         assert torch.equal(got, expected.sampled_token_ids)
 
 
 def test_advance_needs_a_gather() -> None:
     with pytest.raises(AssertionError, match="metadata"):
-        SamplingSlots(_CPU).advance()
+        SamplingSlots(_CPU).advance(torch.zeros(1, dtype=torch.int64))
+
+
+def test_penalty_counts_follow_the_sampled_tokens_and_are_rebuilt_after_a_reset() -> None:
+    """The device's counts are the rows' output counts step after step (the rebuild's lists
+    say so, by _check); a moved position rebuilds them from the host's lists, which must be
+    complete then."""
+    slots = SamplingSlots(_CPU, capacity=1)
+    names = ["penalised", "penalised#b", "seeded"]
+    seeds = {"penalised": 3, "penalised#b": 8, "seeded": 1}
+    for step in range(7):  # _token repeats every 5: counts reach 2
+        rows = [_row(n, seeds[n], step) for n in names]
+        _check(slots, names, rows)
+        slots.advance(_sampled(rows))
+    assert slots.penalties is not None and int(slots.penalties.counts.max()) == 2
+    rows = [_row(n, seeds[n], 2) for n in names]  # preempted and recomputed from 2 tokens
+    _check(slots, names, rows)
+    slots.advance(_sampled(rows))
+    with pytest.raises(RuntimeError, match=r"'penalised'.*in flight"):
+        slots.metadata(_slot_rows(names, [_row(n, seeds[n], 1, 1) for n in names]), _VOCAB)
+    slots.drop({"penalised", "penalised#b"})
+    assert slots.penalties.row(0) is None and slots.penalties.row(1) is None
