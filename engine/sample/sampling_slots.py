@@ -77,8 +77,8 @@ class SamplingSlots:
         self._static_needs_rows = False
         self.penalties: PenaltyState | None = None  # made when a penalised request joins
         self._unfilled: set[int] = set()  # penalised slots whose counts are still to build
-        self._penalty_key: tuple[list[int], list[int]] = ([], [])
-        self._penalty_index: tuple[torch.Tensor, torch.Tensor] | None = None  # batch, state
+        # The static batch's penalised rows: (batch rows, their rows in `penalties`).
+        self._penalty_index: tuple[torch.Tensor, torch.Tensor] | None = None
         self._last_penalty: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_uploads = 0  # copies of the buffer (index uploads not counted)
         self._grow(capacity)
@@ -194,7 +194,7 @@ class SamplingSlots:
             self._static,
             positions=self._device_ints[_POSITION].index_select(0, index),  # [B]
         )
-        self._add_penalty_rows(metadata, slots)
+        self._add_penalty_rows(metadata)
         return metadata, self._static_needs_rows
 
     def _gather_static(
@@ -210,6 +210,7 @@ class SamplingSlots:
         max_top_k = int(self._ints[_TOP_K, slots].max(initial=0))
         num_logprobs = int(self._num_logprobs[slots].max(initial=-1))
         self._static_needs_rows = bool(self._row_features[slots].any())
+        self._penalty_index = self._penalty_rows(slots)
 
         def used(row: int) -> torch.Tensor | None:
             return floats[row] if in_use[row] else None
@@ -272,24 +273,26 @@ class SamplingSlots:
             self.penalties.fill(slot, prompt_token_ids, output_token_ids)
             self._unfilled.discard(slot)
 
-    def _add_penalty_rows(self, metadata: SamplingMetadata, slots: np.ndarray) -> None:
-        """The penalised rows' dense counts and prompt masks, gathered on the device; the
-        two index lists go up only when they change."""
-        self._last_penalty = None
+    def _penalty_rows(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch's penalised rows and their rows in `penalties`, on the device (part of
+        the static batch: a slot keeps its row until it is written again)."""
         batch_rows = np.flatnonzero(self._penalised[slots]).tolist()
         if not batch_rows:
-            return
+            return None
         assert self.penalties is not None
         state_rows = [self.penalties.row(int(slots[i])) for i in batch_rows]
-        key = (batch_rows, state_rows)
-        if self._penalty_index is None or key != self._penalty_key:
-            self._penalty_key = key  # type: ignore[assignment]
-            self._penalty_index = (self._upload_ids(batch_rows), self._upload_ids(state_rows))
+        return self._upload_ids(batch_rows), self._upload_ids(state_rows)  # type: ignore[arg-type]
+
+    def _add_penalty_rows(self, metadata: SamplingMetadata) -> None:
+        """The penalised rows' dense counts and prompt masks, gathered on the device."""
+        self._last_penalty = self._penalty_index
+        if self._penalty_index is None:
+            return
+        assert self.penalties is not None
         batch_index, state_index = self._penalty_index
         metadata.penalty_row_ids = batch_index
         metadata.penalty_counts = self.penalties.counts.index_select(0, state_index)
         metadata.penalty_prompt_mask = self.penalties.prompt_mask.index_select(0, state_index)
-        self._last_penalty = self._penalty_index
 
     def _upload(self) -> None:
         """The whole host buffer to the device: one copy."""

@@ -152,7 +152,7 @@ def test_a_steady_batch_uploads_nothing_and_a_join_uploads_once() -> None:
     assert slots.num_uploads == 1 and len(pinned) == 5  # steady: nothing went up
     names = ["seeded", "top-k", "penalised", "greedy"]  # a join
     _check(slots, names, [_row(n, 1, 4 if n != "greedy" else 0) for n in names])
-    assert slots.num_uploads == 2 and len(pinned) == 7  # buffer + the new index
+    assert slots.num_uploads == 2 and len(pinned) == 9  # buffer, the new indices (3)
     # The device buffer holds the host's bytes (what the pinned copy carried).
     assert torch.equal(slots._device, torch.from_numpy(slots._host))
 
