@@ -5,9 +5,9 @@ lists each step.
 A request takes a slot the first step it samples and keeps it until it leaves (finished,
 aborted or preempted: `drop`). Its values are written once into host arrays, which mirror a
 device buffer of the same bytes; a step copies the whole buffer up (one copy, through pinned
-memory where the runner pins, without waiting) only when some slot was written. The batch's
-rows are gathered from the slots with an index tensor, uploaded only when the batch's slots
-change::
+memory where the runner pins, without waiting) only when some slot was written or the
+batch's slots changed. The batch's rows are then gathered from the slots with an index
+tensor and kept, as the batch's own tensors, until the next such step::
 
     host (numpy, one byte buffer)                      device (uint8, the same layout)
     ints   [3, capacity] int64    seed | top_k | position       ─┐ one copy, only in a step
@@ -16,11 +16,12 @@ change::
     step:  index [B] (the rows' slots)  ->  ints[:, index], floats[:, index]  ->  metadata
 
 The position (the output index of the token being sampled, the seeded sampler's counter)
-moves every step: `advance` adds 1 to the sampled slots' positions on the device and in the
-host mirror alike, so the two stay equal without a copy. Each step the host compares the
-mirror with each row's true position (tokens so far + placeholders in flight) and writes a
-slot that moved otherwise (a preempted request recomputed, a migrated stream resumed, a
-request that took the greedy screen in between).
+moves every step: `advance` adds 1 to the batch's gathered positions on the device (one
+in-place add) and to the slots' positions in the host mirror, so the two stay equal without
+a copy (the device's per-slot positions are stale until the next upload, which writes the
+host's). Each step the host compares the mirror with each row's true position (tokens so
+far + placeholders in flight) and writes a slot that moved otherwise (a preempted request
+recomputed, a migrated stream resumed, a request that took the greedy screen in between).
 
 A request with a penalty also gets a row of token counts on the device
 (engine/sample/penalty_state.py), built when it joins and counted by `advance`.
@@ -32,8 +33,8 @@ by the host (which filters any row uses, the largest top_k): never the device.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,13 +69,11 @@ class SamplingSlots:
         self._dirty = False
         self._index_key: list[int] = []  # the slots `_index` holds, in batch order
         self._index: torch.Tensor | None = None  # [B] int64 on the device
-        self._last: tuple[np.ndarray, torch.Tensor] | None = None  # the last gather's slots
-        # The last batch's tensors but positions, kept while its slots and values stay:
-        # `_version` counts writes of parameters (joins, growth).
-        self._version = 0
-        self._static: SamplingMetadata | None = None
-        self._static_version = -1
-        self._static_needs_rows = False
+        self._last: np.ndarray | None = None  # the last gather's slots
+        # The batch's metadata fields, gathered at the last upload; its positions move on
+        # in place (`advance`).
+        self._batch: dict[str, Any] = {}
+        self._batch_needs_rows = False
         self.penalties: PenaltyState | None = None  # made when a penalised request joins
         self._unfilled: set[int] = set()  # penalised slots whose counts are still to build
         # The static batch's penalised rows: (batch rows, their rows in `penalties`).
@@ -127,7 +126,6 @@ class SamplingSlots:
             self._unfilled.add(slot)
         self._held[request_id] = (slot, params, seed)
         self._dirty = True
-        self._version += 1
         return slot
 
     def _grow(self, capacity: int) -> None:
@@ -158,7 +156,6 @@ class SamplingSlots:
         self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slots first
         self._capacity = capacity
         self._dirty = True
-        self._version += 1
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -183,25 +180,21 @@ class SamplingSlots:
             self._unfilled.update(int(s) for s in slots[moved & self._penalised[slots]])
         if self._unfilled:
             self._fill_penalties(rows, slot_list, vocab_size)
+        if self._index is None or slot_list != self._index_key:
+            self._index = self._upload_ids(slot_list)
+            self._index_key = slot_list
+            self._dirty = True  # the device's per-slot positions are the host's again
         if self._dirty:
             self._upload()
-        index = self._index_of(slot_list)
-        self._last = (slots, index)
-        if self._static is None or self._static_version != self._version:
-            self._static = self._gather_static(slots, index, vocab_size)
-            self._static_version = self._version
-        metadata = dataclasses.replace(
-            self._static,
-            positions=self._device_ints[_POSITION].index_select(0, index),  # [B]
-        )
+            self._batch = self._gather(slots, self._index, vocab_size)
+        self._last = slots
+        metadata = SamplingMetadata(**self._batch)
         self._add_penalty_rows(metadata)
-        return metadata, self._static_needs_rows
+        return metadata, self._batch_needs_rows
 
-    def _gather_static(
-        self, slots: np.ndarray, index: torch.Tensor, vocab_size: int
-    ) -> SamplingMetadata:
-        """The batch's tensors that stay while its slots and their values do (all but the
-        positions), with the flags read from the host arrays."""
+    def _gather(self, slots: np.ndarray, index: torch.Tensor, vocab_size: int) -> dict[str, Any]:
+        """The batch's metadata fields, gathered on the device, with the flags read from
+        the host arrays."""
         ints = self._device_ints.index_select(1, index)  # [3, B]
         floats = self._device_floats.index_select(1, index)  # [6, B]
         host_floats = self._floats[:, slots]  # [6, B], the host's copy of the same values
@@ -209,19 +202,19 @@ class SamplingSlots:
         greedy = host_floats[_TEMPERATURE] == 0.0
         max_top_k = int(self._ints[_TOP_K, slots].max(initial=0))
         num_logprobs = int(self._num_logprobs[slots].max(initial=-1))
-        self._static_needs_rows = bool(self._row_features[slots].any())
+        self._batch_needs_rows = bool(self._row_features[slots].any())
         self._penalty_index = self._penalty_rows(slots)
 
         def used(row: int) -> torch.Tensor | None:
             return floats[row] if in_use[row] else None
 
-        return SamplingMetadata(
+        return dict(
             vocab_size=vocab_size,
             temperature=floats[_TEMPERATURE],
             all_greedy=not in_use[_TEMPERATURE],
             all_random=not bool(greedy.any()),
             seeds=ints[_SEED],
-            positions=ints[_POSITION],
+            positions=ints[_POSITION],  # moved on in place by `advance`
             top_k=ints[_TOP_K] if max_top_k else None,
             max_top_k=max_top_k,
             top_p=used(_TOP_P),
@@ -244,10 +237,9 @@ class SamplingSlots:
         device): their positions move on by one, on the device and in the host mirror, and
         the penalised rows count their token."""
         assert self._last is not None, "advance() without a metadata() call"
-        slots, index = self._last
+        self._batch["positions"].add_(1)  # [B], the batch's, on the device
+        self._ints[_POSITION, self._last] += 1
         self._last = None
-        self._device_ints[_POSITION].index_add_(0, index, torch.ones_like(index))
-        self._ints[_POSITION, slots] += 1
         if self._last_penalty is not None:
             assert self.penalties is not None
             batch_rows, state_rows = self._last_penalty
@@ -303,14 +295,6 @@ class SamplingSlots:
             self._device.copy_(self.pin(source), non_blocking=True)
         self._dirty = False
         self.num_uploads += 1
-
-    def _index_of(self, slot_list: list[int]) -> torch.Tensor:
-        """The rows' slots on the device; uploaded only when they differ from the last."""
-        if self._index is None or slot_list != self._index_key:
-            self._index = self._upload_ids(slot_list)
-            self._index_key = slot_list
-            self._version += 1  # another batch: its tensors are gathered again
-        return self._index
 
     def _upload_ids(self, values: list[int]) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=torch.int64)
