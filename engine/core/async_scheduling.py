@@ -24,14 +24,15 @@ schedules N+1 when a request that samples in N needs its tokens on the host firs
 - structured outputs: the next step's grammar bitmask follows the token N samples;
 - speculative (n-gram) decoding: drafts are proposed from the tokens so far, every step;
 - bad words, logits processors and min_tokens: the sampler reads the output so far from
-  the host (penalties do not: their counts are kept on the device across steps,
-  engine/sample/penalty_state.py);
+  the host; penalties too on the CPU (on an accelerator their counts are kept on the
+  device across steps: engine/sample/penalty_state.py, `penalties_on_device`);
 - prompt logprobs and pooling requests: they read more from the device than the step's
   one copy (each their own read), so nothing would overlap anyway.
-Plain greedy and seeded sampling (top-k/p, min-p, presence/frequency/repetition
-penalties, logprobs, logit bias, allowed ids, LoRA, n > 1) overlap. The seeded sampler's
-position counts the placeholders (`SamplingRow.num_output_placeholders`; the slots'
-positions in engine/sample/sampling_slots.py), so seeded tokens are the same both ways.
+Plain greedy and seeded sampling (top-k/p, min-p, logprobs, logit bias, allowed ids,
+LoRA, n > 1, and presence/frequency/repetition penalties counted on the device) overlap.
+The seeded sampler's position counts the placeholders (`SamplingRow.num_output_placeholders`;
+the slots' positions in engine/sample/sampling_slots.py), so seeded tokens are the same both
+ways.
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ def count_arrivals(scheduled: list[ScheduledRequest]) -> None:
             request.num_output_placeholders -= 1
 
 
-def overlap_blocker(step: SchedulerOutput, speculative: bool) -> str | None:
+def overlap_blocker(
+    step: SchedulerOutput, speculative: bool, penalties_on_device: bool = False
+) -> str | None:
     """Why the step after `step` cannot be scheduled before `step` is collected (the
-    module's list), or None when it can."""
+    module's list), or None when it can. `penalties_on_device`: the runner counts the
+    penalties' tokens on the device (engine/sample/sampling_slots.py decides)."""
     if speculative:
         return "speculative decoding proposes drafts from the tokens on the host"
     for entry in step.scheduled:
@@ -113,7 +117,16 @@ def overlap_blocker(step: SchedulerOutput, speculative: bool) -> str | None:
             return "structured outputs"
         if entry.spec_token_ids:
             return "draft tokens"
-        if params.bad_words_token_ids or params.logits_processors:
+        penalised = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        if (
+            (penalised and not penalties_on_device)
+            or params.bad_words_token_ids
+            or params.logits_processors
+        ):
             return "a sampling parameter that reads the output so far"
         if request.num_output_tokens < params.min_tokens:
             return "min_tokens not yet reached"

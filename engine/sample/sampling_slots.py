@@ -24,7 +24,9 @@ far + placeholders in flight) and writes a slot that moved otherwise (a preempte
 recomputed, a migrated stream resumed, a request that took the greedy screen in between).
 
 A request with a penalty also gets a row of token counts on the device
-(engine/sample/penalty_state.py), built when it joins and counted by `advance`.
+(engine/sample/penalty_state.py), built when it joins and counted by `advance`, where that
+pays (`counts_penalties_on_device`); on the CPU its penalties are built from its token
+lists each step (`add_row_features`), as before.
 
 Values are stored as `SamplingMetadata.build` makes them (greedy rows get temperature 0 and
 the filters off), so a row samples the same token either way. Only the host arrays are read
@@ -57,12 +59,31 @@ _NUM_FLOATS = 6
 _OFF = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=np.float32).reshape(_NUM_FLOATS, 1)
 
 
+def counts_penalties_on_device(device: str | torch.device) -> bool:
+    """Whether penalised rows keep their token counts on the device (penalty_state.py): on
+    an accelerator, where a step's [P, V] gather and dense penalty math take microseconds.
+    Not on the CPU, where they cost more than the sparse lists rebuilt from the host's
+    tokens (benchmarks/offline/sampling_metadata_time.py --penalties); there async
+    scheduling falls back for penalty steps (engine/core/async_scheduling.py)."""
+    return torch.device(device).type != "cpu"
+
+
 class SamplingSlots:
-    def __init__(self, device: torch.device, pin: Pin | None = None, capacity: int = 8) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        pin: Pin | None = None,
+        capacity: int = 8,
+        penalties_on_device: bool | None = None,
+    ) -> None:
         """`pin` copies a host tensor into pinned memory (uploads then do not wait for the
-        device); None uploads plainly."""
+        device); None uploads plainly. `penalties_on_device`: None decides by the device
+        (`counts_penalties_on_device`); a CPU test passes True to run the GPU's way."""
         self.device = device
         self.pin = pin
+        if penalties_on_device is None:
+            penalties_on_device = counts_penalties_on_device(device)
+        self.penalties_on_device = penalties_on_device
         self._held: dict[str, tuple[int, SamplingParams, int]] = {}  # id -> slot, params, seed
         self._free: list[int] = []
         self._capacity = 0
@@ -119,9 +140,12 @@ class SamplingSlots:
             params.repetition_penalty,
         )
         self._num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        self._row_features[slot] = needs_row_features(params)
+        penalty = has_penalty(params)
+        self._row_features[slot] = needs_row_features(params) or (
+            penalty and not self.penalties_on_device
+        )
         self._release_penalty(slot)
-        if has_penalty(params):
+        if penalty and self.penalties_on_device:
             self._penalised[slot] = True
             self._unfilled.add(slot)
         self._held[request_id] = (slot, params, seed)

@@ -14,7 +14,7 @@ from engine import SamplingParams
 from engine.sample import Sampler, SamplingMetadata, SamplingRow
 from engine.sample.metadata import add_row_features
 from engine.sample.penalties import apply_penalties
-from engine.sample.sampling_slots import SamplingSlots, SlotRow
+from engine.sample.sampling_slots import SamplingSlots, SlotRow, counts_penalties_on_device
 
 _VOCAB = 40
 _CPU = torch.device("cpu")
@@ -89,15 +89,19 @@ def _check(slots: SamplingSlots, names: list[str], rows: list[SamplingRow]) -> N
     if needs_rows:
         add_row_features(metadata, rows, _CPU)
     _assert_same_metadata(metadata, SamplingMetadata.build(rows, _VOCAB, _CPU))
-    assert not needs_rows  # penalties are counted on the device
     penalised = [i for i, r in enumerate(rows) if r.params.presence_penalty]
-    if penalised:
+    # Penalties counted on the device need no rows; on the CPU they are built from them.
+    assert needs_rows == bool(penalised and not slots.penalties_on_device)
+    if penalised and slots.penalties_on_device:
         assert metadata.penalty_row_ids is not None
         assert metadata.penalty_row_ids.tolist() == penalised
 
 
-def test_gathered_tensors_equal_the_rebuilt_ones_through_joins_leaves_and_growth() -> None:
-    slots = SamplingSlots(_CPU, capacity=2)
+@pytest.mark.parametrize("on_device", [True, False], ids=["penalties-on-device", "cpu-default"])
+def test_gathered_tensors_equal_the_rebuilt_ones_through_joins_leaves_and_growth(
+    on_device: bool,
+) -> None:
+    slots = SamplingSlots(_CPU, capacity=2, penalties_on_device=on_device)
     outputs = {name: 0 for name in ("seeded", "greedy", "top-k", "big-k", "penalised", "logprobs")}
     seeds = {name: 10 + i for i, name in enumerate(outputs)}
     seeds["seeded"] = 2**64 - 5  # wraps to a negative int64, as build does
@@ -141,7 +145,7 @@ def _recording_pin(log: list[int]):
 
 def test_a_steady_batch_uploads_nothing_and_a_join_uploads_once() -> None:
     pinned: list[int] = []
-    slots = SamplingSlots(_CPU, pin=_recording_pin(pinned), capacity=4)
+    slots = SamplingSlots(_CPU, pin=_recording_pin(pinned), capacity=4, penalties_on_device=True)
     names = ["seeded", "top-k", "penalised"]
     for step in range(4):
         rows = [_row(n, 1, step) for n in names]
@@ -170,7 +174,7 @@ def test_a_changed_parameter_object_is_written_again() -> None:
 def test_the_sampler_draws_the_same_tokens_from_slots() -> None:
     generator = torch.Generator().manual_seed(0)
     names = ["seeded", "top-k", "big-k", "greedy", "penalised#2"]
-    slots = SamplingSlots(_CPU, capacity=1)
+    slots = SamplingSlots(_CPU, capacity=1, penalties_on_device=True)
     sampler = Sampler()
     for step in range(3):
         rows = [_row(n, 5 + i, step) for i, n in enumerate(names)]
@@ -193,7 +197,7 @@ def test_penalty_counts_follow_the_sampled_tokens_and_are_rebuilt_after_a_reset(
     """The device's counts are the rows' output counts step after step (the rebuild's lists
     say so, by _check); a moved position rebuilds them from the host's lists, which must be
     complete then."""
-    slots = SamplingSlots(_CPU, capacity=1)
+    slots = SamplingSlots(_CPU, capacity=1, penalties_on_device=True)
     names = ["penalised", "penalised#b", "seeded"]
     seeds = {"penalised": 3, "penalised#b": 8, "seeded": 1}
     for step in range(7):  # _token repeats every 5: counts reach 2
@@ -208,3 +212,9 @@ def test_penalty_counts_follow_the_sampled_tokens_and_are_rebuilt_after_a_reset(
         slots.metadata(_slot_rows(names, [_row(n, seeds[n], 1, 1) for n in names]), _VOCAB)
     slots.drop({"penalised", "penalised#b"})
     assert slots.penalties.row(0) is None and slots.penalties.row(1) is None
+
+
+def test_penalties_are_counted_on_the_device_off_the_cpu() -> None:
+    assert counts_penalties_on_device("cuda") and counts_penalties_on_device("cuda:1")
+    assert not counts_penalties_on_device(_CPU)
+    assert not SamplingSlots(_CPU).penalties_on_device  # the default follows the device

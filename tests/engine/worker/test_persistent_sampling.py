@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.sample import SamplingMetadata, SamplingRow
+from engine.sample import SamplingMetadata, SamplingRow, sampling_slots
 from engine.worker import host_reads
 from engine.worker.step_sampler import StepSampler, _matcher
 from engine.worker.uploads import Uploader
@@ -84,6 +84,14 @@ def _slots_vs_rebuilt(
     return slots, rebuilt
 
 
+@pytest.fixture
+def penalties_on_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Penalties counted on the device as on a GPU (the CPU rebuilds them from the host's
+    tokens by default: `counts_penalties_on_device`), for the runner and the engine's
+    async fallback rule alike."""
+    monkeypatch.setattr(sampling_slots, "counts_penalties_on_device", lambda device: True)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("slots"), vocab_size=256)
@@ -93,6 +101,7 @@ def _seeded(**kwargs: Any) -> SamplingParams:
     return SamplingParams(**{"max_tokens": 16, "ignore_eos": True, **kwargs})
 
 
+@pytest.mark.usefixtures("penalties_on_device")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_same_tokens_with_preemption_aborts_n_and_penalties(
     monkeypatch: pytest.MonkeyPatch, model: Path, async_scheduling: bool
@@ -122,17 +131,30 @@ def test_same_tokens_with_preemption_aborts_n_and_penalties(
         assert result.outputs["n2"][0][1] != result.outputs["n2"][1][1]  # each its own seed
 
 
-def test_penalised_steps_overlap(monkeypatch: pytest.MonkeyPatch, model: Path) -> None:
-    """Penalties are counted on the device: their steps overlap under async scheduling."""
+@pytest.mark.parametrize("on_device", [True, False], ids=["penalties-on-device", "cpu-default"])
+def test_penalised_steps_overlap_where_counted_on_the_device(
+    monkeypatch: pytest.MonkeyPatch, model: Path, on_device: bool
+) -> None:
+    """Penalties counted on the device: their steps overlap under async scheduling. On the
+    CPU's default they are built from the host's tokens: those steps fall back."""
+    if on_device:
+        monkeypatch.setattr(sampling_slots, "counts_penalties_on_device", lambda device: True)
     requests = [
         (0, "a", _prompt(0, 6), _seeded(temperature=0.8, seed=1, repetition_penalty=1.5,
                                         frequency_penalty=0.5, max_tokens=12)),
         (1, "b", _prompt(1, 5), _seeded(temperature=0.0, presence_penalty=1.0, max_tokens=12)),
     ]  # fmt: skip
     slots, _ = _slots_vs_rebuilt(monkeypatch, model, True, Workload(requests))
-    assert num_overlapped(slots.calls) >= 10
+    runner = slots.engine.runner
+    assert runner.step_sampler.slots.penalties_on_device == on_device
+    assert (runner.step_sampler.slots.penalties is not None) == on_device
+    if on_device:
+        assert num_overlapped(slots.calls) >= 10
+    else:
+        assert num_overlapped(slots.calls) <= 1  # the first step (prompts) only
 
 
+@pytest.mark.usefixtures("penalties_on_device")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_same_tokens_with_lora(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Path, async_scheduling: bool
