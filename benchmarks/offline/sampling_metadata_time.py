@@ -31,6 +31,7 @@ import torch
 
 from engine import SamplingParams
 from engine.sample import SamplingMetadata, SamplingRow
+from engine.sample.metadata import add_row_features
 from engine.sample.sampling_slots import SamplingSlots
 
 
@@ -43,12 +44,14 @@ def _ways(batch: int, ns: argparse.Namespace) -> dict[str, Callable[[], None]]:
     slots = SamplingSlots(torch.device("cpu"), penalties_on_device=ns.penalties_on_device)
     sampled = torch.zeros(batch, dtype=torch.int64)
 
-    def rebuild() -> None:
-        rows = [
+    def sampling_rows() -> list[SamplingRow]:
+        return [
             SamplingRow(params=params, prompt_token_ids=prompt, output_token_ids=out, seed=i)
             for i, out in enumerate(outputs)
         ]
-        SamplingMetadata.build(rows, ns.vocab_size, "cpu")
+
+    def rebuild() -> None:
+        SamplingMetadata.build(sampling_rows(), ns.vocab_size, "cpu")
 
     step = [0]
 
@@ -56,7 +59,9 @@ def _ways(batch: int, ns: argparse.Namespace) -> dict[str, Callable[[], None]]:
         rows = [
             (str(i), params, i, len(out) + step[0], prompt, out) for i, out in enumerate(outputs)
         ]
-        slots.metadata(rows, ns.vocab_size)
+        metadata, needs_rows = slots.metadata(rows, ns.vocab_size)
+        if needs_rows:  # what the runner adds per step (engine/worker/step_sampler.py)
+            add_row_features(metadata, sampling_rows(), "cpu")
         slots.advance(sampled)
         step[0] += 1  # as if every row had one token in flight more each step
 
