@@ -23,13 +23,16 @@ When a step falls back (`overlap_blocker`): the engine collects step N before it
 schedules N+1 when a request that samples in N needs its tokens on the host first:
 - structured outputs: the next step's grammar bitmask follows the token N samples;
 - speculative (n-gram) decoding: drafts are proposed from the tokens so far, every step;
-- penalties, bad words, logits processors and min_tokens: the sampler reads the output so
-  far from the host (there is no device copy of it kept across steps);
+- bad words, logits processors and min_tokens: the sampler reads the output so far from
+  the host; penalties too on the CPU (on an accelerator their counts are kept on the
+  device across steps: engine/sample/penalty_state.py, `penalties_on_device`);
 - prompt logprobs and pooling requests: they read more from the device than the step's
   one copy (each their own read), so nothing would overlap anyway.
 Plain greedy and seeded sampling (top-k/p, min-p, logprobs, logit bias, allowed ids,
-LoRA, n > 1) overlap. The seeded sampler's position counts the placeholders
-(`SamplingRow.num_output_placeholders`), so seeded tokens are the same both ways.
+LoRA, n > 1, and presence/frequency/repetition penalties counted on the device) overlap.
+The seeded sampler's position counts the placeholders (`SamplingRow.num_output_placeholders`;
+the slots' positions in engine/sample/sampling_slots.py), so seeded tokens are the same both
+ways.
 """
 
 from __future__ import annotations
@@ -88,9 +91,12 @@ def count_arrivals(scheduled: list[ScheduledRequest]) -> None:
             request.num_output_placeholders -= 1
 
 
-def overlap_blocker(step: SchedulerOutput, speculative: bool) -> str | None:
+def overlap_blocker(
+    step: SchedulerOutput, speculative: bool, penalties_on_device: bool = False
+) -> str | None:
     """Why the step after `step` cannot be scheduled before `step` is collected (the
-    module's list), or None when it can."""
+    module's list), or None when it can. `penalties_on_device`: the runner counts the
+    penalties' tokens on the device (engine/sample/sampling_slots.py decides)."""
     if speculative:
         return "speculative decoding proposes drafts from the tokens on the host"
     for entry in step.scheduled:
@@ -111,10 +117,13 @@ def overlap_blocker(step: SchedulerOutput, speculative: bool) -> str | None:
             return "structured outputs"
         if entry.spec_token_ids:
             return "draft tokens"
-        if (
+        penalised = (
             params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
+        )
+        if (
+            (penalised and not penalties_on_device)
             or params.bad_words_token_ids
             or params.logits_processors
         ):

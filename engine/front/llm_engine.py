@@ -56,6 +56,7 @@ from engine.processing.output_processor import OutputProcessor
 from engine.processing.request_builder import RequestBuilder
 from engine.processing.resume import ResumedOutputTokenIds
 from engine.processing.stop_tokenizer import StopStringTokenizer
+from engine.sample import sampling_slots
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ class LLMEngine(LLMEngineConfigGetters, LLMEngineAdminMixin):
         # through submit/collect, everything else through collective_rpc.
         self.executor = create_executor(config, on_failure=self._on_executor_failure)
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted, not collected
+        # Whether the runner counts the penalties' tokens on the device (async scheduling
+        # then need not fall back for them).
+        self._penalties_on_device = sampling_slots.counts_penalties_on_device(
+            config.device_config.device
+        )
         self._added_loras: dict[int, Any] = {}  # LoRARequest by id (llm_engine_admin.py)
         # The KV-cache size is decided once, by the runner from the memory budget, and
         # handed on as a value; the engine's config is a resolved copy that records it (the
@@ -355,7 +361,9 @@ class LLMEngine(LLMEngineConfigGetters, LLMEngineAdminMixin):
         ):
             if self.scheduler.async_scheduling and self._in_flight:
                 blocker = async_scheduling.overlap_blocker(
-                    self._in_flight[-1], self.scheduler.proposer is not None
+                    self._in_flight[-1],
+                    self.scheduler.proposer is not None,
+                    penalties_on_device=self._penalties_on_device,
                 )
                 if blocker is not None:  # this step runs synchronously
                     return

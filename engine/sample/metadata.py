@@ -85,6 +85,11 @@ class SamplingMetadata:
     logit_bias_row_ids: torch.Tensor | None = None  # [L] int64
     logit_bias_token_ids: torch.Tensor | None = None  # [L] int64
     logit_bias_values: torch.Tensor | None = None  # [L] float32
+    # The penalties' tokens as dense rows kept on the device across steps, instead of the
+    # sparse lists above (engine/sample/penalty_state.py): the batch rows with a penalty.
+    penalty_row_ids: torch.Tensor | None = None  # [P] int64
+    penalty_counts: torch.Tensor | None = None  # [P, V] int32, occurrences in the output
+    penalty_prompt_mask: torch.Tensor | None = None  # [P, V] bool, tokens of the prompt
     # (row, processors, prompt ids, output ids) for rows with Python logits processors.
     logits_processors: list[tuple[int, list[Any], list[int], list[int]]] = field(
         default_factory=list
@@ -98,6 +103,9 @@ class SamplingMetadata:
     def build(
         rows: list[SamplingRow], vocab_size: int, device: torch.device | str
     ) -> SamplingMetadata:
+        """Every tensor from the rows' Python values. The model runner takes the per-slot
+        tensors of engine/sample/sampling_slots.py instead, and calls `add_row_features`
+        only for the rows' per-step features."""
         params = [row.params for row in rows]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         random = [not g for g in greedy]
@@ -115,60 +123,105 @@ class SamplingMetadata:
         presence = [p.presence_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
         repetition = [p.repetition_penalty for p in params]
-        use_presence = any(v != 0.0 for v in presence)
-        use_frequency = any(v != 0.0 for v in frequency)
-        use_repetition = any(v != 1.0 for v in repetition)
-
-        output_rows = output_ids = output_counts = seen_rows = seen_ids = None
-        if use_presence or use_frequency:
-            chosen = [i for i, (p, f) in enumerate(zip(presence, frequency)) if p or f]
-            token_lists = [rows[i].output_token_ids for i in chosen]
-            output_rows, output_ids, counts = _distinct_tokens(
-                chosen, token_lists, vocab_size, device
-            )
-            output_counts = counts.to(torch.float32)
-        if use_repetition:
-            chosen = [i for i, r in enumerate(repetition) if r != 1.0]
-            token_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen]
-            seen_rows, seen_ids, _ = _distinct_tokens(chosen, token_lists, vocab_size, device)
-
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        grammar_rows, bitmask = _grammar_bitmask(rows, vocab_size)
-        min_tokens_rows, min_tokens_ids = _min_tokens_indices(
-            rows, vocab_size, _grammar_complete_rows(rows, grammar_rows, bitmask, vocab_size)
-        )
         metadata = SamplingMetadata(
             vocab_size=vocab_size,
             temperature=floats([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            seeds=ints([_to_int64(row.seed) for row in rows]),
+            seeds=ints([to_int64(row.seed) for row in rows]),
             positions=ints([len(r.output_token_ids) + r.num_output_placeholders for r in rows]),
             top_k=ints(top_k) if any(top_k) else None,
             max_top_k=max(top_k, default=0),
             top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,
             min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
-            presence_penalties=floats(presence) if use_presence else None,
-            frequency_penalties=floats(frequency) if use_frequency else None,
-            repetition_penalties=floats(repetition) if use_repetition else None,
-            output_row_ids=output_rows,
-            output_token_ids=output_ids,
-            output_token_counts=output_counts,
-            seen_row_ids=seen_rows,
-            seen_token_ids=seen_ids,
-            min_tokens_row_ids=ints(min_tokens_rows) if min_tokens_rows else None,
-            min_tokens_token_ids=ints(min_tokens_ids) if min_tokens_rows else None,
-            max_num_logprobs=max(logprobs) if logprobs else None,
+            presence_penalties=floats(presence) if any(v != 0.0 for v in presence) else None,
+            frequency_penalties=floats(frequency) if any(v != 0.0 for v in frequency) else None,
+            repetition_penalties=floats(repetition) if any(v != 1.0 for v in repetition) else None,
+            output_row_ids=None,
+            output_token_ids=None,
+            output_token_counts=None,
+            seen_row_ids=None,
+            seen_token_ids=None,
+            min_tokens_row_ids=None,
+            min_tokens_token_ids=None,
+            max_num_logprobs=max_num_logprobs(params),
         )
-        if bitmask is not None:
-            metadata.grammar_bitmask = bitmask.to(device)
-            if len(grammar_rows) < len(rows):
-                metadata.grammar_row_ids = ints(grammar_rows)
-        _add_token_controls(metadata, rows, vocab_size, device)
+        add_row_features(metadata, rows, device)
         return metadata
 
 
-def _to_int64(value: int) -> int:
+def max_num_logprobs(params: list[SamplingParams]) -> int | None:
+    """The largest `logprobs` any row asks for; None when none asks."""
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    return max(logprobs) if logprobs else None
+
+
+def has_penalty(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+
+
+def needs_row_features(params: SamplingParams) -> bool:
+    """Whether a request with these parameters may need `add_row_features` in some step
+    besides its penalties (which persistent slots count on the device): what reads its
+    tokens so far (bad words, logits processors, min_tokens) or is listed per (row, token)
+    (allowed ids, logit bias). A grammar is the request's, not its parameters': callers
+    check it too."""
+    return bool(
+        params.min_tokens
+        or params.allowed_token_ids is not None
+        or params.bad_words_token_ids
+        or params.logit_bias
+        or params.logits_processors
+    )
+
+
+def add_row_features(
+    metadata: SamplingMetadata, rows: list[SamplingRow], device: torch.device | str
+) -> None:
+    """Fills what is built from the rows' tokens and lists each step: the penalties' tokens
+    (their per-row values must be in `metadata` already; not when `penalty_row_ids` says the
+    device's counts serve), the min_tokens bans, the grammar
+    bitmask and the token controls; only for the features some row uses."""
+    vocab_size = metadata.vocab_size
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    params = [row.params for row in rows]
+    sparse = metadata.penalty_row_ids is None  # else the device's counts serve
+    if sparse and (
+        metadata.presence_penalties is not None or metadata.frequency_penalties is not None
+    ):
+        chosen = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+        token_lists = [rows[i].output_token_ids for i in chosen]
+        output_rows, output_ids, counts = _distinct_tokens(chosen, token_lists, vocab_size, device)
+        metadata.output_row_ids, metadata.output_token_ids = output_rows, output_ids
+        metadata.output_token_counts = counts.to(torch.float32)
+    if sparse and metadata.repetition_penalties is not None:
+        chosen = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        token_lists = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in chosen]
+        metadata.seen_row_ids, metadata.seen_token_ids, _ = _distinct_tokens(
+            chosen, token_lists, vocab_size, device
+        )
+    grammar_rows, bitmask = _grammar_bitmask(rows, vocab_size)
+    min_tokens_rows, min_tokens_ids = _min_tokens_indices(
+        rows, vocab_size, _grammar_complete_rows(rows, grammar_rows, bitmask, vocab_size)
+    )
+    if min_tokens_rows:
+        metadata.min_tokens_row_ids = ints(min_tokens_rows)
+        metadata.min_tokens_token_ids = ints(min_tokens_ids)
+    if bitmask is not None:
+        metadata.grammar_bitmask = bitmask.to(device)
+        if len(grammar_rows) < len(rows):
+            metadata.grammar_row_ids = ints(grammar_rows)
+    _add_token_controls(metadata, rows, vocab_size, device)
+
+
+def to_int64(value: int) -> int:
     """Any Python int, wrapped to a signed 64-bit value (its low 64 bits)."""
     value &= _UINT64_MASK
     return value + 2 * _INT64_MIN if value >= 1 << 63 else value

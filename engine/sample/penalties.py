@@ -34,6 +34,8 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     use_output = metadata.presence_penalties is not None or metadata.frequency_penalties is not None
     if not (use_repetition or use_output):
         return logits
+    if metadata.penalty_row_ids is not None:
+        return _apply_dense_penalties(logits, metadata)
     logits = logits.clone()
     if metadata.repetition_penalties is not None:
         assert metadata.seen_row_ids is not None and metadata.seen_token_ids is not None
@@ -51,4 +53,31 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
         if metadata.presence_penalties is not None:
             values = values - metadata.presence_penalties[rows]
         logits[index] = values  # pairs are distinct, so a plain write
+    return logits
+
+
+def _apply_dense_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """`apply_penalties` over the device's dense rows (engine/sample/penalty_state.py): the
+    same operations in the same order on the same (row, token) pairs, the other logits kept
+    bit for bit (a row whose penalty is off computes x / 1, x * 1 or x - 0 exactly)."""
+    rows = metadata.penalty_row_ids  # [P]
+    counts = metadata.penalty_counts  # [P, V] int32
+    assert rows is not None and counts is not None
+    values = logits[rows]  # [P, V]
+    if metadata.repetition_penalties is not None:
+        assert metadata.penalty_prompt_mask is not None
+        seen = metadata.penalty_prompt_mask | (counts > 0)  # [P, V]
+        penalty = metadata.repetition_penalties[rows].unsqueeze(-1)  # [P, 1]
+        penalised = torch.where(values > 0, values / penalty, values * penalty)
+        values = torch.where(seen, penalised, values)
+    if metadata.presence_penalties is not None or metadata.frequency_penalties is not None:
+        adjusted = values
+        if metadata.frequency_penalties is not None:
+            frequency = metadata.frequency_penalties[rows].unsqueeze(-1)  # [P, 1]
+            adjusted = adjusted - frequency * counts.to(torch.float32)
+        if metadata.presence_penalties is not None:
+            adjusted = adjusted - metadata.presence_penalties[rows].unsqueeze(-1)
+        values = torch.where(counts > 0, adjusted, values)
+    logits = logits.clone()
+    logits[rows] = values
     return logits

@@ -41,13 +41,23 @@ def _mix32(x: torch.Tensor, mul1: torch.Tensor, mul2: torch.Tensor) -> torch.Ten
     return x
 
 
+# The lanes' constants as [3, 2, 1] int64 per device, made once: uploading them per call
+# would be a host-to-device copy that waits for the device, every step.
+_LANE_CONSTANTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lane_constants(device: torch.device) -> torch.Tensor:
+    constants = _LANE_CONSTANTS.get(device)
+    if constants is None:
+        with torch.inference_mode(False):  # usable in and out of inference mode
+            values = torch.tensor(list(zip(_LANE_A, _LANE_B)), dtype=torch.int64)
+            constants = _LANE_CONSTANTS[device] = values.unsqueeze(-1).to(device)
+    return constants
+
+
 def _hash_lanes(words: list[torch.Tensor]) -> torch.Tensor:
     """Both lanes at once: [2, B] hashes of the words (each [B]), one row per lane."""
-    device = words[0].device
-    start, mul1, mul2 = (
-        torch.tensor(column, dtype=torch.int64, device=device).unsqueeze(1)  # [2, 1]
-        for column in zip(_LANE_A, _LANE_B)
-    )
+    start, mul1, mul2 = _lane_constants(words[0].device)  # each [2, 1]
     h = start.expand(2, words[0].shape[0])  # [2, B]
     for word in words:
         h = _mix32(h ^ word, mul1, mul2)

@@ -16,6 +16,8 @@ import torch
 from engine.api.sampling_params import SamplingType
 from engine.core.sched_output import LogprobsLists, ModelRunnerOutput, ScheduledRequest
 from engine.sample import SamplingMetadata, SamplingRow, gather_logprobs
+from engine.sample.metadata import add_row_features
+from engine.sample.sampling_slots import SamplingSlots
 from engine.sample.token_controls import apply_grammar_bitmask_
 from engine.worker.host_reads import StepReads, to_host
 from engine.worker.inputs import StepInputs
@@ -31,11 +33,51 @@ class StepSampler:
         # The last `sample` call's ids on the device, per group of entries (reset by the
         # runner each step): the inputs of the next step's placeholder rows.
         self.device_sampled: list[tuple[list[ScheduledRequest], torch.Tensor]] = []
+        # The sampler's per-request parameters, kept on the device across steps; made at
+        # the first sampling step, when the runner's uploads (pinned or not) exist.
+        self.slots: SamplingSlots | None = None
 
     def drop(self, request_ids: set[str]) -> None:
         """Forgets the per-request state of requests that finished or were preempted."""
         for request_id in request_ids:
             self._argmax_only_params.pop(request_id, None)
+        if self.slots is not None:
+            self.slots.drop(request_ids)
+
+    def _metadata(self, entries: list[ScheduledRequest], vocab_size: int) -> SamplingMetadata:
+        """The rows' sampling tensors: the parameters gathered from their slots, then what
+        is built from their tokens and lists each step, only where some row needs it."""
+        if self.slots is None:
+            self.slots = SamplingSlots(self.runner.device, getattr(self.runner.upload, "pin", None))
+        metadata, needs_rows = self.slots.metadata(
+            [
+                (
+                    r.request_id,
+                    r.sampling_params,
+                    r.seed,
+                    r.num_output_tokens + e.num_placeholder_inputs,
+                    r.prompt_token_ids,
+                    r.output_token_ids,
+                )
+                for e in entries
+                for r in (e.request,)
+            ],
+            vocab_size,
+        )
+        if needs_rows or any(e.request.structured_output is not None for e in entries):
+            rows = [
+                SamplingRow(
+                    params=e.request.sampling_params,  # type: ignore[arg-type]
+                    prompt_token_ids=e.request.prompt_token_ids,
+                    output_token_ids=e.request.output_token_ids,
+                    seed=e.request.seed,
+                    num_output_placeholders=e.num_placeholder_inputs,
+                    grammar=_matcher(e.request),
+                )
+                for e in entries
+            ]
+            add_row_features(metadata, rows, self.runner.device)
+        return metadata
 
     def _argmax_only_rows(self, batch: list[ScheduledRequest], rows: list[int]) -> list[int]:
         """The positions in `rows` whose request wants only the argmax (`wants_argmax_only`),
@@ -79,22 +121,9 @@ class StepSampler:
         sampled = logprobs = None
         if rows:
             logits = self.runner.model.compute_logits(hidden[index])  # [num_rows, vocab] fp32
-            metadata = SamplingMetadata.build(
-                [
-                    SamplingRow(
-                        params=e.request.sampling_params,  # type: ignore[arg-type]
-                        prompt_token_ids=e.request.prompt_token_ids,
-                        output_token_ids=e.request.output_token_ids,
-                        seed=e.request.seed,
-                        num_output_placeholders=e.num_placeholder_inputs,
-                        grammar=_matcher(e.request),
-                    )
-                    for e in entries
-                ],
-                vocab_size=logits.shape[-1],
-                device=self.runner.device,
-            )
+            metadata = self._metadata(entries, logits.shape[-1])
             result = self.runner.sampler(logits, metadata)
+            self.slots.advance(result.sampled_token_ids)  # type: ignore[union-attr]
             self.device_sampled.append((entries, result.sampled_token_ids))
             sampled = reads.add(result.sampled_token_ids)
             if result.logprobs is not None:

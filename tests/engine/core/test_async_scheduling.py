@@ -91,8 +91,13 @@ def test_overlap_blockers() -> None:
     step = scheduler.schedule()
     assert overlap_blocker(step, speculative=False) is None
     assert "speculative" in overlap_blocker(step, speculative=True)
+    penalised = async_scheduler()  # counted on the device (engine/sample/penalty_state.py)
+    penalised.add_request(make_request("penalty", 3, repetition_penalty=1.2, presence_penalty=1))
+    penalty_step = penalised.schedule()
+    assert "output so far" in overlap_blocker(penalty_step, speculative=False)
+    assert overlap_blocker(penalty_step, speculative=False, penalties_on_device=True) is None
     for name, params, reason in [
-        ("penalty", {"repetition_penalty": 1.2}, "output so far"),
+        ("bad-words", {"bad_words_token_ids": [[4, 5]]}, "output so far"),
         ("min", {"min_tokens": 3}, "min_tokens"),
         ("prompt-lp", {"prompt_logprobs": 1}, "prompt logprobs"),
     ]:

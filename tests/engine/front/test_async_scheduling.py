@@ -189,8 +189,8 @@ def test_preemption_with_a_step_in_flight(model: Path, device: str) -> None:
 
 
 def test_fallback_features_give_the_same_tokens(model: Path) -> None:
-    """Penalties, min_tokens, bad words and prompt logprobs read the host: those steps run
-    synchronously (the others still overlap)."""
+    """min_tokens, bad words and prompt logprobs read the host: those steps run
+    synchronously (the others, penalties among them, overlap)."""
     requests = [
         (0, "plain", _prompt(0, 6), _GREEDY),
         (0, "penalised", _prompt(1, 6),
