@@ -6,22 +6,27 @@ Run as a script, a file's folder comes first on sys.path: a `benchmarks/kernels.
 the `kernels` package from every script beside it, and the GPU check's decode and
 throughput parts died at import. So no file or folder name under benchmarks/ may be the name
 of something importable (the project's packages, the standard library, what is installed),
-and each script answers `--help` (a library module, without a main, imports) in a fresh
-interpreter with the environment the GPU check gives it.
+and each script answers `--help` (a library module, without a main, imports) with the
+environment the GPU check gives it, started as `python SCRIPT` starts it: in a child forked
+from one interpreter that has imported torch (tests/forked_starts.py; one start per script
+of that import was most of this test's time), compared once with fresh interpreters.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p for p in BENCHMARKS.rglob("*.py") if "__pycache__" not in p.parts)
+FORKED_STARTS = ROOT / "tests" / "forked_starts.py"
 PROJECT_PACKAGES = {"engine", "kernels", "services", "clients", "pagedserve", "tests"}
 
 
@@ -47,25 +52,72 @@ def test_benchmarks_are_grouped_and_no_name_shadows_a_package() -> None:
     assert sorted(n for n in names if _importable(n)) == []
 
 
-def _start(script: Path) -> tuple[Path, int, str]:
+def _command(script: Path) -> list[str]:
+    """What runs `script` from the repository root: `--help`, or the import of a library."""
     relative = script.relative_to(ROOT)
     if 'if __name__ == "__main__"' in script.read_text():
-        command = [sys.executable, str(relative), "--help"]
-    else:  # a library of the others
-        module = ".".join(relative.with_suffix("").parts)
-        command = [sys.executable, "-c", f"import {module}"]
+        return [str(relative), "--help"]
+    module = ".".join(relative.with_suffix("").parts)  # a library of the others
+    return ["-c", f"import {module}"]
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'proto'}")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    return relative, done.returncode, done.stdout + done.stderr
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, **kwargs
+    )
 
 
-def test_every_benchmark_starts_as_the_gpu_check_runs_it() -> None:
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(_start, SCRIPTS))
-    failed = {str(path): output[-600:] for path, rc, output in results if rc != 0}
+def _start_forked(commands: list[list[str]]) -> list[tuple[int, str]]:
+    """Each command as `python COMMAND` would run it, forked from one interpreter that has
+    imported torch already (tests/forked_starts.py): ~1 s of the suite per script saved."""
+    done = _run([str(FORKED_STARTS)], input=json.dumps(commands), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(rc, output) for rc, output in json.loads(done.stdout)]
+
+
+@pytest.fixture(scope="module")
+def shadowed_probe(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A script that fails at import because a file beside it shadows a package (the bug
+    this file guards against): its command."""
+    folder = tmp_path_factory.mktemp("shadowed")
+    (folder / "probe.py").write_text("import kernels.reference\n")
+    (folder / "kernels.py").write_text("")  # hides the kernels package from probe.py
+    return [str(folder / "probe.py")]
+
+
+@pytest.fixture(scope="module")
+def forked(shadowed_probe: list[str]) -> dict[str, tuple[int, str]]:
+    """Every script's start and the probe's, forked: (returncode, output) by first word."""
+    commands = [_command(script) for script in SCRIPTS] + [shadowed_probe]
+    results = _start_forked(commands)
+    return {" ".join(command): result for command, result in zip(commands, results, strict=True)}
+
+
+def test_every_benchmark_starts_as_the_gpu_check_runs_it(forked) -> None:
+    results = [forked[" ".join(_command(script))] for script in SCRIPTS]
+    failed = {
+        str(path.relative_to(ROOT)): output[-600:]
+        for path, (rc, output) in zip(SCRIPTS, results, strict=True)
+        if rc != 0
+    }
     assert failed == {}
-    helps = [output for path, rc, output in results if "usage:" in output]
+    helps = [output for rc, output in results if "usage:" in output]
     assert len(helps) >= 24  # every script with a main printed its usage
+
+
+def test_a_forked_start_is_a_fresh_interpreters_start(forked, shadowed_probe) -> None:
+    """The forked starts agree with fresh interpreters: the same exit status and output for
+    a script with a main, and a script whose import is shadowed fails forked too."""
+    main = _command(BENCHMARKS / "offline" / "throughput.py")
+    fresh = _run(main, timeout=600)
+    assert forked[" ".join(main)] == (0, fresh.stdout + fresh.stderr)
+    assert fresh.returncode == 0 and "usage:" in fresh.stdout
+    fresh = _run(shadowed_probe, timeout=600)
+    rc, output = forked[" ".join(shadowed_probe)]
+    assert rc == fresh.returncode == 1
+    assert "No module named 'kernels.reference'" in output
+    assert "No module named 'kernels.reference'" in fresh.stderr
 
 
 def test_the_gpu_check_names_scripts_and_tests_that_exist() -> None:

@@ -95,16 +95,28 @@ def test_same_tokens_as_one_process(references, name, tp, pp) -> None:
     assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in pids), "orphan ranks"
 
 
+DEFAULT_MODEL_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 28, 1345, 314, 216, 33, 42]]
+DEFAULT_MODEL_KWARGS = dict(max_model_len=256, kv_cache_memory_bytes=64 << 20, quantization=None)
+
+
+@pytest.fixture(scope="module")
+def default_model_reference():
+    """The default model's single-process greedy outputs, computed once for both layouts."""
+    llm = LLM(**DEFAULT_MODEL_KWARGS)
+    try:
+        return ours_greedy(generate(llm, DEFAULT_MODEL_PROMPTS))
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), (3, 1)], ids=["pp2", "tp3"])
-def test_default_model(tp, pp) -> None:
+def test_default_model(default_model_reference, tp, pp) -> None:
     """The default model (30 layers; 9 heads and 3 KV heads, so TP=3 and not 2) in two
     stages or on three TP ranks: the same tokens as one process."""
-    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 28, 1345, 314, 216, 33, 42]]
-    kwargs = dict(max_model_len=256, kv_cache_memory_bytes=64 << 20, quantization=None)
-    expected = ours_greedy(generate(LLM(**kwargs), prompts))
-    llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, **kwargs)
+    llm = LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, **DEFAULT_MODEL_KWARGS)
     try:
-        assert_close_to_reference(expected, ours_greedy(generate(llm, prompts)))
+        outputs = ours_greedy(generate(llm, DEFAULT_MODEL_PROMPTS))
+        assert_close_to_reference(default_model_reference, outputs)
     finally:
         llm.llm_engine.shutdown()
 

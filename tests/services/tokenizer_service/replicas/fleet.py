@@ -149,6 +149,18 @@ class Reader:
         return self.error, gather(self.responses)
 
 
+def run_undisturbed(fleet: Fleet, requests: list) -> list[dict]:
+    """Each request's outputs run without a fault, all streamed at once (as the faulted
+    run streams them, and in one stream's time rather than one after the other)."""
+    readers = [Reader(fleet.public.Generate(r, timeout=300)) for r in requests]
+    outputs = []
+    for reader in readers:
+        error, out = reader.result()
+        assert error is None, error
+        outputs.append(out)
+    return outputs
+
+
 def assert_greedy_match(got, want) -> None:
     """Equal tokens, or at the first divergence each side's token within the other's top-5
     (DESIGN.md "Correctness reference")."""

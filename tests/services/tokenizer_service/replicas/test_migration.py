@@ -20,13 +20,14 @@ import grpc
 import pytest
 
 from pagedserve.v1 import common_pb2
-from tests.services.helpers import gather, request, wait_for
+from tests.services.helpers import request, wait_for
 from tests.services.processes import EngineProcess
 from tests.services.tokenizer_service.replicas.fleet import (
     Fleet,
     Reader,
     assert_greedy_match,
     assert_text_is_the_tokens,
+    run_undisturbed,
 )
 
 MAX_TOKENS = 600  # long enough to be midway when the fault comes
@@ -61,7 +62,7 @@ def _run_with_fault(fleet: Fleet, fault, seed: int):
     """The streams undisturbed, then again with `fault(holder)` midway: both results."""
     holder = fleet.engines[seed % 3]
     reqs = _requests(fleet, holder, seed)
-    expected = [gather(fleet.public.Generate(r, timeout=300)) for r in reqs]
+    expected = run_undisturbed(fleet, reqs)
     readers = [Reader(fleet.public.Generate(r, timeout=300)) for r in reqs]
     # Midway: every stream has tokens, and the holder is the one producing them.
     wait_for(lambda: all(r.num_tokens() >= 8 for r in readers), timeout=120, interval=0.001)

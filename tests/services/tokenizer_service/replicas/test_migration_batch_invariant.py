@@ -17,8 +17,13 @@ from collections.abc import Iterator
 import pytest
 
 from pagedserve.v1 import common_pb2
-from tests.services.helpers import gather, request, wait_for
-from tests.services.tokenizer_service.replicas.fleet import SHORT_GRACE, Fleet, Reader
+from tests.services.helpers import request, wait_for
+from tests.services.tokenizer_service.replicas.fleet import (
+    SHORT_GRACE,
+    Fleet,
+    Reader,
+    run_undisturbed,
+)
 
 MAX_TOKENS = 200
 STREAMS = (
@@ -53,7 +58,7 @@ def _run(fleet: Fleet, fault, seed: int, reason: str):
         for p, sampling in zip(prompts, STREAMS, strict=True)
     ]
     before = fleet.migrations(reason)
-    expected = [gather(fleet.public.Generate(r, timeout=300)) for r in reqs]
+    expected = run_undisturbed(fleet, reqs)
     readers = [Reader(fleet.public.Generate(r, timeout=300)) for r in reqs]
     wait_for(lambda: all(r.num_tokens() >= 8 for r in readers), timeout=120, interval=0.001)
     assert fleet.replica(holder).watch.streams, "the streams are not on the holder"

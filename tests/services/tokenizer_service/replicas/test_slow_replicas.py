@@ -113,10 +113,11 @@ def test_a_wedged_replica_keeps_its_streams_with_nowhere_to_go_and_moves_them_el
         assert fleet.migrations("stalled") == 0
 
         # With a healthy replica up, a wedged one's streams move to it.
+        # Both processes start side by side (each start is mostly one core's work).
         other.start()
-        other.wait_serving()
         wedged.stop()
         wedged.start()  # a fresh process: its first step wedges again
+        other.wait_serving()
         wedged.wait_serving()
         fleet.wait_all_up()
         readers = _streams(fleet, wedged, 2, seed=2)
