@@ -5,6 +5,7 @@ torch, it calls a real server (library and command)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,11 @@ with Client(sys.argv[1], timeout=30) as client:
     assert len(result.outputs[0].token_ids) == 3, result
     print(client.tokenize("hello world").count)
 """
+
+
+# The fresh environment's own view: a PYTHONPATH naming this checkout (as a developer may
+# set) would put `services` and `engine` back in reach of the installed client.
+_WITHOUT_CHECKOUT = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def _build(tmp_path) -> str:
@@ -67,7 +73,12 @@ def test_the_client_wheel_installs_without_torch_and_calls_a_server(stack, tmp_p
     assert install.returncode == 0, install.stderr[-2000:]
     address = f"127.0.0.1:{stack.public_port}"
     done = subprocess.run(
-        [python, "-c", CALL, address], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        [python, "-c", CALL, address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=_WITHOUT_CHECKOUT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.strip()) > 0
@@ -78,6 +89,7 @@ def test_the_client_wheel_installs_without_torch_and_calls_a_server(stack, tmp_p
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env=_WITHOUT_CHECKOUT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "hello" in done.stdout
