@@ -65,17 +65,7 @@ class StepSampler:
             vocab_size,
         )
         if needs_rows or any(e.request.structured_output is not None for e in entries):
-            rows = [
-                SamplingRow(
-                    params=e.request.sampling_params,  # type: ignore[arg-type]
-                    prompt_token_ids=e.request.prompt_token_ids,
-                    output_token_ids=e.request.output_token_ids,
-                    seed=e.request.seed,
-                    num_output_placeholders=e.num_placeholder_inputs,
-                    grammar=_matcher(e.request),
-                )
-                for e in entries
-            ]
+            rows = [sampling_row(e) for e in entries]
             add_row_features(metadata, rows, self.runner.device)
         return metadata
 
@@ -302,6 +292,19 @@ class StepSampler:
         for part in (tensors.token_ids, tensors.logprobs, tensors.ranks):
             reads.add(part)
         output.prompt_logprobs[request.request_id] = (start + 1, LogprobsLists(*reads.read()))
+
+
+def sampling_row(entry: ScheduledRequest) -> SamplingRow:
+    """The sampler's view of one scheduled entry: its parameters and tokens so far."""
+    request = entry.request
+    return SamplingRow(
+        params=request.sampling_params,  # type: ignore[arg-type]
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids,
+        seed=request.seed,
+        num_output_placeholders=entry.num_placeholder_inputs,
+        grammar=_matcher(request),
+    )
 
 
 def wants_argmax_only(request: Any) -> bool:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.sample import SamplingMetadata, SamplingRow, sampling_slots
+from engine.sample import SamplingMetadata, sampling_slots
 from engine.worker import host_reads
-from engine.worker.step_sampler import StepSampler, _matcher
+from engine.worker.step_sampler import StepSampler, sampling_row
 from engine.worker.uploads import Uploader
 from tests.engine.front.test_async_scheduling import (
     Workload,
@@ -38,17 +38,7 @@ def _rebuild_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def rebuilt(self: StepSampler, entries: list[Any], vocab_size: int) -> SamplingMetadata:
         original(self, entries, vocab_size)
-        rows = [
-            SamplingRow(
-                params=e.request.sampling_params,
-                prompt_token_ids=e.request.prompt_token_ids,
-                output_token_ids=e.request.output_token_ids,
-                seed=e.request.seed,
-                num_output_placeholders=e.num_placeholder_inputs,
-                grammar=_matcher(e.request),
-            )
-            for e in entries
-        ]
+        rows = [sampling_row(e) for e in entries]
         return SamplingMetadata.build(rows, vocab_size, self.runner.device)
 
     monkeypatch.setattr(StepSampler, "_metadata", rebuilt)
