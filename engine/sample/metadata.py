@@ -1,8 +1,10 @@
 """The per-step inputs of the sampler: one `SamplingRow` per request, batched into tensors.
 
-The model runner builds a `SamplingRow` for every request that samples a token this step
-(in batch order) and calls `SamplingMetadata.build` once. The loops here run per request per
-step; the sampler itself never loops over rows.
+`SamplingMetadata.build` makes every tensor from one `SamplingRow` per request (in batch
+order). The model runner instead gathers the per-request values from the slots of
+engine/sample/sampling_slots.py and calls `add_row_features` only for what is built from the
+rows' tokens and lists each step. The loops here run per request per step; the sampler itself
+never loops over rows.
 
 Optional features cost nothing when no row uses them: their tensors are None and the
 sampler skips them. When one row uses a feature, every row gets a value that leaves its
@@ -59,17 +61,19 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None  # [B] float32, 0 = off
     frequency_penalties: torch.Tensor | None  # [B] float32, 0 = off
     repetition_penalties: torch.Tensor | None  # [B] float32, 1 = off
-    # Distinct output tokens of rows with a presence or frequency penalty, with counts.
-    output_row_ids: torch.Tensor | None  # [N] int64
-    output_token_ids: torch.Tensor | None  # [N] int64
-    output_token_counts: torch.Tensor | None  # [N] float32, occurrences in the row's output
-    # Distinct prompt-or-output tokens of rows with a repetition penalty.
-    seen_row_ids: torch.Tensor | None  # [S] int64
-    seen_token_ids: torch.Tensor | None  # [S] int64
-    # min_tokens: logits[min_tokens_row_ids[i], min_tokens_token_ids[i]] = -inf.
-    min_tokens_row_ids: torch.Tensor | None  # [M] int64
-    min_tokens_token_ids: torch.Tensor | None  # [M] int64
     max_num_logprobs: int | None  # largest `logprobs` of any row; None: no row asks
+    # What follows is built per step from the rows' tokens and lists (`add_row_features`),
+    # None until then and wherever no row uses it.
+    # Distinct output tokens of rows with a presence or frequency penalty, with counts.
+    output_row_ids: torch.Tensor | None = None  # [N] int64
+    output_token_ids: torch.Tensor | None = None  # [N] int64
+    output_token_counts: torch.Tensor | None = None  # [N] float32, occurrences in the output
+    # Distinct prompt-or-output tokens of rows with a repetition penalty.
+    seen_row_ids: torch.Tensor | None = None  # [S] int64
+    seen_token_ids: torch.Tensor | None = None  # [S] int64
+    # min_tokens: logits[min_tokens_row_ids[i], min_tokens_token_ids[i]] = -inf.
+    min_tokens_row_ids: torch.Tensor | None = None  # [M] int64
+    min_tokens_token_ids: torch.Tensor | None = None  # [M] int64
     # Structured outputs, only for the G rows with a grammar (rows without one pay nothing):
     # bit j of word w of bitmask row g = token 32 w + j allowed in batch row grammar_row_ids[g].
     grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32; None: no grammar
@@ -137,13 +141,6 @@ class SamplingMetadata:
             presence_penalties=floats(presence) if any(v != 0.0 for v in presence) else None,
             frequency_penalties=floats(frequency) if any(v != 0.0 for v in frequency) else None,
             repetition_penalties=floats(repetition) if any(v != 1.0 for v in repetition) else None,
-            output_row_ids=None,
-            output_token_ids=None,
-            output_token_counts=None,
-            seen_row_ids=None,
-            seen_token_ids=None,
-            min_tokens_row_ids=None,
-            min_tokens_token_ids=None,
             max_num_logprobs=max_num_logprobs(params),
         )
         add_row_features(metadata, rows, device)

@@ -246,13 +246,6 @@ class SamplingSlots:
             presence_penalties=used(_PRESENCE),
             frequency_penalties=used(_FREQUENCY),
             repetition_penalties=used(_REPETITION),
-            output_row_ids=None,
-            output_token_ids=None,
-            output_token_counts=None,
-            seen_row_ids=None,
-            seen_token_ids=None,
-            min_tokens_row_ids=None,
-            min_tokens_token_ids=None,
             max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
         )
 

@@ -14,6 +14,7 @@ import pytest
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.tokenizer_service.replicas.merging_reader import MergingReader
 from services.tokenizer_service.replicas.stream_mux import EngineStreamMux
+from tests.services.tokenizer_service.replicas.test_merging_reader import _per_index
 
 PARAMS = dict(temperature=1.0, seed=5, n=2, max_tokens=30, ignore_eos=True, logprobs=1)
 LONG = dict(temperature=0.0, max_tokens=2000, ignore_eos=True)
@@ -25,20 +26,6 @@ def _request(request_id: str, **sampling) -> engine_pb2.EngineGenerateRequest:
         prompt_token_ids=[5, 6, 7, 8],
         sampling_params=common_pb2.SamplingParams(**sampling),
     )
-
-
-def _per_index(messages) -> dict[int, tuple]:
-    result: dict[int, tuple] = {}
-    for msg in messages:
-        tokens, logprobs, *_ = result.get(msg.index, ([], [], 0, 0, 0.0))
-        result[msg.index] = (
-            tokens + list(msg.token_ids),
-            logprobs + [round(p.chosen.logprob, 5) for p in msg.logprobs],
-            msg.finish_reason,
-            msg.usage.completion_tokens,
-            round(msg.cumulative_logprob, 4),
-        )
-    return result
 
 
 async def _open_mux(port: int) -> tuple[grpc.aio.Channel, EngineStreamMux]:
