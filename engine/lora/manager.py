@@ -3,7 +3,9 @@
     add_lora / remove_lora / list_loras / pin_lora      loaded adapters, LRU beyond
                                                         max_cpu_loras (pinned ones stay)
     prepare(batch)       per step: the adapters present get slots in rank-padded stacks
-                         (rebuilt only when that set changes) and each token its slot
+                         (rebuilt only when that set changes) and each token its slot,
+                         in a device index uploaded only when the layout changes
+                         (slot_index.py: one pinned non-blocking copy on a GPU)
     forward hooks        on every adapted linear layer of the model: add the batched
                          shrink/expand (ops.add_lora) to the layer's output columns
 
@@ -35,6 +37,7 @@ from engine.distributed.sharding import RowSlice
 from engine.lora.adapter import LoRAAdapter, LoRALayerWeights, linear_shapes, load_peft_adapter
 from engine.lora.ops import add_lora, stack_lora_weights
 from engine.lora.request import LoRARequest
+from engine.lora.slot_index import SlotIndex
 
 
 class LoRAManager:
@@ -50,6 +53,7 @@ class LoRAManager:
         self._slot_ids: tuple[int, ...] = ()  # adapter ids in the stacks, by slot
         self._stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._indices: torch.Tensor | None = None  # [num_tokens] slot, -1 = base
+        self.slot_index = SlotIndex(device)  # where `_indices` lives on the device
         self._hooks: list[Any] = []
         self._layers: list[int] = []  # the hooked layers (this pipeline stage's)
         # module -> (dimension cut, rows kept) where this rank holds a shard (TP)
@@ -136,8 +140,8 @@ class LoRAManager:
         if present != self._slot_ids:
             self._build_stacks(present)
         slot_of = {lora_id: slot for slot, lora_id in enumerate(present)}
-        per_token = [slot_of.get(i, -1) for i, (_, n) in zip(ids, token_adapters) for _ in range(n)]
-        self._indices = torch.tensor(per_token, device=self.device)  # [num_tokens]
+        runs = [(slot_of.get(i, -1), n) for i, (_, n) in zip(ids, token_adapters)]
+        self._indices = self.slot_index.update(runs)  # [num_tokens]
         return True
 
     def _build_stacks(self, present: tuple[int, ...]) -> None:
