@@ -21,6 +21,8 @@ cProfile of one run per size instead (the top functions by own time).
 `--async-scheduling` takes the figures with the engine's async scheduling on (each step()
 launches step N+1 and finishes step N; on the CPU the host does the same work, so the
 figure tells its own cost: the overlap itself needs a GPU).
+`--lora` gives every other request a rank-8 adapter on q_proj and v_proj (random, made
+here with PEFT): the steps then also prepare the LoRA hooks' per-token slot index.
 
 One torch thread by default (`--threads`): on a shared machine a parallel region of the
 tiny forward waits for a descheduled peer thread, milliseconds that are no part of the
@@ -43,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: the checkout first, not this f
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.api.sampling_params import RequestOutputKind
 
 
@@ -59,8 +61,23 @@ def _model_dir(root: Path) -> Path:
     return root
 
 
+def _adapter(root: Path) -> LoRARequest:
+    """A random rank-8 PEFT adapter for `_model_dir`'s shape (its own random base weights:
+    the engine's are dummy ones, only the shapes must agree)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.lora_utils import make_peft_adapter
+
+    LlamaForCausalLM(LlamaConfig.from_pretrained(root)).save_pretrained(root / "peft-base")
+    make_peft_adapter(
+        root / "peft-base", root / "lora", rank=8, alpha=16, targets=["q_proj", "v_proj"],
+        seed=0,
+    )  # fmt: skip
+    return LoRARequest("bench", 1, str(root / "lora"))
+
+
 def _decode_steps(
-    llm: LLM, batch: int, ns: argparse.Namespace, run: int
+    llm: LLM, batch: int, ns: argparse.Namespace, run: int, lora: LoRARequest | None = None
 ) -> list[tuple[float, float]]:
     """(wall s, CPU s) of each pure decode step of one burst of `batch` requests."""
     engine = llm.llm_engine
@@ -71,7 +88,10 @@ def _decode_steps(
     )  # fmt: skip
     for i in range(batch):
         ids = [(7 * i + j) % 1000 + 3 for j in range(ns.input_len)]
-        engine.add_request(f"r{run}-{batch}-{i}", {"prompt_token_ids": ids}, params)
+        adapter = lora if i % 2 else None
+        engine.add_request(
+            f"r{run}-{batch}-{i}", {"prompt_token_ids": ids}, params, lora_request=adapter
+        )
     steps: list[tuple[float, float]] = []
     while engine.has_unfinished_requests():
         decode_only = _all_started(engine)  # every request past its prompt
@@ -127,25 +147,32 @@ def main() -> int:
         "--async-scheduling", action="store_true",
         help="EngineArgs async_scheduling: a step() launches step N+1, then finishes step N",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora", action="store_true", help="every other request runs a rank-8 adapter"
+    )
     parser.add_argument("--sort", default="tottime", help="the profile's order (cumtime, ...)")
     parser.add_argument("--top", type=int, default=25, help="functions the profile prints")
     parser.add_argument("--profile", action="store_true", help="cProfile one run per size")
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     with tempfile.TemporaryDirectory() as tmp:
+        model_dir = _model_dir(Path(tmp))
+        lora = _adapter(model_dir) if ns.lora else None
+        lora_args = dict(enable_lora=True, max_lora_rank=8) if ns.lora else {}
         llm = LLM(
-            model=str(_model_dir(Path(tmp))), load_format="dummy", skip_tokenizer_init=True,
+            model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
             device="cpu", max_model_len=ns.input_len + ns.output_len + 16,
             max_num_seqs=max(ns.batch_sizes), seed=0, async_scheduling=ns.async_scheduling,
+            **lora_args,
         )  # fmt: skip
         if ns.stub_forward:
             _stub_forward(llm)
-        _decode_steps(llm, 8, ns, run=-1)  # warm up
+        _decode_steps(llm, 8, ns, run=-1, lora=lora)  # warm up
         if ns.profile:
             for batch in ns.batch_sizes:
                 profiler = cProfile.Profile()
                 profiler.enable()
-                steps = _decode_steps(llm, batch, ns, run=0)
+                steps = _decode_steps(llm, batch, ns, run=0, lora=lora)
                 profiler.disable()
                 print(f"batch {batch}: {len(steps)} decode steps")
                 pstats.Stats(profiler).sort_stats(ns.sort).print_stats(ns.top)
@@ -154,7 +181,7 @@ def main() -> int:
         cpus: dict[int, list[float]] = {b: [] for b in ns.batch_sizes}
         for run in range(ns.repeats):
             for batch in ns.batch_sizes:
-                steps = _decode_steps(llm, batch, ns, run)
+                steps = _decode_steps(llm, batch, ns, run, lora)
                 walls[batch].append(1e3 * statistics.median(w for w, _ in steps))
                 cpus[batch].append(1e3 * statistics.median(c for _, c in steps))
     print(f"{'batch':>6} {'wall ms/step':>22} {'CPU ms/step':>22} {'us/request (wall)':>18}")

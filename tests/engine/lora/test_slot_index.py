@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def _expanded(runs: list[tuple[int, int]]) -> list[int]:
 class _Event:
     """A CUDA event's stand-in: remembers whether the host waited for it."""
 
-    log: list[_Event] = []
+    log: ClassVar[list[_Event]] = []
 
     def __init__(self) -> None:
         self.recorded = self.synchronized = False
