@@ -30,7 +30,7 @@ _EXPORTS = {
     "LLMEngine": "engine.front.llm_engine",
     "EngineDeadError": "engine.api.errors",
     "EngineArgs": "engine.config.engine_config",
-    "EngineConfig": "engine.config.engine_config",
+    "EngineConfig": "engine.config.resolved",
     "LoRARequest": "engine.lora.request",
     "CompletionOutput": "engine.api.outputs",
     "Logprob": "engine.api.outputs",
@@ -85,8 +85,9 @@ if TYPE_CHECKING:
         SamplingParams,
         StructuredOutputsParams,
     )
-    from engine.config.engine_config import EngineArgs, EngineConfig
+    from engine.config.engine_config import EngineArgs
     from engine.config.pooler import PoolerConfig
+    from engine.config.resolved import EngineConfig
     from engine.front.async_llm_engine import AsyncLLMEngine
     from engine.front.engine_commands import EngineStats
     from engine.front.llm_engine import LLMEngine

@@ -15,8 +15,8 @@ from engine.api.sampling_params import RequestOutputKind
 from engine.config.pooler import matryoshka_dimensions
 
 if TYPE_CHECKING:
-    from engine.config.engine_config import ModelConfig
     from engine.config.pooler import PoolerConfig
+    from engine.config.resolved import ModelConfig
 
 
 @dataclass

@@ -5,6 +5,7 @@ parts (model, cache, scheduler, parallel, pooler, quantization, KV-cache dtype),
 are from `vllm.config`.
 """
 
-from engine.config.engine_config import EngineArgs, EngineConfig
+from engine.config.engine_config import EngineArgs
+from engine.config.resolved import EngineConfig
 
 __all__ = ["EngineArgs", "EngineConfig"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine.config.engine_config import SchedulerConfig
+from engine.config.resolved import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.core import async_scheduling
 from engine.core.fairness import VirtualTokenCounter, create_waiting_queue

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from engine.config.engine_config import EngineConfig
+from engine.config.resolved import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.rank_procs import describe_exit, free_port, kill_all, stop_ranks
 from engine.executor.rank_rpc import DEFAULT_RPC_TIMEOUT_S, raise_first_failure

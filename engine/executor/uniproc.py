@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from engine.config.engine_config import EngineConfig
+from engine.config.resolved import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.mp_executor import MultiprocExecutor
 from engine.executor.rank_rpc import DEFAULT_RPC_TIMEOUT_S

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from engine.api.outputs import PoolingRequestOutput, RequestOutput
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import EngineConfig
+from engine.config.resolved import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput

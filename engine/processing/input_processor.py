@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.api.bad_words import bad_words_token_ids
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import EngineConfig
+from engine.config.resolved import EngineConfig
 from engine.pooling_params import PoolingParams
 
 PromptType = str | Mapping[str, Any]

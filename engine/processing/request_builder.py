@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import EngineConfig
+from engine.config.resolved import EngineConfig
 from engine.core.engine_request import EngineRequest
 from engine.core.request import Request
 from engine.pooling_params import PoolingParams

@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.api.model_files import load_tokenizer
 from engine.api.structured_outputs import StructuredOutputsParams
-from engine.config.engine_config import ModelConfig
+from engine.config.resolved import ModelConfig
 from engine.core.request import Request
 from engine.structured_output.config import DecodingConfig
 from engine.structured_output.request import StructuredOutputRequest

@@ -6,7 +6,7 @@ import logging
 import math
 from collections.abc import Callable
 
-from engine.config.engine_config import CacheConfig, SchedulerConfig
+from engine.config.resolved import CacheConfig, SchedulerConfig
 from engine.worker.cpu_kv_budget import default_cpu_kv_cache_bytes
 
 logger = logging.getLogger(__name__)

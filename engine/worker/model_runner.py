@@ -24,7 +24,7 @@ import torch
 
 from engine.attention.backend import get_attention_backend
 from engine.attention.kv_cache_spec import PagedKVSpec
-from engine.config.engine_config import CacheConfig, EngineConfig
+from engine.config.resolved import CacheConfig, EngineConfig
 from engine.config.rope import rope_regime
 from engine.core.sched_output import (
     ModelRunnerOutput,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.config.engine_config import EngineConfig
+from engine.config.resolved import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest

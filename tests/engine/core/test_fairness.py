@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import SchedulerConfig
+from engine.config.resolved import SchedulerConfig
 from engine.core.fairness import FairQueue, VirtualTokenCounter
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request

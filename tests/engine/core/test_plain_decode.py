@@ -15,7 +15,7 @@ import time
 import pytest
 
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import SchedulerConfig
+from engine.config.resolved import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.plain_decode import PlainDecode
 from engine.core.request import Request, RequestStatus

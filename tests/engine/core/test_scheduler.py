@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import SchedulerConfig
+from engine.config.resolved import SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from engine.api.sampling_params import SamplingParams
-from engine.config.engine_config import EngineArgs, SchedulerConfig
+from engine.config.engine_config import EngineArgs
+from engine.config.resolved import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
