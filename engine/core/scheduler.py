@@ -23,7 +23,8 @@ the runner verified and rolls `num_computed_tokens` back over the rejected draft
 cache slots the next step overwrites.
 
 Plain decode rows (one token in the last block's room, one sampled token) take a fast path
-with the same outcome (plain_decode.py); every other row goes through the code here.
+with the same outcome (plain_decode.py); every other row goes through the code here, its
+tokens taken and appended by step_tokens.py.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.plain_decode import PlainDecode, update_plain_rows
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.core.stop import check_stop
+from engine.core.step_tokens import append_tokens, step_token_ids
 
 
 class Scheduler:
@@ -343,7 +344,8 @@ class Scheduler:
         """`update` for a live entry that is not a plain row: drafts, a grammar, pooling,
         prompt logprobs only, or nothing sampled."""
         request = entry.request
-        token_ids = self._step_token_ids(request, runner_output)
+        token_ids, num_accepted = step_token_ids(request, runner_output)
+        self.num_accepted_draft_tokens += num_accepted
         if request.request_id in runner_output.pooled:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
             updated.append(request)
@@ -356,8 +358,10 @@ class Scheduler:
             request.times.first_token_time = now
         request.times.last_token_time = now
         num_output = request.num_output_tokens
-        status = self._append_tokens(request, token_ids)
-        self.fairness.on_output(request, request.num_output_tokens - num_output)
+        status = append_tokens(request, token_ids, self.config.max_model_len)
+        num_appended = request.num_output_tokens - num_output
+        self.num_output_tokens_last_update += num_appended
+        self.fairness.on_output(request, num_appended)
         if status is not None:
             self._finish(request, status)
         updated.append(request)
@@ -367,39 +371,3 @@ class Scheduler:
         self.running.remove(request)
         request.status = status
         self._free(request)
-
-    def _step_token_ids(self, request: Request, runner_output: ModelRunnerOutput) -> list[int]:
-        """The tokens the step produced for `request` (none, one, or a verified draft run
-        plus one); for a speculative entry, rolls `num_computed_tokens` back over the
-        rejected drafts (their slots hold keys/values of wrong tokens) and clears them."""
-        num_drafts = len(request.spec_token_ids)
-        if not num_drafts:
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            return [] if token_id is None else [token_id]
-        token_ids = runner_output.spec_output_token_ids[request.request_id]
-        num_accepted = len(token_ids) - 1
-        assert 0 <= num_accepted <= num_drafts, (request, token_ids)
-        self.num_accepted_draft_tokens += num_accepted
-        request.num_computed_tokens -= num_drafts - num_accepted
-        request.spec_token_ids = []
-        return token_ids
-
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
-        """Appends tokens one by one until one finishes the request (the rest are dropped);
-        returns that finished status, or None."""
-        grammar = request.structured_output
-        for token_id in token_ids:
-            request.append_output_token_ids([token_id])
-            self.num_output_tokens_last_update += 1
-            status = check_stop(request, self.config.max_model_len)
-            # The mask allowed only tokens the grammar accepts, so a refusal means the
-            # grammar is done (it allowed nothing but a stop): either way, finish "stop".
-            if (
-                grammar is not None
-                and status is None
-                and (not grammar.accept_tokens([token_id]) or grammar.is_terminated())
-            ):
-                status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                return status
-        return None

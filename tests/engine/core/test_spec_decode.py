@@ -11,6 +11,7 @@ from engine.api.sampling_params import SamplingParams
 from engine.config.engine_config import EngineArgs
 from engine.config.resolved import SchedulerConfig
 from engine.config.speculative import SpeculativeConfig
+from engine.core import scheduler as scheduler_module
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.ngram_proposer import NgramProposer, can_speculate
 from engine.core.request import Request
@@ -366,15 +367,15 @@ def count_cut_runs(monkeypatch) -> list[int]:
     """Counts (in the returned one-item list) the steps whose verified tokens were cut short
     by a stop: a stop token inside a run of accepted drafts."""
     num_cut = [0]
-    append_tokens = Scheduler._append_tokens
+    append_tokens = scheduler_module.append_tokens
 
-    def counting_append_tokens(self, request, token_ids):
+    def counting_append_tokens(request, token_ids, max_model_len):
         before = request.num_output_tokens
-        status = append_tokens(self, request, token_ids)
+        status = append_tokens(request, token_ids, max_model_len)
         num_cut[0] += request.num_output_tokens - before < len(token_ids)
         return status
 
-    monkeypatch.setattr(Scheduler, "_append_tokens", counting_append_tokens)
+    monkeypatch.setattr(scheduler_module, "append_tokens", counting_append_tokens)
     return num_cut
 
 
