@@ -27,8 +27,8 @@ if __package__ in (None, ""):  # run as a script: the checkout first, not this f
 
 import torch
 
+from benchmarks.gpu.decode_timing import timed_generate
 from benchmarks.gpu.fp8_decode import decode_step_ms
-from benchmarks.gpu.gpu_decode import timed_generate
 from benchmarks.gpu.llama8b import SHAPES, write_model_dir
 from engine import LLM
 

@@ -42,16 +42,11 @@ if __package__ in (None, ""):  # run as a script: the checkout first, not this f
 
 import torch
 
-from benchmarks.gpu.gpu_decode import (
-    add_arguments,
-    decode_weight_bytes,
-    measure_device,
-    part_decode,
-    part_throughput,
-    timed_generate,
-)
+from benchmarks.gpu.decode_timing import decode_weight_bytes, part_decode, timed_generate
+from benchmarks.gpu.gpu_decode import add_arguments, measure_device
 from benchmarks.gpu.llama8b import write_model_dir
 from benchmarks.gpu.route_timing import engine_crossovers, with_kernel_rows
+from benchmarks.gpu.throughput_workloads import part_throughput
 from engine import LLM
 
 H200_BATCH1_GOAL_MS = 2.4

@@ -33,15 +33,11 @@ if __package__ in (None, ""):  # run as a script: the checkout first, not this f
 
 import torch
 
-from benchmarks.gpu.gpu_decode import (
-    add_arguments,
-    measure_device,
-    part_decode,
-    part_throughput,
-    timed_generate,
-)
+from benchmarks.gpu.decode_timing import part_decode, timed_generate
+from benchmarks.gpu.gpu_decode import add_arguments, measure_device
 from benchmarks.gpu.llama8b import write_model_dir
 from benchmarks.gpu.route_timing import engine_crossovers
+from benchmarks.gpu.throughput_workloads import part_throughput
 from engine import LLM
 
 PROJECTIONS = {

@@ -211,7 +211,7 @@ def _kernel_kind(name: str) -> str:
 def part_profile(smoke: bool, device: torch.device, directory: Path) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.gpu.gpu_decode import graphs_off
+    from benchmarks.gpu.decode_timing import graphs_off
     from benchmarks.gpu.llama8b import write_model_dir
     from engine import LLM, SamplingParams
 
