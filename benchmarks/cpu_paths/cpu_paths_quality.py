@@ -181,7 +181,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.configs[0] != "ref":
         args.configs = ["ref", *[c for c in args.configs if c != "ref"]]
-    from benchmarks.offline.throughput import cpu_model
+    from benchmarks.offline.host_machine import cpu_model
 
     text, source = corpus()
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")

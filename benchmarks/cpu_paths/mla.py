@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.offline.throughput import cpu_model
+from benchmarks.offline.host_machine import cpu_model
 from engine.llm import LLM
 from engine.worker.inputs import build_step_inputs
 

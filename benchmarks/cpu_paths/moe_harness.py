@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.offline.throughput import cpu_model, make_prompts
+from benchmarks.offline.host_machine import cpu_model
+from benchmarks.offline.throughput import make_prompts
 from engine.api.sampling_params import SamplingParams
 from engine.llm import LLM
 

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: the checkout first, not this f
 
 import torch
 
-from benchmarks.offline.throughput import add_emulate_isa_argument, cpu_model, reexec_with_isa
+from benchmarks.offline.host_machine import add_emulate_isa_argument, cpu_model, reexec_with_isa
 from engine import LLM, SamplingParams
 from engine.attention.backend import SplitAttentionBackend
 from engine.layers.linear import Linear

@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from benchmarks.offline.throughput import cpu_model
+    from benchmarks.offline.host_machine import cpu_model
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs, {args.hogs} busy neighbours")
     hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.hogs)]

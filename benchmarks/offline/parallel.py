@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.offline.throughput import cpu_model, make_prompts, run_engine
+from benchmarks.offline.host_machine import cpu_model
+from benchmarks.offline.throughput import make_prompts, run_engine
 from engine import LLM
 
 
