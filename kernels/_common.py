@@ -96,3 +96,15 @@ def kv_scale_arg(name: str, scale: float | torch.Tensor, device: torch.device):
     if not scale > 0.0 or scale == float("inf"):
         raise ValueError(f"{name} must be positive and finite, got {scale}.")
     return scale, False
+
+
+def kv_scale_args(
+    k_scale: float | torch.Tensor, v_scale: float | torch.Tensor, device: torch.device
+):
+    """Both scales of an FP8 KV cache as kernel arguments: (keys', values', whether they are
+    pointers); both floats or both tensors."""
+    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, device)
+    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, device)
+    if k_is_ptr != v_is_ptr:
+        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
+    return k_arg, v_arg, k_is_ptr

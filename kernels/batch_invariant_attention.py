@@ -26,8 +26,8 @@ import triton.language as tl
 
 from kernels._common import next_power_of_2
 from kernels._math import tanh
-from kernels.paged_attention import LOG2_E, _find_request
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
+from kernels.paged_kv_tiles import LOG2_E, find_request
 
 BLOCK_N = 64  # keys per step, for every row of every launch
 NUM_WARPS = 4
@@ -66,7 +66,7 @@ def _invariant_attention_kernel(
     pid = tl.program_id(0)
     head = tl.program_id(1)
     q_first = tl.load(query_start_loc_ptr)
-    req = _find_request(query_start_loc_ptr, num_reqs, pid, q_first, 1)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, 1)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     row = pid - (q_start - q_first + req)
@@ -157,7 +157,7 @@ def invariant_attention(
         return out
     check_attention_options(query, sliding_window, logits_soft_cap, sinks)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    # Program ids per request: its query rows plus one spare (_find_request's numbering).
+    # Program ids per request: its query rows plus one spare (find_request's numbering).
     grid = (num_tokens + num_reqs, num_heads)
     _invariant_attention_kernel[grid](
         query_ptr=query,

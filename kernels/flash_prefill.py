@@ -38,11 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_arg, next_power_of_2
-from kernels._math import tanh
+from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_args, next_power_of_2
 from kernels.fp8_quant import kv_scale_value
-from kernels.paged_attention import LOG2_E, _find_request, _load_kv_tile
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
+from kernels.paged_kv_tiles import LOG2_E, attend_kv_tile, find_request
 
 
 def _configs() -> list[triton.Config]:
@@ -143,42 +142,12 @@ def _attend_tiles(
     dim_valid = dims < HEAD_DIM
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_valid = kv_pos < seq_len
-        k, v = _load_kv_tile(
-            key_cache_ptr,
-            value_cache_ptr,
-            block_table_row,
-            kv_pos,
-            kv_valid,
-            kv_head,
-            dims,
-            dim_valid,
-            stride_cache_block,
-            stride_cache_slot,
-            stride_cache_head,
-            ks,
-            vs,
-            BLOCK_SIZE,
-            IS_FP8,
-        )
-        k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
-        v = v.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PADDED]
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:
-            scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
-        if MASKED:
-            visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
-            if SLIDING_WINDOW > 0:
-                visible = visible & (kv_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-            scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_tile(
+            acc, m_i, l_i, q, q_pos, kv_pos, kv_pos < seq_len, block_table_row,
+            key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, scale_log2,
+            soft_cap_log2, ks, vs, stride_cache_block, stride_cache_slot, stride_cache_head,
+            BLOCK_SIZE, SLIDING_WINDOW, HAS_SOFT_CAP, MASKED, DOT_PRECISION, IS_FP8,
+        )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -228,7 +197,7 @@ def _flash_prefill_kernel(
     pid = tl.program_id(0)
     head = tl.program_id(1)
     q_first = tl.load(query_start_loc_ptr)
-    req = _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_M)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     q_tile = pid - ((q_start - q_first) // BLOCK_M + req)
@@ -337,10 +306,7 @@ def flash_prefill(
     check_paged_attention_inputs(
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len, fp8_ok=True
     )
-    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
-    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
-    if k_is_ptr != v_is_ptr:
-        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
+    k_arg, v_arg, k_is_ptr = kv_scale_args(k_scale, v_scale, kv_cache.device)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]

@@ -29,6 +29,9 @@ in fp32 (base-2 exponentials). The causal limit of the tile's last query row bou
 A cache in a 16-bit `kv_cache_dtype` other than the query's is converted to the query's
 dtype as each tile is loaded, so the dots run in the model dtype.
 
+The request search, the tile loads and the online-softmax step are kernels/paged_kv_tiles.py's,
+shared with the prefill kernel (kernels/flash_prefill.py).
+
 Split-KV (flash decoding): with few requests and long contexts, a third grid axis splits the
 context walk into `num_splits` ranges. Each split writes a normalized partial output and its
 log-sum-exp; a second kernel merges them.
@@ -42,13 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_arg, next_power_of_2
-from kernels._math import tanh
+from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_args, next_power_of_2
 from kernels.fp8_quant import kv_scale_value
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
+from kernels.paged_kv_tiles import LOG2_E, attend_kv_tile, find_request
 from kernels.split_kv import choose_num_splits, merge_splits
-
-LOG2_E = 1.4426950408889634
 
 
 class _TileConfig(NamedTuple):
@@ -77,58 +78,6 @@ def _tile_config(
         tile_rows, num_warps, num_stages = (32 if dtype == torch.float32 else 64), 8, 2
     block_q = max(1, tile_rows // group)  # a head group larger than the tile: one token
     return _TileConfig(group, block_q, block_n, head_dim_padded, num_warps, num_stages)
-
-
-@triton.jit
-def _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.constexpr):
-    """Largest request r with first(r) <= pid; first(r) is strictly increasing in r."""
-    lo = tl.full((), 0, tl.int32)
-    hi = tl.full((), 0, tl.int32) + num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first_mid = (tl.load(query_start_loc_ptr + mid) - q_first) // BLOCK_Q + mid
-        owns = first_mid <= pid
-        lo = tl.where(owns, mid, lo)
-        hi = tl.where(owns, hi, mid - 1)
-    return lo
-
-
-@triton.jit
-def _load_kv_tile(
-    key_cache_ptr,
-    value_cache_ptr,
-    block_table_row,  # this request's row of the block table
-    kv_pos,  # [BLOCK_N] key positions
-    kv_valid,  # [BLOCK_N] positions inside the context
-    kv_head,
-    dims,  # [HEAD_DIM_PADDED]
-    dim_valid,  # [HEAD_DIM_PADDED]
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    ks,  # FP8 cache: the keys' scale
-    vs,  # FP8 cache: the values' scale
-    BLOCK_SIZE: tl.constexpr,
-    IS_FP8: tl.constexpr,
-):
-    """One tile of keys and values gathered from the paged cache ([BLOCK_N, HEAD_DIM_PADDED],
-    zeros outside the context), an FP8 cache's dequantized in fp32 (float(stored) * scale);
-    the caller casts them to the query's dtype. Shared by the attention kernels here and
-    kernels/flash_prefill.py."""
-    block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
-    # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
-    kv_offsets = (
-        block_ids.to(tl.int64) * stride_cache_block
-        + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-        + kv_head * stride_cache_head
-    )  # [BLOCK_N]
-    kv_mask = kv_valid[:, None] & dim_valid[None, :]
-    k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    if IS_FP8:
-        k = k.to(tl.float32) * ks
-        v = v.to(tl.float32) * vs
-    return k, v
 
 
 @triton.jit
@@ -178,7 +127,7 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     q_first = tl.load(query_start_loc_ptr)
-    req = _find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     q_tile = pid - ((q_start - q_first) // BLOCK_Q + req)
@@ -241,42 +190,12 @@ def _paged_attention_kernel(
 
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_valid = kv_pos < kv_end
-        k, v = _load_kv_tile(
-            key_cache_ptr,
-            value_cache_ptr,
-            block_table_row,
-            kv_pos,
-            kv_valid,
-            kv_head,
-            dims,
-            dim_valid,
-            stride_cache_block,
-            stride_cache_slot,
-            stride_cache_head,
-            ks,
-            vs,
-            BLOCK_SIZE,
-            IS_FP8,
-        )
-        k = k.to(q.dtype)  # from a 16-bit kv_cache_dtype (a no-op when they agree)
-        v = v.to(q.dtype)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:
-            # cap * tanh(s / cap), both sides in the log2 domain (the ratio is the same).
-            scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
-        if SLIDING_WINDOW > 0:
-            visible = visible & (kv_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_Q * GROUP, BLOCK_N]
-
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_tile(
+            acc, m_i, l_i, q, q_pos, kv_pos, kv_pos < kv_end, block_table_row,
+            key_cache_ptr, value_cache_ptr, kv_head, dims, dim_valid, scale_log2,
+            soft_cap_log2, ks, vs, stride_cache_block, stride_cache_slot, stride_cache_head,
+            BLOCK_SIZE, SLIDING_WINDOW, HAS_SOFT_CAP, True, DOT_PRECISION, IS_FP8,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
@@ -343,10 +262,7 @@ def paged_attention(
     check_paged_attention_inputs(
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len, fp8_ok=True
     )
-    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
-    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
-    if k_is_ptr != v_is_ptr:
-        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
+    k_arg, v_arg, k_is_ptr = kv_scale_args(k_scale, v_scale, kv_cache.device)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]

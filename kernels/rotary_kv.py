@@ -39,7 +39,7 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
-    kv_scale_arg,
+    kv_scale_args,
     next_power_of_2,
 )
 from kernels.fp8_quant import kv_scale_value, quantize_e4m3
@@ -283,8 +283,5 @@ def rotary_write_kv_cache(
     check_same_device(
         qk=qk, value=value, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping
     )
-    k_arg, k_is_ptr = kv_scale_arg("k_scale", k_scale, kv_cache.device)
-    v_arg, v_is_ptr = kv_scale_arg("v_scale", v_scale, kv_cache.device)
-    if k_is_ptr != v_is_ptr:
-        raise ValueError("k_scale and v_scale must both be floats or both tensors.")
+    k_arg, v_arg, _ = kv_scale_args(k_scale, v_scale, kv_cache.device)
     _launch(qk, cos, sin, num_heads, value, kv_cache, slot_mapping, k_arg, v_arg)
