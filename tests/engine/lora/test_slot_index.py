@@ -9,7 +9,6 @@ upload and copies no index."""
 from __future__ import annotations
 
 import collections
-import traceback
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +20,7 @@ from engine.lora import manager as lora_manager
 from engine.lora.slot_index import SlotIndex
 from engine.worker.uploads import Uploader
 from tests.engine.front.test_async_scheduling import Workload, _prompt, assert_same, run
+from tests.engine.worker.test_persistent_sampling import count_device_tensors
 from tests.model_utils import make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -220,17 +220,9 @@ def test_a_steady_lora_decode_step_uploads_nothing_and_never_blocks(
     index = runner.lora_manager.slot_index
     assert index.pinned and index.num_uploads == 2  # the prompts', the decodes'
 
-    uploads: collections.Counter[str] = collections.Counter()
-    original_tensor = torch.tensor
-
-    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") is not None:
-            uploads[Path(traceback.extract_stack(limit=2)[0].filename).name] += 1
-        return original_tensor(*args, **kwargs)
-
     num_steps = 0
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "tensor", tensor)
+        uploads = count_device_tensors(patch)
         while engine.has_unfinished_requests():
             engine.step()
             num_steps += 1

@@ -198,6 +198,21 @@ def _recording_pin(callers: collections.Counter[str]) -> Any:
     return pin
 
 
+def count_device_tensors(patch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """From now on (in `patch`'s context), the `torch.tensor(..., device=...)` calls (a
+    pageable copy that waits, on a GPU), counted by the file that made them."""
+    uploads: collections.Counter[str] = collections.Counter()
+    original_tensor = torch.tensor
+
+    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is not None:
+            uploads[Path(traceback.extract_stack(limit=2)[0].filename).name] += 1
+        return original_tensor(*args, **kwargs)
+
+    patch.setattr(torch, "tensor", tensor)
+    return uploads
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_steady_seeded_decode_step_uploads_nothing_for_the_sampler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
@@ -229,14 +244,6 @@ def test_a_steady_seeded_decode_step_uploads_nothing_for_the_sampler(
     assert num_uploads >= 1
     pins.clear()
 
-    uploads: collections.Counter[str] = collections.Counter()
-    original_tensor = torch.tensor
-
-    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("device") is not None:
-            uploads[Path(traceback.extract_stack(limit=2)[0].filename).name] += 1
-        return original_tensor(*args, **kwargs)
-
     reads = 0
     original_to_host = host_reads.to_host
 
@@ -250,7 +257,7 @@ def test_a_steady_seeded_decode_step_uploads_nothing_for_the_sampler(
 
     num_steps = 0
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "tensor", tensor)
+        uploads = count_device_tensors(patch)
         patch.setattr(host_reads, "to_host", to_host)
         patch.setattr(SamplingMetadata, "build", staticmethod(no_rebuild))
         while engine.has_unfinished_requests():
