@@ -14,7 +14,6 @@ when the tokens differ.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -25,21 +24,15 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import torch
 
 from benchmarks.gpu.decode_timing import timed_generate
 from benchmarks.gpu.fp8_decode import decode_step_ms
-from benchmarks.gpu.llama8b import SHAPES, write_model_dir
-from engine import LLM
+from benchmarks.gpu.llama8b import write_model_dir
+from benchmarks.gpu.mode_comparison import add_arguments, free_device_memory, start_engine
 
 
 def measure(args: argparse.Namespace, model_dir: Path, on: bool) -> dict[str, Any]:
-    llm = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=max(args.batches), async_scheduling=on,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) or None,
-    )  # fmt: skip
+    llm = start_engine(args, model_dir, async_scheduling=on)
     steps: dict[str, Any] = {}
     for batch in args.batches:
         samples = [
@@ -59,24 +52,14 @@ def measure(args: argparse.Namespace, model_dir: Path, on: bool) -> dict[str, An
     ]
     _, tokens = timed_generate(llm, prompts, args.decode_tokens)
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return {"decode_step_ms": steps, "tokens": tokens}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 200])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    add_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="0: what is left")
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {"shape": args.shape, "device": args.device}
     with tempfile.TemporaryDirectory() as tmp:

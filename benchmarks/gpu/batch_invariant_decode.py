@@ -14,7 +14,6 @@ point of the mode: the first prompt's greedy tokens alone equal its tokens among
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -24,11 +23,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the checkout first, not this folder
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import torch
 
 from benchmarks.gpu.decode_timing import timed_generate
 from benchmarks.gpu.fp8_decode import decode_step_ms
-from benchmarks.gpu.llama8b import SHAPES, write_model_dir
+from benchmarks.gpu.llama8b import write_model_dir
+from benchmarks.gpu.mode_comparison import add_arguments, free_device_memory, start_engine
 from engine import LLM
 
 
@@ -44,13 +43,9 @@ def _alone_equals_batched(llm: LLM, batch: int, prompt_len: int, tokens: int) ->
 
 
 def measure(args: argparse.Namespace, model_dir: Path, invariant: bool) -> dict[str, Any]:
-    llm = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=max(args.batches), batch_invariant=invariant,
-        attention_backend=args.attention_backend,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) or None,
-    )  # fmt: skip
+    llm = start_engine(
+        args, model_dir, batch_invariant=invariant, attention_backend=args.attention_backend
+    )
     steps = {}
     for batch in args.batches:
         steps[str(batch)] = decode_step_ms(llm, batch, args.prompt_len, args.decode_tokens)
@@ -62,24 +57,14 @@ def measure(args: argparse.Namespace, model_dir: Path, invariant: bool) -> dict[
     same = _alone_equals_batched(llm, max(args.batches), args.prompt_len, args.decode_tokens)
     print(f"batch_invariant={invariant}: alone == in batch: {same}", flush=True)
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()
     return {"decode_step_ms": steps, "alone_equals_batched": same}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    add_arguments(parser)
     parser.add_argument("--attention-backend", default=None, help="default: the device's")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 200])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--kv-cache-gib", type=float, default=0.0, help="0: what is left")
-    parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     results: dict[str, Any] = {"shape": args.shape, "device": args.device}
     with tempfile.TemporaryDirectory() as tmp:
