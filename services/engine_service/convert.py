@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engine import Logprob, PoolingParams, RequestOutput, SamplingParams
@@ -155,7 +155,15 @@ class EngineResponseBuilder:
         self.finish_reasons: dict[int, str] = {}  # index -> "stop" / "length" / "abort"
         self.pending_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
 
-    def build(self, output: RequestOutput) -> list[engine_pb2.EngineGenerateResponse]:
+    def build(
+        self,
+        output: RequestOutput,
+        new_message: Callable[[], engine_pb2.EngineGenerateResponse] = (
+            engine_pb2.EngineGenerateResponse
+        ),
+    ) -> list[engine_pb2.EngineGenerateResponse]:
+        """The output's messages, each filled into a fresh one from `new_message`: a
+        standalone message, or one already inside a GenerateStream batch (no copy)."""
         if output.prompt_logprobs:
             self.pending_prompt_logprobs += [
                 position_logprobs_to_proto(p, self.num_prompt_logprobs)
@@ -166,20 +174,20 @@ class EngineResponseBuilder:
         responses = []
         for completion in output.outputs:
             index = completion.index
-            self.num_completion_tokens[index] += len(completion.token_ids)
+            num_completion = self.num_completion_tokens[index] + len(completion.token_ids)
+            self.num_completion_tokens[index] = num_completion
+            msg = new_message()
+            msg.request_id = self.request_id
+            msg.index = index
+            msg.token_ids.extend(completion.token_ids)
             if completion.finish_reason is not None:
                 self.finish_reasons[index] = completion.finish_reason
-            msg = engine_pb2.EngineGenerateResponse(
-                request_id=self.request_id,
-                index=index,
-                token_ids=completion.token_ids,
-                finish_reason=FINISH_REASONS[completion.finish_reason],  # type: ignore[arg-type]
-                usage=common_pb2.Usage(
-                    prompt_tokens=num_prompt,
-                    completion_tokens=self.num_completion_tokens[index],
-                    cached_tokens=num_cached,
-                ),
-            )
+                msg.finish_reason = FINISH_REASONS[completion.finish_reason]  # type: ignore[assignment]
+            usage = msg.usage
+            usage.SetInParent()  # present on every message, zeros included
+            usage.prompt_tokens = num_prompt
+            usage.completion_tokens = num_completion
+            usage.cached_tokens = num_cached
             if completion.logprobs:
                 msg.logprobs.extend(
                     position_logprobs_to_proto(p, self.num_logprobs) for p in completion.logprobs

@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry import trace
@@ -35,6 +35,7 @@ from engine import (
     AsyncLLMEngine,
     EngineConfig,
     EngineDeadError,
+    RequestOutput,
     RequestOutputKind,
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -57,6 +58,17 @@ from services.engine_service.stream_servicer import EngineStreamRpcs
 logger = logging.getLogger("services.engine")
 
 WriteResponse = Callable[[engine_pb2.EngineGenerateResponse], Awaitable[Any]]
+
+
+class ResponseBatch(Protocol):
+    """Where a multiplexed request's messages go (stream_servicer.StreamBatchWriter's view
+    for one request): a new message inside the batch, or a copy of a built one."""
+
+    def new_response(self) -> engine_pb2.EngineGenerateResponse: ...
+
+    def add(self, response: engine_pb2.EngineGenerateResponse) -> None: ...
+
+
 INSTANCE_ID = uuid.uuid4().hex  # this process's (Health details: INSTANCE_DETAIL)
 
 
@@ -124,16 +136,26 @@ class EngineServicer(
         await self.generate_one(request, context, context.write)
 
     async def generate_one(
-        self, request: engine_pb2.EngineGenerateRequest, context: Any, write: WriteResponse
+        self,
+        request: engine_pb2.EngineGenerateRequest,
+        context: Any,
+        write: WriteResponse | None = None,
+        batch: ResponseBatch | None = None,
     ) -> None:
-        """One Generate request, its messages handed to `write`: the call's own stream
-        (Generate) or the batch of a multiplexed call (GenerateStream, stream_servicer.py).
-        Raises what the request's status comes from."""
+        """One Generate request. Its messages go to `write` (the call's own stream:
+        Generate) through the engine's per-request generator, or, with `batch`, straight
+        into the batch of a multiplexed call (GenerateStream, stream_servicer.py), built in
+        the engine thread's hand-over of each step. Raises what the request's status
+        comes from."""
         with _fields_named_by_proto_path():
-            await self._generate(request, context, write)
+            await self._generate(request, context, write, batch)
 
     async def _generate(
-        self, request: engine_pb2.EngineGenerateRequest, context: Any, write: WriteResponse
+        self,
+        request: engine_pb2.EngineGenerateRequest,
+        context: Any,
+        write: WriteResponse | None,
+        batch: ResponseBatch | None,
     ) -> None:
         span = trace.get_current_span()  # the request's SERVER span: llm_request's parent
         engine = self._ready_engine()
@@ -149,22 +171,41 @@ class EngineServicer(
         resumed = convert.resumed_output_token_ids_from_proto(request)
         builder = convert.EngineResponseBuilder(request_id, params, resumed)
         start = time.perf_counter()
+        prompt = convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt)
+        options = _request_options(request, context, lora_request)
         with self.requests.admit(request_id, None):
-            stream = engine.generate(
-                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
-                params,
-                request_id,
-                resumed_output_token_ids=resumed,
-                **_request_options(request, context, lora_request),
-            )
             try:
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
+                if batch is not None:
+
+                    def on_output(output: RequestOutput) -> None:
+                        if request_id not in self._handing_back:
+                            builder.build(output, batch.new_response)
+                            return
                         for response in builder.build(output):
-                            if request_id in self._handing_back:
-                                response = _without_abort(response)
+                            response = _without_abort(response)
                             if response is not None:
-                                await write(response)
+                                batch.add(response)
+
+                    await engine.generate_into(
+                        prompt,
+                        params,
+                        request_id,
+                        on_output,
+                        resumed_output_token_ids=resumed,
+                        **options,
+                    )
+                else:
+                    assert write is not None
+                    stream = engine.generate(
+                        prompt, params, request_id, resumed_output_token_ids=resumed, **options
+                    )
+                    async with contextlib.aclosing(stream):
+                        async for output in stream:
+                            for response in builder.build(output):
+                                if request_id in self._handing_back:
+                                    response = _without_abort(response)
+                                if response is not None:
+                                    await write(response)
             finally:
                 handed_back = request_id in self._handing_back
                 self._handing_back.discard(request_id)
