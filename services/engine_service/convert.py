@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine import Logprob, PoolingParams, RequestOutput, SamplingParams
@@ -155,15 +155,12 @@ class EngineResponseBuilder:
         self.finish_reasons: dict[int, str] = {}  # index -> "stop" / "length" / "abort"
         self.pending_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
 
-    def build(
-        self,
-        output: RequestOutput,
-        new_message: Callable[[], engine_pb2.EngineGenerateResponse] = (
-            engine_pb2.EngineGenerateResponse
-        ),
-    ) -> list[engine_pb2.EngineGenerateResponse]:
-        """The output's messages, each filled into a fresh one from `new_message`: a
-        standalone message, or one already inside a GenerateStream batch (no copy)."""
+    def build(self, output: RequestOutput) -> list[engine_pb2.EngineGenerateResponse]:
+        return [engine_pb2.EngineGenerateResponse(**fields) for fields in self.fields(output)]
+
+    def fields(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """The output's messages as `EngineGenerateResponse` field values: a GenerateStream
+        batch builds its entries from them in one call each (no message to copy)."""
         if output.prompt_logprobs:
             self.pending_prompt_logprobs += [
                 position_logprobs_to_proto(p, self.num_prompt_logprobs)
@@ -171,37 +168,37 @@ class EngineResponseBuilder:
             ]
         num_prompt = len(output.prompt_token_ids)
         num_cached = output.num_cached_tokens or 0
-        responses = []
+        messages = []
         for completion in output.outputs:
             index = completion.index
             num_completion = self.num_completion_tokens[index] + len(completion.token_ids)
             self.num_completion_tokens[index] = num_completion
-            msg = new_message()
-            msg.request_id = self.request_id
-            msg.index = index
-            msg.token_ids.extend(completion.token_ids)
+            fields: dict[str, Any] = {
+                "request_id": self.request_id,
+                "index": index,
+                "token_ids": completion.token_ids,
+                "usage": {
+                    "prompt_tokens": num_prompt,
+                    "completion_tokens": num_completion,
+                    "cached_tokens": num_cached,
+                },
+            }
             if completion.finish_reason is not None:
                 self.finish_reasons[index] = completion.finish_reason
-                msg.finish_reason = FINISH_REASONS[completion.finish_reason]  # type: ignore[assignment]
-            usage = msg.usage
-            usage.SetInParent()  # present on every message, zeros included
-            usage.prompt_tokens = num_prompt
-            usage.completion_tokens = num_completion
-            usage.cached_tokens = num_cached
+                fields["finish_reason"] = FINISH_REASONS[completion.finish_reason]
             if completion.logprobs:
-                msg.logprobs.extend(
+                fields["logprobs"] = [
                     position_logprobs_to_proto(p, self.num_logprobs) for p in completion.logprobs
-                )
+                ]
             if completion.cumulative_logprob is not None:
-                msg.cumulative_logprob = completion.cumulative_logprob
-            stop_reason = stop_reason_to_proto(completion.stop_reason)
-            if stop_reason is not None:
-                msg.stop_reason.CopyFrom(stop_reason)
+                fields["cumulative_logprob"] = completion.cumulative_logprob
+            if completion.stop_reason is not None:
+                fields["stop_reason"] = stop_reason_to_proto(completion.stop_reason)
             if self.pending_prompt_logprobs:
-                msg.prompt_logprobs.extend(self.pending_prompt_logprobs)
+                fields["prompt_logprobs"] = self.pending_prompt_logprobs
                 self.pending_prompt_logprobs = []
-            responses.append(msg)
-        return responses
+            messages.append(fields)
+        return messages
 
 
 def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:

@@ -62,9 +62,10 @@ WriteResponse = Callable[[engine_pb2.EngineGenerateResponse], Awaitable[Any]]
 
 class ResponseBatch(Protocol):
     """Where a multiplexed request's messages go (stream_servicer.StreamBatchWriter's view
-    for one request): a new message inside the batch, or a copy of a built one."""
+    for one request): a message built inside the batch from its field values
+    (`EngineResponseBuilder.fields`), or a copy of a built one."""
 
-    def new_response(self) -> engine_pb2.EngineGenerateResponse: ...
+    def add_fields(self, fields: dict[str, Any]) -> None: ...
 
     def add(self, response: engine_pb2.EngineGenerateResponse) -> None: ...
 
@@ -179,7 +180,8 @@ class EngineServicer(
 
                     def on_output(output: RequestOutput) -> None:
                         if request_id not in self._handing_back:
-                            builder.build(output, batch.new_response)
+                            for fields in builder.fields(output):
+                                batch.add_fields(fields)
                             return
                         for response in builder.build(output):
                             response = _without_abort(response)

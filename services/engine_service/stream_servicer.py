@@ -65,14 +65,14 @@ class StreamBatchWriter:
         self._closing = False
         self.num_batches = 0
 
-    def new_response(self, stream_id: int) -> engine_pb2.EngineGenerateResponse:
-        """An empty message of `stream_id` at the end of the batch, for the caller to fill
-        before the writer next runs (the same callback on the event loop)."""
+    def add_fields(self, stream_id: int, fields: dict[str, Any]) -> None:
+        """A message of `stream_id` built at the end of the batch from its field values."""
+        self._batch.outputs.add(stream_id=stream_id, response=fields)
         self._ready.set()
-        return self._batch.outputs.add(stream_id=stream_id).response
 
     def add(self, stream_id: int, response: engine_pb2.EngineGenerateResponse) -> None:
-        self.new_response(stream_id).CopyFrom(response)
+        self._batch.outputs.add(stream_id=stream_id).response.CopyFrom(response)
+        self._ready.set()
 
     def end(
         self,
@@ -245,8 +245,8 @@ class StreamResponses:
         self._writer = writer
         self._stream_id = stream_id
 
-    def new_response(self) -> engine_pb2.EngineGenerateResponse:
-        return self._writer.new_response(self._stream_id)
+    def add_fields(self, fields: dict[str, Any]) -> None:
+        self._writer.add_fields(self._stream_id, fields)
 
     def add(self, response: engine_pb2.EngineGenerateResponse) -> None:
         self._writer.add(self._stream_id, response)
