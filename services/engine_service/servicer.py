@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
@@ -173,41 +173,18 @@ class EngineServicer(
         builder = convert.EngineResponseBuilder(request_id, params, resumed)
         start = time.perf_counter()
         prompt = convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt)
-        options = _request_options(request, context, lora_request)
+        run_options = dict(
+            resumed_output_token_ids=resumed, **_request_options(request, context, lora_request)
+        )
         with self.requests.admit(request_id, None):
             try:
                 if batch is not None:
-
-                    def on_output(output: RequestOutput) -> None:
-                        if request_id not in self._handing_back:
-                            for fields in builder.fields(output):
-                                batch.add_fields(fields)
-                            return
-                        for response in builder.build(output):
-                            response = _without_abort(response)
-                            if response is not None:
-                                batch.add(response)
-
-                    await engine.generate_into(
-                        prompt,
-                        params,
-                        request_id,
-                        on_output,
-                        resumed_output_token_ids=resumed,
-                        **options,
-                    )
+                    on_output = _into_batch(builder, batch, self._handing_back)
+                    await engine.generate_into(prompt, params, request_id, on_output, **run_options)
                 else:
                     assert write is not None
-                    stream = engine.generate(
-                        prompt, params, request_id, resumed_output_token_ids=resumed, **options
-                    )
-                    async with contextlib.aclosing(stream):
-                        async for output in stream:
-                            for response in builder.build(output):
-                                if request_id in self._handing_back:
-                                    response = _without_abort(response)
-                                if response is not None:
-                                    await write(response)
+                    stream = engine.generate(prompt, params, request_id, **run_options)
+                    await _write_each(stream, builder, write, self._handing_back)
             finally:
                 handed_back = request_id in self._handing_back
                 self._handing_back.discard(request_id)
@@ -324,6 +301,42 @@ class EngineServicer(
     ) -> common_pb2.ModelInfo:
         self._ready_engine()
         return self.model_info
+
+
+def _into_batch(
+    builder: convert.EngineResponseBuilder, batch: ResponseBatch, handing_back: set[str]
+) -> Callable[[RequestOutput], None]:
+    """A GenerateStream request's `on_output`: its messages built straight into the call's
+    batch (a request being handed back goes through `_without_abort` first)."""
+    request_id = builder.request_id
+
+    def on_output(output: RequestOutput) -> None:
+        if request_id not in handing_back:
+            for fields in builder.fields(output):
+                batch.add_fields(fields)
+            return
+        for response in builder.build(output):
+            response = _without_abort(response)
+            if response is not None:
+                batch.add(response)
+
+    return on_output
+
+
+async def _write_each(
+    stream: AsyncGenerator[RequestOutput, None],
+    builder: convert.EngineResponseBuilder,
+    write: WriteResponse,
+    handing_back: set[str],
+) -> None:
+    """A Generate call's messages, written as the engine's generator yields outputs."""
+    async with contextlib.aclosing(stream):
+        async for output in stream:
+            for response in builder.build(output):
+                if builder.request_id in handing_back:
+                    response = _without_abort(response)
+                if response is not None:
+                    await write(response)
 
 
 def _without_abort(
