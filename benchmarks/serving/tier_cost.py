@@ -21,7 +21,9 @@ the public API (random token-id prompts, greedy, `ignore_eos`). Per run it print
   Generate calls, `--per-request-calls`, or a tree without the call) the Generate messages;
 - `cpu_us_per_token` for each process: user + system CPU time over the run (/proc/<pid>/stat
   of the real processes, their children included; the client's own `process_time`) per
-  output token. On a machine with few cores CPU time is the comparable figure: the wall
+  output token; `engine_loop_cpu_us_per_token`: the engine service's main thread alone,
+  its asyncio event loop (the gRPC servicer's Python work; the engine step runs on other
+  threads). On a machine with few cores CPU time is the comparable figure: the wall
   time also counts waiting for a core.
 
 `--openai`: the same burst through the OpenAI door too, `pagedserve gateway` (the smg
@@ -96,6 +98,16 @@ def process_tree_cpu_s(pid: int) -> float:
     except (FileNotFoundError, ProcessLookupError):
         pass
     return total
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid`'s main thread: in a service, its asyncio event
+    loop (the engine service's engine loop and torch's threads are other threads)."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
@@ -199,6 +211,7 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
                 process_tree_cpu_s(engine.pid),
                 process_tree_cpu_s(tokenizer.pid),
                 time.process_time(),
+                main_thread_cpu_s(engine.pid),
             )
             start = time.perf_counter()
             num_tokens, num_messages = asyncio.run(
@@ -209,6 +222,7 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
                 process_tree_cpu_s(engine.pid) - cpu[0],
                 process_tree_cpu_s(tokenizer.pid) - cpu[1],
                 time.process_time() - cpu[2],
+                main_thread_cpu_s(engine.pid) - cpu[3],
             )
             after = _hop1_counts(metrics_port)
             engine_msgs = after[0] - before[0]
@@ -223,6 +237,7 @@ def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace
                     "engine_msgs_per_token": engine_msgs / num_tokens,
                     "hop1_msgs_per_token": hop1_msgs / num_tokens,
                     "engine_cpu_us_per_token": 1e6 * used[0] / num_tokens,
+                    "engine_loop_cpu_us_per_token": 1e6 * used[3] / num_tokens,
                     "tokenizer_cpu_us_per_token": 1e6 * used[1] / num_tokens,
                     "client_cpu_us_per_token": 1e6 * used[2] / num_tokens,
                 }

@@ -4,6 +4,8 @@ A background thread (`engine_thread.EngineThread`) owns the `LLMEngine` and runs
 loop, so a forward pass never blocks the event loop. Each `generate()` / `encode()` call
 gets an `OutputStream` (an asyncio queue) that the engine thread fills; closing the
 generator or cancelling its task aborts the request, which frees its KV blocks.
+`generate_into()` hands each output to a callback instead, many requests per step without
+a task wake-up each (request_outputs.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +31,10 @@ from engine.config.engine_config import (
 )
 from engine.config.parallel import ParallelConfig
 from engine.core.engine_request import EngineRequest
-from engine.front.engine_commands import (
-    END_OF_STREAM,
-    AbortCommand,
-    AddCommand,
-    EngineStats,
-    OutputStream,
-)
+from engine.front.engine_commands import AbortCommand, EngineStats
 from engine.front.engine_thread import EngineThread, raise_if_dead
 from engine.front.llm_engine import LLMEngine, PromptType
-from engine.front.output_merge import merge_outputs
+from engine.front.request_outputs import generation_request, outputs_into, stream_outputs
 from engine.lora.request import LoRARequest
 from engine.observability.kv_event_publisher import KVEventBatch, KVEventSubscription
 from engine.pooling_params import PoolingParams
@@ -46,8 +42,6 @@ from engine.processing.input_processor import InputProcessor
 from engine.structured_output.config import DecodingConfig
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats"]
-
-_NOTHING = object()  # no item held back
 
 
 class AsyncLLMEngine:
@@ -288,15 +282,10 @@ class AsyncLLMEngine:
         `LLMEngine.add_request` (engine/processing/resume.py). `priority`, `fairness_key` and
         `fairness_weight` as in `LLMEngine.add_request`: the engine shares the batch fairly
         between fairness keys (tenants)."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}."
-            )
-        request = EngineRequest.build(
-            request_id,
+        request = generation_request(
             prompt,
             sampling_params,
-            time.time(),
+            request_id,
             lora_request,
             trace_headers,
             priority,
@@ -304,10 +293,43 @@ class AsyncLLMEngine:
             fairness_key,
             fairness_weight,
         )
-        stream = self._stream_outputs(request)
+        stream = stream_outputs(self._loop_thread, request)
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
+
+    async def generate_into(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        on_output: Callable[[RequestOutput], None],
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        resumed_output_token_ids: Mapping[int, Sequence[int]] | None = None,
+        fairness_key: str | None = None,
+        fairness_weight: float = 1.0,
+    ) -> None:
+        """`generate` for a consumer that takes each output as it comes: `on_output(output)`
+        runs on the event loop inside the engine thread's one hand-over per step, so many
+        requests cost no task wake-up per request and step (the engine service's
+        GenerateStream builds one batch message from them). Returns once the request's
+        finished output was handed over. Cancelling the caller aborts the request, and
+        nothing is handed over after; an error of `on_output` aborts it and is raised here.
+        The arguments and their errors are `generate`'s."""
+        request = generation_request(
+            prompt,
+            sampling_params,
+            request_id,
+            lora_request,
+            trace_headers,
+            priority,
+            resumed_output_token_ids,
+            fairness_key,
+            fairness_weight,
+        )
+        await outputs_into(self._loop_thread, request, on_output)
 
     async def encode(
         self,
@@ -337,7 +359,7 @@ class AsyncLLMEngine:
             fairness_key=fairness_key,
             fairness_weight=fairness_weight,
         )
-        stream = self._stream_outputs(request)
+        stream = stream_outputs(self._loop_thread, request)
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
@@ -357,40 +379,3 @@ class AsyncLLMEngine:
             self._loop_thread.stop(timeout)
         finally:
             self.engine.shutdown()
-
-    async def _stream_outputs(self, request: EngineRequest) -> AsyncGenerator[Any, None]:
-        request_id = request.request_id
-        stream = OutputStream(request_id, asyncio.get_running_loop())
-        self._loop_thread.submit(AddCommand(stream, request))
-        done = False
-        kind = getattr(request.params, "output_kind", None)  # None: a pooling request
-        held: Any = _NOTHING  # what came after outputs that were merged: handled next
-        try:
-            while True:
-                if held is _NOTHING:
-                    item = await stream.queue.get()
-                else:
-                    item, held = held, _NOTHING
-                if item is END_OF_STREAM:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    if isinstance(item, EngineDeadError):
-                        raise_if_dead(item)
-                    raise item
-                # Behind the engine: every output queued since the last read goes as one.
-                while kind is not None and not item.finished and not stream.queue.empty():
-                    following = stream.queue.get_nowait()
-                    if not isinstance(following, RequestOutput):
-                        held = following
-                        break
-                    item = merge_outputs(item, following, kind)
-                done = item.finished
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:  # the consumer went away (closed, cancelled): free the request
-                with contextlib.suppress(EngineDeadError):
-                    self._loop_thread.submit(AbortCommand([request_id], stream))

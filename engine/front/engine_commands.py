@@ -1,6 +1,7 @@
 """What crosses between the asyncio event loop and the engine thread (engine_thread.py):
-the commands the loop submits, the per-request output streams the thread fills, and the
-stats snapshot it publishes after each step."""
+the commands the loop submits, the per-request output sinks the thread fills (a queue read
+by the request's generator, or a callback), and the stats snapshot it publishes after each
+step."""
 
 from __future__ import annotations
 
@@ -47,27 +48,88 @@ class OutputStream:
 
     def put(self, item: Any) -> bool:
         """Called from the engine thread; False when the event loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
+        return _put(self, item)
 
+    def deliver(self, item: Any) -> None:
+        """On the event loop: the item into the queue."""
+        self.queue.put_nowait(item)
+
+
+class OutputCallback:
+    """Where one request's outputs go when its consumer takes each one as it comes
+    (`AsyncLLMEngine.generate_into`): `on_output(output)`, called on the event loop inside
+    the engine thread's one hand-over per step, so a step's outputs reach their consumers
+    without a task woken per request; `done` resolves when the request has ended.
+
+    `ended` tells how: True once the engine is done with the request (its finished output,
+    `END_OF_STREAM`, or an error of the engine's); False while it lives, and after an error
+    of `on_output` or a cancelled `done` (the consumer left: the request must be aborted).
+    Nothing is handed over once `done` is resolved."""
+
+    __slots__ = ("done", "ended", "loop", "on_output", "request_id")
+
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        on_output: Callable[[Any], None],
+    ) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.on_output = on_output
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.ended = False
+
+    def put(self, item: Any) -> bool:
+        """Called from the engine thread; False when the event loop is closed."""
+        return _put(self, item)
+
+    def deliver(self, item: Any) -> None:
+        """On the event loop: an output to `on_output`, or the end of the request."""
+        done = self.done
+        if done.done():  # the consumer left, or the request ended
+            return
+        if item is END_OF_STREAM or isinstance(item, BaseException):
+            self.ended = True
+            if item is END_OF_STREAM:
+                done.set_result(None)
+            else:
+                done.set_exception(item)
+            return
+        try:
+            self.on_output(item)
+        except Exception as exc:  # the consumer's error: it ends the request (aborted)
+            done.set_exception(exc)
+            return
+        if item.finished:
+            self.ended = True
+            done.set_result(None)
+
+
+OutputSink = OutputStream | OutputCallback
 
 END_OF_STREAM = object()  # the request ended with no (further) output
 
 
-def put_all(items: list[tuple[OutputStream, Any]]) -> None:
+def _put(sink: OutputSink, item: Any) -> bool:
+    try:
+        sink.loop.call_soon_threadsafe(sink.deliver, item)
+    except RuntimeError:
+        return False
+    return True
+
+
+def put_all(items: list[tuple[OutputSink, Any]]) -> None:
     """Runs on the event loop: one step's outputs into their streams."""
-    for stream, item in items:
-        stream.queue.put_nowait(item)
+    for sink, item in items:
+        sink.deliver(item)
 
 
 @dataclass
 class AddCommand:
     """A request for the engine thread, built and checked on the caller's side."""
 
-    stream: OutputStream
+    stream: OutputSink
     request: EngineRequest
 
 
@@ -76,7 +138,7 @@ class AbortCommand:
     request_ids: list[str]
     # Set when a consumer went away: abort only while this stream still owns the id, so a
     # late abort never hits a newer request that reuses it.
-    stream: OutputStream | None = None
+    stream: OutputSink | None = None
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The thread that owns an `LLMEngine` and runs its step loop for `AsyncLLMEngine`.
 
 Requests cross between asyncio tasks and this thread through a command queue one way and
-per-request asyncio queues (`OutputStream`) the other way::
+per-request sinks (`OutputStream`: an asyncio queue; `OutputCallback`: a function) the
+other way::
 
     event loop (any number of tasks)            engine thread (owns LLMEngine)
     submit(AddCommand / AbortCommand /          loop:
@@ -33,7 +34,7 @@ from engine.front.engine_commands import (
     CallCommand,
     Command,
     EngineStats,
-    OutputStream,
+    OutputSink,
     put_all,
 )
 from engine.front.llm_engine import LLMEngine
@@ -59,8 +60,8 @@ class EngineThread:
         self._dead_error: EngineDeadError | None = None  # set under _cond
         self._thread: threading.Thread | None = None
         # Touched only by the holder of _drive_lock.
-        self._streams: dict[str, OutputStream] = {}
-        self._aborted: list[OutputStream] = []
+        self._streams: dict[str, OutputSink] = {}
+        self._aborted: list[OutputSink] = []
         self._num_applied = 0
         # Prefix-cache events for routers; recording is off until someone subscribes.
         self.kv_events = KVEventPublisher(engine.kv_cache_manager.block_pool)
@@ -278,7 +279,7 @@ class EngineThread:
     def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Hands a step's outputs over with one wake-up per event loop, not one per request
         (each `call_soon_threadsafe` writes to the loop's self-pipe)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Any]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputSink, Any]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

@@ -268,13 +268,10 @@ class OutputProcessor:
         finished = parent.finished
         if parent.sent_final or (kind == RequestOutputKind.FINAL_ONLY and not finished):
             return None
-        if kind == RequestOutputKind.DELTA:
-            samples = [s for s in parent.samples if s.changed]
-        else:
-            samples = parent.samples
-        completions = [self._completion(s, s.request.index, kind) for s in parent.samples]
-        if len(samples) != len(parent.samples):  # DELTA: the changed samples only
-            completions = [completions[parent.samples.index(s)] for s in samples]
+        samples = parent.samples
+        if kind == RequestOutputKind.DELTA:  # the changed samples only (nothing new in others)
+            samples = [s for s in samples if s.changed]
+        completions = [self._completion(s, s.request.index, kind) for s in samples]
         for s in parent.samples:
             s.changed = False
         prompt_logprobs = parent.prompt_logprobs

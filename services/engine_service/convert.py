@@ -156,6 +156,11 @@ class EngineResponseBuilder:
         self.pending_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
 
     def build(self, output: RequestOutput) -> list[engine_pb2.EngineGenerateResponse]:
+        return [engine_pb2.EngineGenerateResponse(**fields) for fields in self.fields(output)]
+
+    def fields(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """The output's messages as `EngineGenerateResponse` field values: a GenerateStream
+        batch builds its entries from them in one call each (no message to copy)."""
         if output.prompt_logprobs:
             self.pending_prompt_logprobs += [
                 position_logprobs_to_proto(p, self.num_prompt_logprobs)
@@ -163,37 +168,37 @@ class EngineResponseBuilder:
             ]
         num_prompt = len(output.prompt_token_ids)
         num_cached = output.num_cached_tokens or 0
-        responses = []
+        messages = []
         for completion in output.outputs:
             index = completion.index
-            self.num_completion_tokens[index] += len(completion.token_ids)
+            num_completion = self.num_completion_tokens[index] + len(completion.token_ids)
+            self.num_completion_tokens[index] = num_completion
+            fields: dict[str, Any] = {
+                "request_id": self.request_id,
+                "index": index,
+                "token_ids": completion.token_ids,
+                "usage": {
+                    "prompt_tokens": num_prompt,
+                    "completion_tokens": num_completion,
+                    "cached_tokens": num_cached,
+                },
+            }
             if completion.finish_reason is not None:
                 self.finish_reasons[index] = completion.finish_reason
-            msg = engine_pb2.EngineGenerateResponse(
-                request_id=self.request_id,
-                index=index,
-                token_ids=completion.token_ids,
-                finish_reason=FINISH_REASONS[completion.finish_reason],  # type: ignore[arg-type]
-                usage=common_pb2.Usage(
-                    prompt_tokens=num_prompt,
-                    completion_tokens=self.num_completion_tokens[index],
-                    cached_tokens=num_cached,
-                ),
-            )
+                fields["finish_reason"] = FINISH_REASONS[completion.finish_reason]
             if completion.logprobs:
-                msg.logprobs.extend(
+                fields["logprobs"] = [
                     position_logprobs_to_proto(p, self.num_logprobs) for p in completion.logprobs
-                )
+                ]
             if completion.cumulative_logprob is not None:
-                msg.cumulative_logprob = completion.cumulative_logprob
-            stop_reason = stop_reason_to_proto(completion.stop_reason)
-            if stop_reason is not None:
-                msg.stop_reason.CopyFrom(stop_reason)
+                fields["cumulative_logprob"] = completion.cumulative_logprob
+            if completion.stop_reason is not None:
+                fields["stop_reason"] = stop_reason_to_proto(completion.stop_reason)
             if self.pending_prompt_logprobs:
-                msg.prompt_logprobs.extend(self.pending_prompt_logprobs)
+                fields["prompt_logprobs"] = self.pending_prompt_logprobs
                 self.pending_prompt_logprobs = []
-            responses.append(msg)
-        return responses
+            messages.append(fields)
+        return messages
 
 
 def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:

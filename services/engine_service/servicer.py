@@ -25,8 +25,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry import trace
@@ -35,6 +35,7 @@ from engine import (
     AsyncLLMEngine,
     EngineConfig,
     EngineDeadError,
+    RequestOutput,
     RequestOutputKind,
 )
 from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -57,6 +58,18 @@ from services.engine_service.stream_servicer import EngineStreamRpcs
 logger = logging.getLogger("services.engine")
 
 WriteResponse = Callable[[engine_pb2.EngineGenerateResponse], Awaitable[Any]]
+
+
+class ResponseBatch(Protocol):
+    """Where a multiplexed request's messages go (stream_servicer.StreamBatchWriter's view
+    for one request): a message built inside the batch from its field values
+    (`EngineResponseBuilder.fields`), or a copy of a built one."""
+
+    def add_fields(self, fields: dict[str, Any]) -> None: ...
+
+    def add(self, response: engine_pb2.EngineGenerateResponse) -> None: ...
+
+
 INSTANCE_ID = uuid.uuid4().hex  # this process's (Health details: INSTANCE_DETAIL)
 
 
@@ -124,16 +137,26 @@ class EngineServicer(
         await self.generate_one(request, context, context.write)
 
     async def generate_one(
-        self, request: engine_pb2.EngineGenerateRequest, context: Any, write: WriteResponse
+        self,
+        request: engine_pb2.EngineGenerateRequest,
+        context: Any,
+        write: WriteResponse | None = None,
+        batch: ResponseBatch | None = None,
     ) -> None:
-        """One Generate request, its messages handed to `write`: the call's own stream
-        (Generate) or the batch of a multiplexed call (GenerateStream, stream_servicer.py).
-        Raises what the request's status comes from."""
+        """One Generate request. Its messages go to `write` (the call's own stream:
+        Generate) through the engine's per-request generator, or, with `batch`, straight
+        into the batch of a multiplexed call (GenerateStream, stream_servicer.py), built in
+        the engine thread's hand-over of each step. Raises what the request's status
+        comes from."""
         with _fields_named_by_proto_path():
-            await self._generate(request, context, write)
+            await self._generate(request, context, write, batch)
 
     async def _generate(
-        self, request: engine_pb2.EngineGenerateRequest, context: Any, write: WriteResponse
+        self,
+        request: engine_pb2.EngineGenerateRequest,
+        context: Any,
+        write: WriteResponse | None,
+        batch: ResponseBatch | None,
     ) -> None:
         span = trace.get_current_span()  # the request's SERVER span: llm_request's parent
         engine = self._ready_engine()
@@ -149,22 +172,19 @@ class EngineServicer(
         resumed = convert.resumed_output_token_ids_from_proto(request)
         builder = convert.EngineResponseBuilder(request_id, params, resumed)
         start = time.perf_counter()
+        prompt = convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt)
+        run_options = dict(
+            resumed_output_token_ids=resumed, **_request_options(request, context, lora_request)
+        )
         with self.requests.admit(request_id, None):
-            stream = engine.generate(
-                convert.token_ids_prompt(request.prompt_token_ids, request.cache_salt),
-                params,
-                request_id,
-                resumed_output_token_ids=resumed,
-                **_request_options(request, context, lora_request),
-            )
             try:
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
-                        for response in builder.build(output):
-                            if request_id in self._handing_back:
-                                response = _without_abort(response)
-                            if response is not None:
-                                await write(response)
+                if batch is not None:
+                    on_output = _into_batch(builder, batch, self._handing_back)
+                    await engine.generate_into(prompt, params, request_id, on_output, **run_options)
+                else:
+                    assert write is not None
+                    stream = engine.generate(prompt, params, request_id, **run_options)
+                    await _write_each(stream, builder, write, self._handing_back)
             finally:
                 handed_back = request_id in self._handing_back
                 self._handing_back.discard(request_id)
@@ -281,6 +301,42 @@ class EngineServicer(
     ) -> common_pb2.ModelInfo:
         self._ready_engine()
         return self.model_info
+
+
+def _into_batch(
+    builder: convert.EngineResponseBuilder, batch: ResponseBatch, handing_back: set[str]
+) -> Callable[[RequestOutput], None]:
+    """A GenerateStream request's `on_output`: its messages built straight into the call's
+    batch (a request being handed back goes through `_without_abort` first)."""
+    request_id = builder.request_id
+
+    def on_output(output: RequestOutput) -> None:
+        if request_id not in handing_back:
+            for fields in builder.fields(output):
+                batch.add_fields(fields)
+            return
+        for response in builder.build(output):
+            response = _without_abort(response)
+            if response is not None:
+                batch.add(response)
+
+    return on_output
+
+
+async def _write_each(
+    stream: AsyncGenerator[RequestOutput, None],
+    builder: convert.EngineResponseBuilder,
+    write: WriteResponse,
+    handing_back: set[str],
+) -> None:
+    """A Generate call's messages, written as the engine's generator yields outputs."""
+    async with contextlib.aclosing(stream):
+        async for output in stream:
+            for response in builder.build(output):
+                if builder.request_id in handing_back:
+                    response = _without_abort(response)
+                if response is not None:
+                    await write(response)
 
 
 def _without_abort(

@@ -10,6 +10,8 @@ requests, so the hop costs one message per step whatever the number of streams:
     tokenizer ── EngineStreamRequest{stream_id, generate | abort, timeout_s} ──▶ reader
                                               │ one task per request: `generate_one`
                                               ▼ (Generate's own code: checks, span, admit)
+                                  engine thread's hand-over of a step: each request's
+                                              │ messages built straight into the batch
     tokenizer ◀── EngineStreamBatch{[stream_id, response | end], ...} ◀── batch writer
 
 DESIGN.md describes one Generate call per request between the two services; this departs
@@ -22,10 +24,13 @@ request ends only itself. When the call ends (the caller half-closes and its req
 finish, or the call breaks, or the engine drains) every request still on it is aborted, its
 KV blocks freed at once, as a cancelled Generate call's would be.
 
-The batch is written by one task: a request's task appends its messages and wakes it. The
-engine thread hands a step's outputs to the event loop in one callback, so every request's
-task runs before the writer does and a step's messages leave together; while a write waits
-on flow control, later steps' messages join the next batch.
+The batch is written by one task. A request's task does not wake per step: the engine
+thread hands a step's outputs to the event loop in one callback, in which each request's
+messages are built into the batch (`AsyncLLMEngine.generate_into`, no per-request async
+generator, queue or copy), so a step's messages leave together; the request's task wakes
+once, when the request has ended, and appends its end entry. While a write waits on flow
+control, later steps' messages join the next batch (a request may then have several entries
+in one batch, in order).
 
 Mixed into `EngineServicer`, which provides `generate_one` and `rpc_metrics`.
 """
@@ -60,9 +65,13 @@ class StreamBatchWriter:
         self._closing = False
         self.num_batches = 0
 
+    def add_fields(self, stream_id: int, fields: dict[str, Any]) -> None:
+        """A message of `stream_id` built at the end of the batch from its field values."""
+        self._batch.outputs.add(stream_id=stream_id, response=fields)
+        self._ready.set()
+
     def add(self, stream_id: int, response: engine_pb2.EngineGenerateResponse) -> None:
-        entry = self._batch.outputs.add(stream_id=stream_id)
-        entry.response.CopyFrom(response)
+        self._batch.outputs.add(stream_id=stream_id).response.CopyFrom(response)
         self._ready.set()
 
     def end(
@@ -81,14 +90,17 @@ class StreamBatchWriter:
     async def run(self) -> None:
         """Writes batches until `close`, then what is left."""
         while True:
-            await self._ready.wait()
-            self._ready.clear()
-            if len(self._batch.outputs):
-                batch, self._batch = self._batch, engine_pb2.EngineStreamBatch()
-                self.num_batches += 1
-                await self._context.write(batch)
-            elif self._closing:
-                return
+            if not len(self._batch.outputs):
+                # The state is checked, not the event alone: `close` may come while a
+                # write waits, after the last messages were added.
+                if self._closing:
+                    return
+                await self._ready.wait()
+                self._ready.clear()
+                continue
+            batch, self._batch = self._batch, engine_pb2.EngineStreamBatch()
+            self.num_batches += 1
+            await self._context.write(batch)
 
     def close(self) -> None:
         self._closing = True
@@ -101,7 +113,9 @@ class EngineStreamRpcs:
     rpc_metrics: Any  # provided by EngineServicer
     _stream_end_event: asyncio.Event | None = None
 
-    async def generate_one(self, request: Any, context: Any, write: Any) -> None:
+    async def generate_one(
+        self, request: Any, context: Any, write: Any = None, batch: Any = None
+    ) -> None:
         raise NotImplementedError  # provided by EngineServicer
 
     def end_stream_calls(self) -> None:
@@ -197,15 +211,12 @@ class EngineStreamRpcs:
         code, text = grpc.StatusCode.OK, ""
         trailing: tuple[tuple[str, str], ...] = ()
 
-        async def write(response: engine_pb2.EngineGenerateResponse) -> None:
-            writer.add(stream_id, response)
-
         context = RequestContext(context)
 
         with tracing.rpc_span(_REQUEST_SPAN, request, context) as span:
             span.set_attribute("pagedserve.engine_stream", True)
             try:
-                run = self.generate_one(request, context, write)
+                run = self.generate_one(request, context, batch=StreamResponses(writer, stream_id))
                 if message.HasField("timeout_s"):
                     await asyncio.wait_for(run, message.timeout_s)
                 else:
@@ -223,6 +234,22 @@ class EngineStreamRpcs:
                 if self.rpc_metrics is not None:
                     self.rpc_metrics.count_rpc("Generate", code)  # as on its own call
         writer.end(stream_id, code, text, trailing)
+
+
+class StreamResponses:
+    """One request's view of the call's batch (servicer.ResponseBatch)."""
+
+    __slots__ = ("_stream_id", "_writer")
+
+    def __init__(self, writer: StreamBatchWriter, stream_id: int) -> None:
+        self._writer = writer
+        self._stream_id = stream_id
+
+    def add_fields(self, fields: dict[str, Any]) -> None:
+        self._writer.add_fields(self._stream_id, fields)
+
+    def add(self, response: engine_pb2.EngineGenerateResponse) -> None:
+        self._writer.add(self._stream_id, response)
 
 
 class RequestContext:

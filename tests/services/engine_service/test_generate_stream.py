@@ -53,6 +53,7 @@ class StreamCall:
         self.responses: dict[int, list[engine_pb2.EngineGenerateResponse]] = {}
         self.ends: dict[int, engine_pb2.EngineStreamEnd] = {}  # the last one per stream id
         self.all_ends: list[tuple[int, engine_pb2.EngineStreamEnd]] = []
+        self.kinds: dict[int, list[str]] = {}  # per stream id, its entries' kinds in order
         self.num_batches = 0
         self.error: grpc.RpcError | None = None
         self.call = stack.engine_stub.GenerateStream(iter(self.sent.get, None), timeout=120)
@@ -64,6 +65,7 @@ class StreamCall:
             for batch in self.call:
                 self.num_batches += 1
                 for entry in batch.outputs:
+                    self.kinds.setdefault(entry.stream_id, []).append(entry.WhichOneof("kind"))
                     if entry.WhichOneof("kind") == "end":
                         self.ends[entry.stream_id] = entry.end
                         self.all_ends.append((entry.stream_id, entry.end))
@@ -204,3 +206,50 @@ def test_call_end_aborts_every_request(stack, how) -> None:
     call.reader.join(60)
     assert call.error is not None and call.error.code() == grpc.StatusCode.CANCELLED
     stack.wait_until_idle()
+
+
+def test_requests_finishing_among_many(stack) -> None:
+    """Requests of different lengths on one call, in the same steps: each gets its own
+    tokens, its finish reason and usage on its last message, then its end, and nothing
+    after; the ones still running are not disturbed."""
+    lengths = [2, 9, 5, 14, 3, 9]
+    call = StreamCall(stack)
+    for stream_id, n in enumerate(lengths):
+        request = generate_request(f"mux-mid-{stream_id}", PROMPTS[stream_id], max_tokens=n)
+        request.sampling_params.ignore_eos = True
+        call.send(start(stream_id, request))
+    call.close()
+    assert call.error is None
+    for stream_id, n in enumerate(lengths):
+        responses = call.responses[stream_id]
+        assert call.ends[stream_id].code == 0
+        assert call.kinds[stream_id] == ["response"] * len(responses) + ["end"]
+        assert sum(len(r.token_ids) for r in responses) == n
+        assert [r.finish_reason for r in responses[:-1]] == [0] * (len(responses) - 1)
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert responses[-1].usage.completion_tokens == n
+        assert responses[-1].usage.prompt_tokens == len(PROMPTS[stream_id])
+    stack.wait_until_idle()
+
+
+def test_abort_among_many(stack) -> None:
+    """One request aborted while others share its steps: it sends nothing more (no finish,
+    no end), its blocks are freed, and the others finish whole."""
+    call = StreamCall(stack)
+    call.send(start(0, generate_request("mux-abort-mid", PROMPTS[0], **LONG)))
+    for stream_id in (1, 2, 3):
+        request = generate_request(f"mux-abort-peer-{stream_id}", PROMPTS[stream_id], **LONG)
+        request.sampling_params.max_tokens = 40
+        call.send(start(stream_id, request))
+    wait_for(lambda: all(call.responses.get(i) for i in range(4)))
+    call.send(abort(0))
+    call.close()
+    assert call.error is None
+    assert 0 not in call.ends
+    assert all(r.finish_reason == 0 for r in call.responses[0])
+    for stream_id in (1, 2, 3):
+        assert call.ends[stream_id].code == 0
+        assert sum(len(r.token_ids) for r in call.responses[stream_id]) == 40
+    stack.wait_until_idle()
+    stats = stack.stats()
+    assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_total_blocks
