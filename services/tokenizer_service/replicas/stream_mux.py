@@ -99,9 +99,10 @@ class MuxedGenerateCall:
     def deliver(self, response: engine_pb2.EngineGenerateResponse) -> None:
         if self._done:
             return
-        if self._on_response is not None:
+        on_response = self._on_response
+        if on_response is not None:
             try:
-                self._on_response(response)
+                on_response(response)
             except Exception as exc:  # the consumer's failure ends its request, not the call
                 self._mux.abort(self.stream_id)
                 self._settle(exc)
@@ -268,13 +269,14 @@ class EngineStreamMux:
             grpc.StatusCode.UNAVAILABLE, "the engine ended the multiplexed call"
         )
         try:
+            streams = self._streams
             async for batch in call:
                 self.num_batches += 1
-                for entry in batch.outputs:
-                    muxed = self._streams.get(entry.stream_id)
+                for entry in batch.outputs:  # per token: each lookup here counts
+                    muxed = streams.get(entry.stream_id)
                     if muxed is None:
                         continue  # cancelled here meanwhile
-                    if entry.WhichOneof("kind") == "end":
+                    if entry.HasField("end"):
                         muxed.finish(_end_error(entry.end))
                     else:
                         muxed.deliver(entry.response)

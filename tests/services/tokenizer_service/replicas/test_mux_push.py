@@ -51,7 +51,7 @@ def test_pushed_messages_that_waited_come_merged(stack) -> None:
         try:
             while not reader.call_ended:  # a relay that does not read meanwhile
                 await asyncio.sleep(0.01)
-            merged = [msg async for msg in reader]
+            merged = [waiting.merged() async for waiting in reader]
         finally:
             reader.close()
         await mux.close()
@@ -74,7 +74,7 @@ def test_what_came_before_the_subscription_is_pushed(stack) -> None:
         while not call.done():  # every message and the end wait in the call
             await asyncio.sleep(0.01)
         reader = MergingReader(call, lambda: None)
-        got = [msg async for msg in reader]
+        got = [waiting.merged() async for waiting in reader]
         await mux.close()
         await channel.close()
         return got
@@ -104,8 +104,8 @@ def test_the_end_comes_after_the_messages_before_it(stack, how) -> None:
                 while count < 3:
                     await asyncio.sleep(0.01)
                 call.cancel()  # as the replica watch does with a stalled replica
-            async for msg in reader:
-                got.append(msg)
+            async for waiting in reader:
+                got.append(waiting.merged())
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             error = exc
         finally:
