@@ -82,8 +82,10 @@ class WaitingOutput:
 class MergingReader:
     """Async-iterates an engine Generate call's messages as `WaitingOutput`s: what waited
     for one output index, for `TextStream.process_messages` to take in one pass.
-    `on_message` runs for each message as it arrives (liveness); `on_taken(n)` as the
-    relay takes `n` messages at once (counters).
+    `on_message` runs as messages arrive (the first answer, liveness): for each one on a
+    call of its own; on the multiplexed hop, whose mux reports the replica's liveness per
+    batch, for the first of each `WaitingOutput`. `on_taken(n)` runs as the relay takes
+    `n` messages at once (counters).
 
     Nothing is merged per message: a message that arrives while its output waits is
     appended to its `WaitingOutput`, so k waiting tokens cost k list appends here, not k
@@ -106,6 +108,7 @@ class MergingReader:
         self._done = False
         self._task: asyncio.Future[None] | None = None
         subscribe = getattr(call, "subscribe", None)
+        self._pushed = subscribe is not None
         if subscribe is not None:  # the mux pushes (module docstring)
             subscribe(self._arrived, self._ended)
         else:
@@ -114,13 +117,15 @@ class MergingReader:
     def _arrived(self, msg: engine_pb2.EngineGenerateResponse) -> None:
         if self._done:
             return  # closed
-        self._on_message()
         index = msg.index
         token_ids = msg.token_ids[:]  # a list (the cheapest read of a repeated field)
         waiting = self._pending.get(index)
         if waiting is None:
+            self._on_message()
             waiting = self._pending[index] = WaitingOutput(msg, token_ids)
         else:
+            if not self._pushed:
+                self._on_message()
             waiting.messages.append(msg)
             waiting.token_ids += token_ids
         # The relay waits only while nothing is ripe, and only this output changed: it is

@@ -173,9 +173,12 @@ class MuxedGenerateCall:
 class EngineStreamMux:
     """The GenerateStream call of one replica's channel (module docstring)."""
 
-    def __init__(self, stub: Any, address: str) -> None:
+    def __init__(self, stub: Any, address: str, on_batch: Callable[[], None] | None = None) -> None:
+        """`on_batch` runs as each batch arrives (the replica's liveness: a subscriber
+        hears of its own messages once per group, not per message)."""
         self.stub = stub
         self.address = address
+        self._on_batch = on_batch
         self.supported: bool | None = None  # None: not known yet
         self._ids = itertools.count(1)
         self._streams: dict[int, MuxedGenerateCall] = {}
@@ -270,8 +273,11 @@ class EngineStreamMux:
         )
         try:
             streams = self._streams
+            on_batch = self._on_batch
             async for batch in call:
                 self.num_batches += 1
+                if on_batch is not None:
+                    on_batch()
                 for entry in batch.outputs:  # per token: each lookup here counts
                     muxed = streams.get(entry.stream_id)
                     if muxed is None:
