@@ -124,11 +124,11 @@ class TextStream:
         here while the engine was still generating). `token_ids`: the messages' token ids
         concatenated (the relay's reader has read them; not kept).
 
-        Runs once per client message: the token ids are concatenated once and the
-        detokenizer fed them in one call; each field is read once, from the last message
-        where the last one's counts (finish, stop reason, usage, cumulative logprob), and
-        only what differs from the default is set (cheap checks first: stop strings,
-        logprobs and prompt logprobs are looked at only where the request has them)."""
+        Runs once per client message: the detokenizer is fed the token ids in one call;
+        each field is read once (the finish, stop reason, usage and cumulative logprob from
+        the last message that has them, as a merge keeps the later one's) and only what
+        differs from the default is set (cheap checks first: stop strings, logprobs and
+        prompt logprobs are looked at only where the request has them)."""
         self.started = True
         last = messages[-1]
         index = last.index
