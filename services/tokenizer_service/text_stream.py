@@ -15,7 +15,7 @@ its token ids (`resume_points`, what the next replica continues from).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,18 +112,29 @@ class TextStream:
     def process(
         self, msg: engine_pb2.EngineGenerateResponse
     ) -> generation_pb2.GenerateResponse | None:
-        """The client's message for one engine message; None once that output has ended
-        (a stop string ended it here while the engine was still generating).
+        """The client's message for one engine message (`process_messages` of one)."""
+        return self.process_messages((msg,), msg.token_ids[:])
 
-        Runs once per token in the common case, so it reads each field of `msg` once and
-        sets only what differs from the default (cheap checks first: stop strings,
-        logprobs and prompt logprobs are looked at only where the request has them)."""
+    def process_messages(
+        self, messages: Sequence[engine_pb2.EngineGenerateResponse], token_ids: list[int]
+    ) -> generation_pb2.GenerateResponse | None:
+        """The client's message for consecutive engine messages of one output (what waited
+        in the relay's reader), as for the one message they merge into
+        (`merge_engine_messages`); None once that output has ended (a stop string ended it
+        here while the engine was still generating). `token_ids`: the messages' token ids
+        concatenated (the relay's reader has read them; not kept).
+
+        Runs once per client message: the detokenizer is fed the token ids in one call;
+        each field is read once (the finish, stop reason, usage and cumulative logprob from
+        the last message that has them, as a merge keeps the later one's) and only what
+        differs from the default is set (cheap checks first: stop strings, logprobs and
+        prompt logprobs are looked at only where the request has them)."""
         self.started = True
-        index = msg.index
+        last = messages[-1]
+        index = last.index
         out = self.outputs[index]
         if out.finished:
             return None
-        token_ids = list(msg.token_ids)
         detokenizer = out.detokenizer
         stop = None
         if detokenizer.stop:
@@ -134,27 +145,29 @@ class TextStream:
                     break
         else:
             detokenizer.update(token_ids)
-        out.num_tokens += len(token_ids)
+        num_kept = len(token_ids)
+        out.num_tokens += num_kept
         out.token_ids += token_ids
         response = generation_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids)
         if index:
             response.index = index
-        msg_usage = msg.usage
+        msg_usage = last.usage
         usage = response.usage
         usage.prompt_tokens = msg_usage.prompt_tokens
         usage.completion_tokens = out.num_tokens
         if msg_usage.cached_tokens:
             usage.cached_tokens = msg_usage.cached_tokens
         if self._logprobs:
-            self._add_logprobs(msg, response, out, len(token_ids))
-        finish_reason = msg.finish_reason
+            self._add_logprobs(messages, response, out, num_kept)
+        finish_reason = last.finish_reason
         if stop is not None:
             finish_reason = response.finish_reason = common_pb2.FINISH_REASON_STOP
             response.stop_reason.text = stop
         elif finish_reason:
             response.finish_reason = finish_reason
-            if msg.HasField("stop_reason"):
-                response.stop_reason.CopyFrom(msg.stop_reason)
+            stop_reason = _last_with(messages, "stop_reason")
+            if stop_reason is not None:
+                response.stop_reason.CopyFrom(stop_reason.stop_reason)
         if finish_reason:
             out.finish_reason = finish_reason
             out.finished = True
@@ -166,23 +179,27 @@ class TextStream:
 
     def _add_logprobs(
         self,
-        msg: engine_pb2.EngineGenerateResponse,
+        messages: Sequence[engine_pb2.EngineGenerateResponse],
         response: generation_pb2.GenerateResponse,
         out: _Output,
         num_kept: int,
     ) -> None:
         """Logprobs (the first `num_kept` tokens'), prompt logprobs and the cumulative
         logprob, with each token's text."""
-        if msg.logprobs:
-            response.logprobs.extend(msg.logprobs[:num_kept])
+        logprobs = [p for msg in messages for p in msg.logprobs]
+        if logprobs:
+            response.logprobs.extend(logprobs[:num_kept])
             self.token_texts.fill(response.logprobs)
-        if msg.prompt_logprobs:
-            response.prompt_logprobs.extend(msg.prompt_logprobs)
+        for msg in messages:
+            if msg.prompt_logprobs:
+                response.prompt_logprobs.extend(msg.prompt_logprobs)
+        if response.prompt_logprobs:
             self.token_texts.fill(response.prompt_logprobs)
-        if msg.HasField("cumulative_logprob"):
-            dropped = msg.logprobs[num_kept:]
+        last = _last_with(messages, "cumulative_logprob")
+        if last is not None:
+            dropped = logprobs[num_kept:]
             response.cumulative_logprob = (
-                out.logprob_base + msg.cumulative_logprob - sum(p.chosen.logprob for p in dropped)
+                out.logprob_base + last.cumulative_logprob - sum(p.chosen.logprob for p in dropped)
             )
             out.cumulative_logprob = response.cumulative_logprob
 
@@ -224,3 +241,13 @@ class TextStream:
         text = out.detokenizer.get_text(out.finished)[out.num_sent_chars :]
         out.num_sent_chars += len(text)
         return text
+
+
+def _last_with(
+    messages: Sequence[engine_pb2.EngineGenerateResponse], name: str
+) -> engine_pb2.EngineGenerateResponse | None:
+    """The last of `messages` with the field `name` set (a merge keeps the later one's)."""
+    for msg in reversed(messages):
+        if msg.HasField(name):
+            return msg
+    return None

@@ -110,12 +110,12 @@ class EngineBackend:
         self.stream_mux: EngineStreamMux | None = None
         self._channel_options = channel_options
         self._max_message_bytes = max_message_bytes
+        self.watch = StreamWatch(stall_timeout_s)  # the Generate streams it holds
         self._open(credentials)
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
         self.instance: str | None = None  # its process (INSTANCE_DETAIL): TriedReplicas
         self.load = ReplicaLoad()
-        self.watch = StreamWatch(stall_timeout_s)  # the Generate streams it holds
         self.num_inflight = 0  # this service's calls open on the replica
         self.num_pending = 0  # ... of which no message has come back yet (queued, for us)
         # Set by the pool: whether `model_info` may serve (None: accept anything).
@@ -144,7 +144,8 @@ class EngineBackend:
         self._health_stub = health_pb2_grpc.HealthStub(self.channel)
         old_mux = self.stream_mux
         if self._multiplex:
-            self.stream_mux = EngineStreamMux(self.stub, self.address)
+            # Each batch is news from the replica: its streams' liveness, once per batch.
+            self.stream_mux = EngineStreamMux(self.stub, self.address, self.watch.heard)
         if old_mux is not None:
             old_mux.retire()  # its requests finish on the old channel
             self.stream_mux.num_batches = old_mux.num_batches  # a counter goes on

@@ -256,16 +256,20 @@ class EngineRelay:
         """Engine messages → client messages until every output has ended; `Moved` when
         the replica is lost first (the call broke, was handed back, or was given up)."""
 
-        def heard() -> None:
-            tracking.started()
-            replica.watch.heard()
-            self.metrics.engine_messages.inc()
+        watch = replica.watch
+
+        def heard() -> None:  # per engine message: liveness only (the counter is per group)
+            if tracking.pending:
+                tracking.started()
+            watch.heard()
 
         # Read ahead: what came while the client was behind goes out in one message.
-        messages = MergingReader(call, heard, self.stream_interval)
+        messages = MergingReader(
+            call, heard, self.stream_interval, self.metrics.engine_messages.inc
+        )
         try:
-            async for msg in messages:
-                response = stream.process(msg)
+            async for waiting in messages:
+                response = stream.process_messages(waiting.messages, waiting.token_ids)
                 if response is not None:
                     await context.write(response)
                 if stream.finished:

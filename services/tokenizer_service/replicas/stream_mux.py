@@ -99,9 +99,10 @@ class MuxedGenerateCall:
     def deliver(self, response: engine_pb2.EngineGenerateResponse) -> None:
         if self._done:
             return
-        if self._on_response is not None:
+        on_response = self._on_response
+        if on_response is not None:
             try:
-                self._on_response(response)
+                on_response(response)
             except Exception as exc:  # the consumer's failure ends its request, not the call
                 self._mux.abort(self.stream_id)
                 self._settle(exc)
@@ -172,9 +173,12 @@ class MuxedGenerateCall:
 class EngineStreamMux:
     """The GenerateStream call of one replica's channel (module docstring)."""
 
-    def __init__(self, stub: Any, address: str) -> None:
+    def __init__(self, stub: Any, address: str, on_batch: Callable[[], None] | None = None) -> None:
+        """`on_batch` runs as each batch arrives (the replica's liveness: a subscriber
+        hears of its own messages once per group, not per message)."""
         self.stub = stub
         self.address = address
+        self._on_batch = on_batch
         self.supported: bool | None = None  # None: not known yet
         self._ids = itertools.count(1)
         self._streams: dict[int, MuxedGenerateCall] = {}
@@ -268,13 +272,17 @@ class EngineStreamMux:
             grpc.StatusCode.UNAVAILABLE, "the engine ended the multiplexed call"
         )
         try:
+            streams = self._streams
+            on_batch = self._on_batch
             async for batch in call:
                 self.num_batches += 1
-                for entry in batch.outputs:
-                    muxed = self._streams.get(entry.stream_id)
+                if on_batch is not None:
+                    on_batch()
+                for entry in batch.outputs:  # per token: each lookup here counts
+                    muxed = streams.get(entry.stream_id)
                     if muxed is None:
                         continue  # cancelled here meanwhile
-                    if entry.WhichOneof("kind") == "end":
+                    if entry.HasField("end"):
                         muxed.finish(_end_error(entry.end))
                     else:
                         muxed.deliver(entry.response)

@@ -54,7 +54,7 @@ def test_messages_that_waited_come_as_one_per_output(stack) -> None:
                 # messages: on a busy machine the engine service merges some itself.)
                 while not reader.call_ended:
                     await asyncio.sleep(0.01)
-                merged = [msg async for msg in reader]
+                merged = [waiting.merged() async for waiting in reader]
             finally:
                 reader.close()
             return direct, merged, num_arrived
@@ -92,8 +92,8 @@ def test_the_call_error_comes_after_the_messages_before_it(stack) -> None:
                     await asyncio.sleep(0.01)
                 call.cancel()  # as the replica watch does with a stalled replica
                 with pytest.raises(asyncio.CancelledError):
-                    async for msg in reader:
-                        got.append(msg)
+                    async for waiting in reader:
+                        got.append(waiting.merged())
             finally:
                 reader.close()
             return got

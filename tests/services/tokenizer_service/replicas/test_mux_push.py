@@ -28,9 +28,10 @@ def _request(request_id: str, **sampling) -> engine_pb2.EngineGenerateRequest:
     )
 
 
-async def _open_mux(port: int) -> tuple[grpc.aio.Channel, EngineStreamMux]:
+async def _open_mux(port: int, on_batch=None) -> tuple[grpc.aio.Channel, EngineStreamMux]:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    mux = EngineStreamMux(engine_pb2_grpc.EngineServiceStub(channel), f"127.0.0.1:{port}")
+    stub = engine_pb2_grpc.EngineServiceStub(channel)
+    mux = EngineStreamMux(stub, f"127.0.0.1:{port}", on_batch)
     assert await mux.available()
     return channel, mux
 
@@ -39,28 +40,34 @@ def test_pushed_messages_that_waited_come_merged(stack) -> None:
     async def run():
         channel, mux = await _open_mux(stack.engine_port)
         direct = [msg async for msg in mux.generate(_request("push-direct", **PARAMS), 60)]
-        num_arrived = 0
+        num_arrived = num_taken = 0
 
         def arrived() -> None:
             nonlocal num_arrived
             num_arrived += 1
 
+        def taken(n: int) -> None:
+            nonlocal num_taken
+            num_taken += n
+
         num_tasks = len(asyncio.all_tasks())
-        reader = MergingReader(mux.generate(_request("push-merged", **PARAMS), 60), arrived)
+        call = mux.generate(_request("push-merged", **PARAMS), 60)
+        reader = MergingReader(call, arrived, 1, taken)
         tasks_added = len(asyncio.all_tasks()) - num_tasks
         try:
             while not reader.call_ended:  # a relay that does not read meanwhile
                 await asyncio.sleep(0.01)
-            merged = [msg async for msg in reader]
+            merged = [waiting.merged() async for waiting in reader]
         finally:
             reader.close()
         await mux.close()
         await channel.close()
-        return direct, merged, num_arrived, tasks_added
+        return direct, merged, num_arrived, num_taken, tasks_added
 
-    direct, merged, num_arrived, tasks_added = stack.loop.run(run())
+    direct, merged, num_arrived, num_taken, tasks_added = stack.loop.run(run())
     assert tasks_added == 0  # no reader task: the mux's reader pushes
-    assert len(direct) > 2 and num_arrived > 2
+    assert len(direct) > 2 and num_taken > 2  # more messages than outputs came
+    assert num_arrived == 2  # pushed: the subscriber hears once per waiting output
     assert len(merged) == 2  # one per output index
     assert _per_index(merged) == _per_index(direct)
     assert {m.finish_reason for m in merged} == {common_pb2.FINISH_REASON_LENGTH}
@@ -74,7 +81,7 @@ def test_what_came_before_the_subscription_is_pushed(stack) -> None:
         while not call.done():  # every message and the end wait in the call
             await asyncio.sleep(0.01)
         reader = MergingReader(call, lambda: None)
-        got = [msg async for msg in reader]
+        got = [waiting.merged() async for waiting in reader]
         await mux.close()
         await channel.close()
         return got
@@ -88,31 +95,33 @@ def test_what_came_before_the_subscription_is_pushed(stack) -> None:
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_the_end_comes_after_the_messages_before_it(stack, how) -> None:
     async def run():
-        channel, mux = await _open_mux(stack.engine_port)
-        call = mux.generate(_request(f"push-{how}", **LONG), 60 if how == "cancel" else 2.0)
         count = 0
 
-        def arrived() -> None:
+        def batch_came() -> None:  # each batch holds one of this call's messages
             nonlocal count
             count += 1
 
-        reader = MergingReader(call, arrived)
+        channel, mux = await _open_mux(stack.engine_port, batch_came)
+        call = mux.generate(_request(f"push-{how}", **LONG), 60 if how == "cancel" else 2.0)
+        reader = MergingReader(call, lambda: None)
         got: list = []
         error: BaseException | None = None
+        num_before = 0
         try:
             if how == "cancel":
                 while count < 3:
                     await asyncio.sleep(0.01)
                 call.cancel()  # as the replica watch does with a stalled replica
-            async for msg in reader:
-                got.append(msg)
+                num_before = count  # (later batches carry nothing for it)
+            async for waiting in reader:
+                got.append(waiting.merged())
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
             error = exc
         finally:
             reader.close()
         await mux.close()
         await channel.close()
-        return got, error, count
+        return got, error, num_before
 
     got, error, count = stack.loop.run(run())
     num_tokens = sum(len(m.token_ids) for m in got)
