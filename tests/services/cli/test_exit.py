@@ -1,7 +1,8 @@
-"""How a service process ends (services/cli/main.py, `_exit_without_teardown`): as the
-interpreter's own exit would, less the teardown of its modules. The other non-daemon threads
-finish, the atexit handlers run, buffered output comes out and the status is the service's;
-a caller that passes its own argv to `main` (a test, an embedding) gets the status back
+"""How a service process and a parallel engine's rank process end (`_exit_without_teardown`
+in services/cli/main.py and engine/executor/worker_proc.py): as the interpreter's own exit
+would, less the teardown of its modules. The other non-daemon threads finish, the atexit
+handlers run, buffered output comes out and the status is the service's (a rank's: 0); a
+caller that passes its own argv to `main` (a test, an embedding) gets the status back
 instead of an exit."""
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 CHILD = """
 import atexit, sys, threading, time
 from pathlib import Path
-from services.cli.main import _exit_without_teardown
+from {module} import _exit_without_teardown
 
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "atexit").write_text("ran"))
@@ -27,7 +30,7 @@ threading.Thread(target=late).start()  # not a daemon: the exit waits for it
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a daemon: it does not
 sys.stdout.write("buffered, no newline")
 sys.stderr.write("to stderr")
-_exit_without_teardown(3)
+_exit_without_teardown({args})
 """
 
 
@@ -35,15 +38,20 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
 
 
-def test_the_exit_keeps_what_the_interpreters_exit_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("module", "args", "status"),
+    [("services.cli.main", "3", 3), ("engine.executor.worker_proc", "", 0)],
+)
+def test_the_exit_keeps_what_the_interpreters_exit_does(tmp_path, module, args, status) -> None:
+    child = CHILD.format(module=module, args=args)
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
+        [sys.executable, "-c", child, str(tmp_path)],
         env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.returncode == status, done.stderr[-2000:]
     assert done.stdout == "buffered, no newline"
     assert done.stderr == "to stderr"
     assert (tmp_path / "thread").read_text() == "finished"
