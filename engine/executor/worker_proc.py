@@ -83,9 +83,9 @@ def _exit_without_teardown() -> None:
     threads joined, atexit handlers and multiprocessing's finalizers run, output flushed,
     status 0), less the teardown of the interpreter's modules: torch's and transformers'
     took a rank ~1.5 s of CPU, which the driver's shutdown waited for."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit does first (and multiprocessing's process exit): tells the
+    # idle workers of thread pools to end, then joins every non-daemon thread.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:

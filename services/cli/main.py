@@ -169,9 +169,9 @@ def _exit_without_teardown(code: int) -> NoReturn:
     thousands of modules and objects took an idle engine service 2-3 s of CPU after it had
     stopped serving (docs/benchmarks.md, "Service start-up"): time every restart, rolling
     upgrade and test waited for, with nothing left to do."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit does first (and multiprocessing's process exit): tells the
+    # idle workers of thread pools to end, then joins every non-daemon thread.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:

@@ -28,6 +28,9 @@ def late():
     (out / "thread").write_text("finished")
 threading.Thread(target=late).start()  # not a daemon: the exit waits for it
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a daemon: it does not
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # never shut down: its idle worker is told to end, as at exit
+pool.submit(int).result()
 sys.stdout.write("buffered, no newline")
 sys.stderr.write("to stderr")
 _exit_without_teardown({args})
