@@ -24,7 +24,11 @@ from engine.native.quant import _lib as quant_lib
 
 _NR = 16  # vocabulary rows per group (greedy_screen.c's SCREEN_NR)
 _KB = 32  # values per block (SCREEN_KB)
-_PACK_CHUNK = 64  # rows dequantized and packed at a time: never the head whole
+# Rows dequantized and packed at a time: never the head whole (at most 1/32 of it, the size
+# of its own scales), and few calls: each torch call has a fixed cost, and on a busy machine
+# so does each start of its thread pool. At 64 rows a time a 49k-row head took ~1 s of an
+# engine's start on a 2-core machine; at up to 2^18 values a time, a few tens of ms.
+_PACK_VALUES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -50,21 +54,36 @@ class ScreenWeights:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def pack_chunk_rows(vocab_size: int, width: int) -> int:
+    """How many rows `pack_lm_head` packs at a time: a multiple of 16 (whole groups), at most
+    2^18 values and 1/32 of the head (rounded down to whole groups), at least one group."""
+    rows = min(_PACK_VALUES // width, vocab_size // _KB)
+    return max(_NR, rows // _NR * _NR)
+
+
 def pack_lm_head(
-    rows: Callable[[int, int], torch.Tensor], vocab_size: int, hidden_size: int
+    rows: Callable[[int, int], torch.Tensor],
+    vocab_size: int,
+    hidden_size: int,
+    chunk_rows: int | None = None,
 ) -> ScreenWeights:
-    """Packs the LM head whose fp32 rows [start, end) `rows(start, end)` returns."""
+    """Packs the LM head whose fp32 rows [start, end) `rows(start, end)` returns, `chunk_rows`
+    rows at a time (a multiple of 16; default `pack_chunk_rows`). Every value is computed
+    per row, so the chunking never changes the result (a test packs both ways)."""
     width = -(-hidden_size // _KB) * _KB
     blocks = width // _KB
     groups = -(-vocab_size // _NR)
     padded = groups * _NR
+    chunk = pack_chunk_rows(vocab_size, width) if chunk_rows is None else chunk_rows
+    if chunk < _NR or chunk % _NR:
+        raise ValueError(f"chunk_rows must be a positive multiple of {_NR}, got {chunk}.")
     quants = torch.empty(groups, blocks, _KB // 4, _NR, 4, dtype=torch.uint8)
     scales = torch.zeros(groups, blocks, _NR, dtype=torch.float32)
     loss_norms = torch.zeros(padded, dtype=torch.float32)
     quant_norms = torch.zeros(padded, dtype=torch.float32)
     quants.fill_(128)  # quant 0: the padding rows
-    for start in range(0, padded, _PACK_CHUNK):
-        end = min(start + _PACK_CHUNK, padded)
+    for start in range(0, padded, chunk):
+        end = min(start + chunk, padded)
         w = torch.zeros(end - start, width, dtype=torch.float32)
         real = min(end, vocab_size) - start
         if real > 0:

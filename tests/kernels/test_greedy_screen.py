@@ -221,3 +221,36 @@ def test_packing_never_dequantizes_the_head_whole():
         weights = pack_lm_head(head.dequantize, vocab, hidden)
     assert weights.scales.numel() == vocab * hidden // 32
     assert watch.largest <= weights.scales.numel()
+
+
+@needs_screen
+@pytest.mark.parametrize(("vocab", "hidden_size"), [(49152, 64), (1000, 72), (4099, 576)])
+def test_chunking_never_changes_the_packing(vocab, hidden_size):
+    """Packed a group (16 rows) at a time, 64 at a time or in the default chunks: the
+    same bits (every value of the packing is computed per row)."""
+    from engine.native.greedy_screen import pack_chunk_rows, pack_lm_head
+
+    gen = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, hidden_size, generator=gen) * 0.15
+    weight[::7, 3] *= 50.0  # outliers: blocks whose scale differs from their neighbours'
+    width = -(-hidden_size // 32) * 32
+    assert pack_chunk_rows(vocab, width) % 16 == 0
+    assert pack_chunk_rows(vocab, width) * width <= max(16 * width, vocab * width // 32)
+    packed = [
+        pack_lm_head(lambda start, end: weight[start:end], vocab, hidden_size, chunk_rows=rows)
+        for rows in (None, 16, 64)
+    ]
+    fields = ("quants", "scales", "loss_norms", "quant_norms", "pad")
+    for other in packed[1:]:
+        for name in fields:
+            assert torch.equal(getattr(packed[0], name), getattr(other, name)), name
+
+
+@needs_screen
+@pytest.mark.parametrize("rows", [0, 8, 24, -16])
+def test_pack_chunk_rows_must_be_whole_groups(rows):
+    from engine.native.greedy_screen import pack_lm_head
+
+    weight = torch.randn(64, 32)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        pack_lm_head(lambda start, end: weight[start:end], 64, 32, chunk_rows=rows)

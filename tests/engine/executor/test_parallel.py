@@ -93,6 +93,8 @@ def test_same_tokens_as_one_process(references, name, tp, pp) -> None:
     finally:
         engine.shutdown()
     assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in pids), "orphan ranks"
+    # Each rank ended by itself when told to, status 0 (not killed after the grace period).
+    assert [proc.exitcode for proc in engine.executor._procs] == [0] * (tp * pp)
 
 
 DEFAULT_MODEL_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 28, 1345, 314, 216, 33, 42]]

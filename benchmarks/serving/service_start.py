@@ -1,0 +1,152 @@
+"""How long an engine service process takes to start, from the spawn of `pagedserve engine`
+until standard health says SERVING (wall and the process's CPU seconds), and to stop.
+
+    python benchmarks/serving/service_start.py [--model DIR_OR_GGUF] [--repeats 3]
+                                               [--compare OTHER_CHECKOUT]
+
+Without --model, the model is the shape the service tests start (a random Llama: hidden 64,
+2 layers, the default model's vocabulary of 49,152 tokens), written to a temporary folder.
+Each run is a fresh process (`--log-level WARNING`, a 16 MiB KV cache as the tests give
+it); the script prints per run `listening_s` (the port accepts connections), `serving_s`,
+`cpu_s` (user + system CPU of the process when SERVING is seen) and `stop_s` (from SIGTERM,
+sent at once, until the idle process has exited with status 0), then the median and spread
+of each. With --compare, the same runs start the engine of another checkout too (its
+root on PYTHONPATH and as the working directory), the two alternating, and the script prints
+this checkout / the other for each median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("listening_s", "serving_s", "cpu_s", "stop_s")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid` (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def write_test_model(path: Path) -> Path:
+    """The service tests' model shape (tests/services/conftest.py), without tokenizer files:
+    the engine service never loads one."""
+    import engine  # noqa: F401  (first: it sets libgomp's spin count before torch loads)
+    from tests.model_utils import TOKENIZER_VOCAB_SIZE, make_tiny_llama
+
+    return make_tiny_llama(path, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=4096)
+
+
+def one_start(root: Path, model: str) -> dict[str, float]:
+    """Starts `root`'s `pagedserve engine` on `model` once; stops it (SIGTERM) when SERVING."""
+    from services.cli.supervisor import wait_until_serving
+
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "services", "engine", "--model", model]
+    argv += ["--engine-addr", address, "--kv-cache-memory-bytes", str(16 << 20)]
+    argv += ["--log-level", "WARNING"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "proto")]))
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, cwd=root)
+    try:
+        listening = None
+        while listening is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the engine service exited with {proc.returncode}")
+            if _listening(port):
+                listening = time.perf_counter() - start
+            time.sleep(0.02)
+        # The standard health service, polled as the tests and `pagedserve serve` poll it.
+        if not wait_until_serving(address, [proc], 600):
+            raise RuntimeError("the engine service did not reach SERVING")
+        serving = time.perf_counter() - start
+        cpu = _cpu_s(proc.pid)
+        stopping = time.perf_counter()
+        proc.terminate()
+        if proc.wait(120) != 0:
+            raise RuntimeError(f"the engine service exited with {proc.returncode} on SIGTERM")
+        stop = time.perf_counter() - stopping
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    return {
+        "listening_s": round(listening, 3),
+        "serving_s": round(serving, 3),
+        "cpu_s": cpu,
+        "stop_s": round(stop, 3),
+    }
+
+
+def _summary(name: str, runs: list[dict[str, float]]) -> dict[str, float]:
+    medians = {}
+    for key in KEYS:
+        values = [run[key] for run in runs]
+        medians[key] = statistics.median(values)
+        print(
+            f"{name:10s} {key}: median {medians[key]:.2f}, "
+            f"spread {max(values) - min(values):.2f}, runs {values}"
+        )
+    return medians
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model directory or .gguf file")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--compare", default=None, help="another checkout whose engine to start too"
+    )
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    checkouts = {"this": ROOT}
+    if args.compare:
+        other = Path(args.compare).resolve()
+        if not (other / "services" / "__main__.py").is_file():
+            parser.error(f"--compare: {other} is not a pagedserve checkout")
+        checkouts["other"] = other
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(write_test_model(Path(tmp) / "tiny"))
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
+        for _ in range(args.repeats):
+            for name, root in checkouts.items():
+                run = one_start(root, model)
+                runs[name].append(run)
+                print(json.dumps({"checkout": name, **run}), flush=True)
+    medians = {name: _summary(name, name_runs) for name, name_runs in runs.items()}
+    if "other" in medians:
+        for key in KEYS:
+            ratio = medians["this"][key] / medians["other"][key]
+            print(f"this/other {key}: {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
