@@ -1,7 +1,9 @@
 """The flags of the server commands (`pagedserve serve | engine | tokenizer`): the parser.
 
 `build_parser()` adds the client commands' parsers (clients/cli.py), the security flags
-(secure_flags.py) and the gateway's (openai_gateway.py) to these; engine flags are
+(secure_flags.py) and the gateway's (openai_gateway.py) to these (`build_parser("engine")`
+or `("tokenizer")`: that command's parser alone, so a service started alone does not import
+the client and gateway modules); engine flags are
 `EngineArgs` fields with vLLM's names. `flags_from` turns parsed values back into flags, so
 `serve` (supervisor.py) passes its children the flags they take. Apart from the command
 (main.py, which runs the services) because tests, the compose checks and the supervisor
@@ -19,8 +21,6 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from clients.cli import add_client_commands
-from services.cli.openai_gateway import add_gateway_command, add_serve_openai_args
 from services.cli.secure_flags import add_security_args
 from services.common.metrics import NAME_PREFIX, NAME_PREFIXES
 
@@ -272,9 +272,36 @@ def _add_observability_args(parser: argparse.ArgumentParser, command: str) -> No
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
+# What `pagedserve`'s usage line names; `build_parser(command)` names them all without
+# importing clients/cli.py for the last six (clients.cli.CLIENT_COMMANDS; a test holds the two
+# the same).
+COMMANDS = ("serve", "engine", "tokenizer", "gateway")
+COMMANDS += ("generate", "chat", "tokenize", "health", "lora", "bench")
+ALONE_COMMANDS = ("engine", "tokenizer")  # the services `build_parser(command)` builds alone
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `pagedserve` parser; with `command` (one of ALONE_COMMANDS) only that command's
+    subparser, which parses its flags and prints its help and errors as the whole parser does,
+    without the client commands' and the gateway's imports (0.06 s of a service's start-up;
+    docs/benchmarks.md, "The light tokenizer process and the Rust detokenizer")."""
     parser = argparse.ArgumentParser(prog="pagedserve", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
+    if command is not None:
+        if command not in ALONE_COMMANDS:
+            raise ValueError(f"build_parser({command!r}): one of {ALONE_COMMANDS} or None")
+        commands.metavar = "{" + ",".join(COMMANDS) + "}"
+        sub = commands.add_parser(command)
+        _add_common_args(sub)
+        if command == "engine":
+            _add_engine_args(sub)
+        else:
+            _add_tokenizer_args(sub)
+            _add_workers_arg(sub)
+        add_security_args(sub, command)
+        _add_observability_args(sub, command)
+        _add_fleet_args(sub, command)
+        return parser
     serve = commands.add_parser("serve", help="both services as child processes")
     engine = commands.add_parser("engine", help="the engine service")
     tokenizer = commands.add_parser("tokenizer", help="the tokenizer service (public API)")
@@ -305,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for health (900)"
     )
+    from clients.cli import add_client_commands
+    from services.cli.openai_gateway import add_gateway_command, add_serve_openai_args
+
     add_serve_openai_args(serve)
     add_gateway_command(commands)
     add_client_commands(commands)

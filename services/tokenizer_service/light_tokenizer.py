@@ -123,11 +123,13 @@ class LightTokenizer:
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         wanted = [config.get(name) for name in SPECIAL_TOKEN_NAMES]
         wanted += list(extra) if isinstance(extra, list) else []
-        vocab = backend.get_vocab(with_added_tokens=True)
+        # `token_to_id` looks in the added tokens, then the model's vocabulary: what
+        # `get_vocab(with_added_tokens=True)` holds, without building that dict (the whole
+        # vocabulary as Python strings: 36 ms for a 49k vocabulary at every start).
         missing = []
         for value in wanted:
             token = _added_token(value)
-            if token is not None and token.content not in vocab:
+            if token is not None and backend.token_to_id(token.content) is None:
                 missing.append(token)
         if missing:
             backend.add_tokens(missing)

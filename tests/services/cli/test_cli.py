@@ -60,6 +60,42 @@ def test_cuda_graph_flags_round_trip():
     assert default.cuda_graph_sizes is None and default.enforce_eager is False
 
 
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("tokenizer", ["--port", "1234", "--workers", "2", "--max-prompt-tokens", "5"]),
+        ("engine", ["--max-num-seqs", "7", "--enforce-eager", "--metrics-port", "9"]),
+    ],
+)
+def test_a_service_alone_parses_as_the_whole_parser(command, argv):
+    """`build_parser(command)`, what `pagedserve engine | tokenizer` builds, parses the
+    command's flags, prints its help and names every command in its usage line (the one its
+    errors print) as the whole parser does."""
+    whole, alone = build_parser(), build_parser(command)
+    assert vars(alone.parse_args([command, *argv])) == vars(whole.parse_args([command, *argv]))
+    assert vars(alone.parse_args([command])) == vars(whole.parse_args([command]))
+    assert alone.format_usage() == whole.format_usage()
+    assert subparser(alone, command).format_help() == subparser(whole, command).format_help()
+    with pytest.raises(KeyError):
+        subparser(alone, "generate")
+    with pytest.raises(ValueError, match="serve"):
+        build_parser("serve")
+
+
+def test_a_service_alone_imports_no_client_or_gateway_modules():
+    code = (
+        "import sys; from services.cli.main import build_parser; "
+        "build_parser('tokenizer').parse_args(['tokenizer']); "
+        "print(sorted(m for m in sys.modules if m.startswith('clients') "
+        "or m == 'services.cli.openai_gateway'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_serve_stops_gracefully_on_sigterm(tiny_model_dir):
     port, engine_port = _free_port(), _free_port()
     env = _env(

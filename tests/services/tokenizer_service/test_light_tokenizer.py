@@ -276,3 +276,25 @@ def test_the_service_loads_its_tokenizer_without_transformers(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["ok", "LightTokenizer", "True"]
+
+
+def test_special_tokens_missing_from_the_vocabulary_are_added_once():
+    """A named or extra special token that tokenizer.json lacks is added as a special token;
+    one it has, in the model's vocabulary or among its added tokens, is not added again."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<s>"])  # id 3, an added token
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"content": "</s>", "lstrip": False},
+        "unk_token": "<unk>",
+        "additional_special_tokens": ["a", "<extra>"],
+    }
+    tokenizer = LightTokenizer(backend, config, None)
+    assert len(tokenizer) == 6  # 3 + <s> + the two missing: </s> and <extra>
+    assert tokenizer.bos_token_id == 3
+    assert tokenizer.eos_token_id == backend.token_to_id("</s>") == 4
+    assert backend.token_to_id("<extra>") == 5
+    assert backend.encode("a </s> <extra>", add_special_tokens=False).ids == [0, 4, 5]
