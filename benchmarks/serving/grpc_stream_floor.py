@@ -39,6 +39,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from benchmarks.serving.proc_cpu import process_cpu_s  # noqa: E402
 from pagedserve.v1 import (  # noqa: E402
     common_pb2,
     engine_pb2,
@@ -145,11 +146,6 @@ async def _read_all(address: str, num_streams: int, k: int, public: bool) -> int
         return sum(await asyncio.gather(*(one(i) for i in range(num_streams))))
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
 def _thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds per thread of `pid`, by thread name (the main thread as "main")."""
     out: dict[str, float] = {}
@@ -167,11 +163,11 @@ def _thread_cpu_s(pid: int) -> dict[str, float]:
 def _one_run(address: str, pid: int, args: argparse.Namespace, k: int) -> dict[str, float]:
     public = args.message == "public"
     threads = _thread_cpu_s(pid)
-    server_cpu, client_cpu = _cpu_s(pid), time.process_time()
+    server_cpu, client_cpu = process_cpu_s(pid), time.process_time()
     start = time.perf_counter()
     num = asyncio.run(_read_all(address, args.streams, k, public))
     wall = time.perf_counter() - start
-    server = _cpu_s(pid) - server_cpu
+    server = process_cpu_s(pid) - server_cpu
     num_tokens = args.streams * args.tokens
     after = _thread_cpu_s(pid)
     main = after.get("main", 0.0) - threads.get("main", 0.0)

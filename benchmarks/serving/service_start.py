@@ -31,21 +31,10 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
+from benchmarks.serving.proc_cpu import free_port, process_cpu_s
+
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("listening_s", "serving_s", "cpu_s", "stop_s")
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of `pid` (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def _listening(port: int) -> bool:
@@ -66,7 +55,7 @@ def one_start(root: Path, model: str) -> dict[str, float]:
     """Starts `root`'s `pagedserve engine` on `model` once; stops it (SIGTERM) when SERVING."""
     from services.cli.supervisor import wait_until_serving
 
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     argv = [sys.executable, "-m", "services", "engine", "--model", model]
     argv += ["--engine-addr", address, "--kv-cache-memory-bytes", str(16 << 20)]
@@ -86,7 +75,7 @@ def one_start(root: Path, model: str) -> dict[str, float]:
         if not wait_until_serving(address, [proc], 600):
             raise RuntimeError("the engine service did not reach SERVING")
         serving = time.perf_counter() - start
-        cpu = _cpu_s(proc.pid)
+        cpu = process_cpu_s(proc.pid)
         stopping = time.perf_counter()
         proc.terminate()
         if proc.wait(120) != 0:

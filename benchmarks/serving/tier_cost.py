@@ -44,7 +44,6 @@ import gc
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,16 +57,13 @@ import grpc
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from benchmarks.serving.proc_cpu import (  # noqa: E402
+    free_port,
+    main_thread_cpu_s,
+    process_tree_cpu_s,
+)
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_zero_cost_model(path: Path) -> Path:
@@ -84,30 +80,6 @@ def write_zero_cost_model(path: Path) -> Path:
         with_tokenizer=True,
         max_position_embeddings=2048,
     )
-
-
-def process_tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of `pid` and of its live descendants (tokenizer workers)."""
-    total = 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                total += process_tree_cpu_s(int(child))
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return total
-
-
-def main_thread_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of `pid`'s main thread: in a service, its asyncio event
-    loop (the engine service's engine loop and torch's threads are other threads)."""
-    try:
-        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
@@ -183,7 +155,7 @@ def _hop1_counts(metrics_port: int) -> tuple[float, float]:
 
 
 def run_services(model: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    port, engine_port, metrics_port = _free_port(), _free_port(), _free_port()
+    port, engine_port, metrics_port = free_port(), free_port(), free_port()
     common = ["--model", str(model), "--log-level", "WARNING"]
     common += ["--engine-addr", f"127.0.0.1:{engine_port}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
@@ -295,7 +267,7 @@ def run_openai(model: Path, prompts: list[list[int]], args: argparse.Namespace) 
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     texts = [tokenizer.decode(p) for p in prompts]
-    port, engine_port = _free_port(), _free_port()
+    port, engine_port = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
     base = [sys.executable, "-m", "services"]
     engine_argv = [*base, "engine", "--model", str(model), "--log-level", "WARNING"]

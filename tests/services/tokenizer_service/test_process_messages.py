@@ -14,7 +14,6 @@ import random
 import pytest
 
 from pagedserve.v1 import common_pb2, engine_pb2
-from services.tokenizer_service.light_tokenizer import load_light_tokenizer
 from services.tokenizer_service.replicas.merging_reader import (
     MergingReader,
     WaitingOutput,
@@ -22,16 +21,7 @@ from services.tokenizer_service.replicas.merging_reader import (
 )
 from services.tokenizer_service.sampling import RequestSampling
 from services.tokenizer_service.text_stream import TextStream, TokenTexts
-from tests.model_utils import _copy_tokenizer
-
-PROMPT = [1, 504, 3458, 314, 260]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("smollm2")
-    _copy_tokenizer(None, directory)
-    return load_light_tokenizer(directory)
+from tests.services.tokenizer_service.test_text_stream import PROMPT
 
 
 def _pieces(tokenizer) -> list[int]:
