@@ -131,11 +131,14 @@ class ServiceStack:
         return self.engine.get_stats()
 
     def wait_until_idle(self, timeout: float = 60.0) -> EngineStats:
-        """Waits until no request is left and every KV block is free again."""
+        """Waits until no request is left (in the engine and in the engine service's registry
+        of live request ids) and every KV block is free again."""
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
             idle = stats.num_running == stats.num_waiting == stats.num_requests == 0
+            if self.engine_server is not None:
+                idle = idle and len(self.engine_server.servicer.requests) == 0
             if idle and stats.num_free_blocks == stats.num_total_blocks:
                 return stats
             if time.monotonic() > deadline:

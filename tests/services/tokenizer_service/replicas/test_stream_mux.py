@@ -76,10 +76,12 @@ def test_multiplexed_answers_as_per_request_calls(stack, per_request_server, cas
         for out in outputs.values():
             out.num_messages = 0  # a relay behind its engine merges messages
         results.append(outputs)
+        # A stop string ends the client's stream before the engine has taken the abort in;
+        # the same request_id is free again only once it has.
+        stack.wait_until_idle()
     assert results[0] == results[1]
     assert all(out.finish_reason for out in results[1].values())
     assert muxed.num_batches > batches_before  # the second one went over the mux
-    stack.wait_until_idle()
 
 
 def test_per_request_switch_opens_no_multiplexed_call(per_request_server) -> None:
