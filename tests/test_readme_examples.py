@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ import pytest
 
 from services.cli.openai_gateway import find_smg, wait_until_ready
 from services.cli.supervisor import wait_until_serving
+from tests.services.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -106,12 +106,6 @@ EXPECTED: dict[str, Callable[[str, str, str], None]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def shell_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """`pagedserve` on PATH (this checkout's, as `make run` would install it) and the ports."""
@@ -119,17 +113,17 @@ def shell_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     script = bin_dir / "pagedserve"
     script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m services "$@"\n')
     script.chmod(0o755)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}",
         PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]),
         PAGEDSERVE_PORT=str(port),
-        PAGEDSERVE_ENGINE_ADDR=f"127.0.0.1:{_free_port()}",
+        PAGEDSERVE_ENGINE_ADDR=f"127.0.0.1:{free_port()}",
         PAGEDSERVE_ADDRESS=f"127.0.0.1:{port}",
     )
     if find_smg() is not None:  # the README's server line then starts the OpenAI door too
-        env["PAGEDSERVE_OPENAI_PORT"] = str(_free_port())
+        env["PAGEDSERVE_OPENAI_PORT"] = str(free_port())
     return env
 
 

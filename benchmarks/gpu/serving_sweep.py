@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,15 +47,10 @@ if __package__ in (None, ""):  # run as a script: the checkout first, not this f
 import psutil
 
 from benchmarks.gpu.llama8b import SHAPES, default_tokenizer_dir, describe, write_model_dir
+from benchmarks.serving.proc_cpu import free_port
 
 CHAT_PROMPT = "Why is the sky blue?"
 NUM_WARMUPS = 2  # requests bench serve sends first, untimed, at each level
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def pagedserve_command() -> list[str]:
@@ -73,7 +67,7 @@ class Services:
     """`pagedserve serve` in its own process group, its output in a log file."""
 
     def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        self.port, engine_port = _free_port(), _free_port()
+        self.port, engine_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         argv = [
             *pagedserve_command(), "serve", "--model", str(model_dir), "--load-format", "dummy",

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import gc
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,15 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from benchmarks.offline.throughput import make_prompts  # noqa: E402
+from benchmarks.serving.proc_cpu import free_port  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_in_process(args: argparse.Namespace, engine_kwargs: dict) -> tuple[float, list]:
@@ -72,7 +66,7 @@ async def _stream_all(address: str, prompts: list[list[int]], output_len: int) -
 
 
 def run_services(args: argparse.Namespace, engine_flags: list[str], expected: list) -> float:
-    port, engine_port = _free_port(), _free_port()
+    port, engine_port = free_port(), free_port()
     common = ["--log-level", "WARNING", "--engine-addr", f"127.0.0.1:{engine_port}"]
     if args.model:
         common += ["--model", args.model]

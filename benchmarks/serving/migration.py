@@ -36,7 +36,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,18 +48,13 @@ import grpc
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from benchmarks.serving.proc_cpu import free_port  # noqa: E402
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
 
 DEFAULT_STALL_TIMEOUT_S = 10.0  # the tokenizer service's own default
 FAULTS = {"kill": signal.SIGKILL, "stall": signal.SIGSTOP, "drain": signal.SIGTERM}
 MIGRATED_MSG = "stream migrated to another engine replica"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def child_env(threads: int) -> dict[str, str]:

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]  # runs from a checkout without installing
 
+from benchmarks.serving.proc_cpu import free_port  # noqa: E402
 from services.cli.openai_gateway import wait_until_ready  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
 
@@ -49,12 +49,6 @@ ROWS = [
     ("output tok/s", "output_throughput", "output_token_throughput", "avg"),
     ("requests/s", "request_throughput", "request_throughput", "avg"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def aiperf_executable(ns: argparse.Namespace) -> str:

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -38,14 +37,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc  # noqa: E402
 
+from benchmarks.serving.proc_cpu import free_port  # noqa: E402
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Child:

@@ -32,12 +32,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from benchmarks.serving.tokenizer_tier import _env, _free_port, one_run
+    from benchmarks.serving.proc_cpu import free_port
+    from benchmarks.serving.tokenizer_tier import _env, one_run
     from services.cli.supervisor import wait_until_serving
     from services.tokenizer_service.model_files import BACKEND_ENV
 
     model = ["--model", args.model] if args.model else []
-    engine_address = f"127.0.0.1:{_free_port()}"
+    engine_address = f"127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "services", "engine", *model, "--engine-addr", engine_address]
     engine = subprocess.Popen(
         [*argv, "--log-level", "WARNING"], env=_env(), cwd=Path(__file__).resolve().parents[2]

@@ -33,14 +33,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from benchmarks.serving.proc_cpu import free_port  # noqa: E402
 from clients import Client  # noqa: E402
 from services.cli.supervisor import wait_until_serving  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -73,7 +68,7 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def one_run(model: list[str], engine_address: str) -> dict[str, object]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "services", "tokenizer", *model, "--engine-addr"]
     argv += [engine_address, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--log-level", "WARNING"]
@@ -111,7 +106,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model = ["--model", args.model] if args.model else []
-    engine_address = f"127.0.0.1:{_free_port()}"
+    engine_address = f"127.0.0.1:{free_port()}"
     engine = subprocess.Popen(
         [
             sys.executable,

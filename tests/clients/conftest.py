@@ -4,7 +4,6 @@ small fake of the public API for what a real server cannot be made to do on cue.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,6 @@ def stack(tiny_model_dir: Path) -> Iterator[ServiceStack]:
 def address(stack: ServiceStack) -> str:
     """The public API's address."""
     return f"127.0.0.1:{stack.public_port}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import site
-import socket
 import subprocess
 import sys
 import tarfile
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.build_context import ROOT, copy_build_context
+from tests.services.processes import free_port
 
 # The import packages of the distribution; in the wheel, `pagedserve` comes from proto/.
 PACKAGES = {
@@ -43,12 +43,6 @@ PACKAGES = {
 }
 # Not part of the distribution: the separate client wheel's packaging files.
 NOT_SHIPPED = ("clients/packaging/",)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -195,7 +189,7 @@ def test_serve_demo_answers_from_the_installed_wheel_with_the_native_kernels(
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler: the native kernels cannot be built here")
     kernels = tmp_path / "kernels"  # empty: the kernels must be compiled from the wheel
-    port, engine_port = _free_port(), _free_port()
+    port, engine_port = free_port(), free_port()
     argv = [str(installed / "bin" / "pagedserve"), "serve", "--demo", "--port", str(port)]
     argv += ["--engine-addr", f"127.0.0.1:{engine_port}", "--max-tokens", "32"]
     done = subprocess.run(

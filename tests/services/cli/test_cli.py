@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +17,9 @@ from pagedserve.v1 import common_pb2, generation_pb2_grpc
 from services.cli.flags import build_parser, engine_args_from, flags_from, subparser
 from services.cli.supervisor import wait_until_serving
 from tests.services.helpers import gather, request
+from tests.services.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -97,7 +91,7 @@ def test_a_service_alone_imports_no_client_or_gateway_modules():
 
 
 def test_serve_stops_gracefully_on_sigterm(tiny_model_dir):
-    port, engine_port = _free_port(), _free_port()
+    port, engine_port = free_port(), free_port()
     env = _env(
         PAGEDSERVE_MODEL=str(tiny_model_dir),
         PAGEDSERVE_PORT=str(port),
@@ -131,7 +125,7 @@ def test_serve_stops_gracefully_on_sigterm(tiny_model_dir):
 
 @pytest.mark.slow
 def test_serve_demo_streams_the_default_model_answer():
-    port, engine_port = _free_port(), _free_port()
+    port, engine_port = free_port(), free_port()
     argv = [sys.executable, "-m", "services", "serve", "--demo", "--port", str(port)]
     argv += ["--engine-addr", f"127.0.0.1:{engine_port}", "--max-tokens", "32"]
     done = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=400)

@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from services.security.tls import EngineLinkTLS, ServerTLSConfig
 from services.tokenizer_service.config import TokenizerServerConfig
 from services.tokenizer_service.server import TokenizerServer
 from tests.services.helpers import wait_for
+from tests.services.processes import free_port
 from tests.services.secure import (
     ROOT,
     dev_ca,
@@ -239,12 +239,6 @@ def test_bad_tls_flags_are_config_errors(stack, pki, tmp_path):
 # ---- SIGHUP reload, in a real engine process ------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serving(address: str, credentials: grpc.ChannelCredentials) -> bool:
     with grpc.secure_channel(address, credentials) as channel:
         try:
@@ -260,7 +254,7 @@ def test_sighup_reloads_the_certificate_without_dropping_streams(tiny_model_dir,
     cert, key = tmp_path / "engine.pem", tmp_path / "engine-key.pem"
     shutil.copy(pki.cert("server"), cert)
     shutil.copy(pki.key("server"), key)
-    port = _free_port()
+    port = free_port()
     address = f"localhost:{port}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
     env["PAGEDSERVE_TLS_CERT_FILE"], env["PAGEDSERVE_TLS_KEY_FILE"] = str(cert), str(key)
@@ -306,7 +300,7 @@ def test_sighup_reloads_the_certificate_without_dropping_streams(tiny_model_dir,
 def test_serve_runs_both_hops_over_mtls_from_one_set_of_flags(tiny_model_dir, pki, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("demo-key-0123456789abcdef demo\n")
-    port, engine_port = _free_port(), _free_port()
+    port, engine_port = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
     env["PAGEDSERVE_API_KEY"] = "demo-key-0123456789abcdef"
     argv = [sys.executable, "-m", "services", "serve", "--demo", "--prompt", "Hi", "--max-tokens"]
