@@ -89,8 +89,9 @@ def compress_weight(
         return tensors, decompress(tensors, args, exact)
     n, k = weight.shape
     tensors = _compress(weight[:, perm], args)  # groups contiguous
-    reference = torch.empty(n, k, dtype=tensors["weight_scale"].dtype)
-    reference[:, perm] = decompress(tensors, args, exact).to(reference.dtype)
+    grouped = decompress(tensors, args, exact)  # [N, K], column j is input channel perm[j]
+    reference = torch.empty_like(grouped)
+    reference[:, perm] = grouped
     codes = unpack_from_int32(tensors["weight_packed"], 4, torch.Size((n, k)))  # int8 [N, K]
     in_order = torch.empty_like(codes)
     in_order[:, perm] = codes
