@@ -13,13 +13,15 @@ so an unsupported checkpoint is refused at load instead of loaded as garbage.
 
     quant_method          engine method         scheme       loads as
     "compressed-tensors"  "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
-      format "float-quantized" (FP8); "pack-quantized" (INT4) is the next row
+      (format "float-quantized")
     "compressed-tensors"  "compressed-tensors"  Int4Scheme   engine/loader/int4_weights.py
+      (format "pack-quantized", 4-bit int weights)
     "modelopt"            "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
     "awq"                 "awq"                 Int4Scheme   engine/loader/int4_weights.py
     "gptq"                "gptq"                Int4Scheme   engine/loader/int4_weights.py
 
-compressed-tensors routes by its `format` (engine/config/weights/ct_int4_checkpoint.py).
+compressed-tensors' one entry routes by the config's `format`
+(engine/config/weights/ct_int4_checkpoint.py).
 
 `resolve_checkpoint_quantization` then checks `EngineArgs.quantization` against it (vLLM's
 rule: the checkpoint's format wins; naming it, or "auto"/None, is the same). Families that
