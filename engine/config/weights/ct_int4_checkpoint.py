@@ -25,6 +25,7 @@ group must give the same scheme):
     input/output_activations  none (weight-only)
     targets               ["Linear"]; `ignore` lists modules kept in floats (lm_head)
     kv_cache_scheme       none; sparsity_config / transform_config empty
+    quantization_status   "compressed" (or absent)
 
 Anything else raises ValueError naming the field and value.
 """
@@ -91,6 +92,10 @@ def _parse_weights(weights: Mapping[str, Any] | None, where: str) -> tuple[int, 
 
 
 def _check_extras(config: Mapping[str, Any]) -> None:
+    status = config.get("quantization_status")
+    if status not in (None, "compressed"):
+        # "frozen" and earlier: float weights beside their scales, not the packed tensors
+        raise _refuse("", "quantization_status", status, "'compressed'")
     for field in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         value = config.get(field)
         if value:  # None or {} when absent

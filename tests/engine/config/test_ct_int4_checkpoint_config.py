@@ -116,6 +116,7 @@ REFUSED = {
     ),
     "kv cache": (_edited((("kv_cache_scheme",), {"num_bits": 8})), "kv_cache_scheme="),
     "2:4 sparsity": (_edited((("sparsity_config",), {"format": "sparse-24"})), "sparsity_config="),
+    "not compressed": (_edited((("quantization_status",), "frozen")), "quantization_status="),
     "transforms": (_edited((("transform_config",), {"config_groups": {}})), "transform_config="),
 }
 
