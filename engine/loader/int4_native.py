@@ -1,11 +1,12 @@
-"""Symmetric INT4 (GPTQ `sym`) weights repacked exactly into the native CPU kernels' GGUF
-Q4_0 blocks, so they stay 4-bit on the CPU (engine/native/quant.py).
+"""Symmetric INT4 (GPTQ `sym`, compressed-tensors W4A16) weights repacked exactly into the
+native CPU kernels' GGUF Q4_0 blocks, so they stay 4-bit on the CPU (engine/native/quant.py).
 
 A Q4_0 block holds 32 consecutive input values of one output row: an fp16 scale d and 16
 bytes, byte j = q[j] | q[j + 16] << 4, value = d (q - 8). A symmetric GPTQ weight is
 s (q - 8) with one fp16 s per group of 32, 64 or 128 inputs (or the whole row), so each
 32-value block takes its group's s as d and the same codes: bit for bit the checkpoint's
-numbers. Zero-point weights (AWQ, GPTQ `sym=false`) are s (q - z): as Q4_1 (d q + m) they
+numbers (bf16 scales too, where each converts to fp16 exactly: checked per weight).
+Zero-point weights (AWQ, GPTQ `sym=false`) are s (q - z): as Q4_1 (d q + m) they
 would need m = -z s in fp16, which rounds, so they are dequantized at load instead; so are
 act-order weights (the kernels cannot gather their input columns).
 """
@@ -36,8 +37,14 @@ def int4_to_q4_0(name: str, weight: Int4Weight) -> QuantizedWeight:
             f"{name}: {k} inputs in groups of {weight.group_size} do not split into Q4_0 "
             f"blocks of {Q4_0_VALUES}."
         )
-    if weight.scales.dtype != torch.float16:
-        raise ValueError(f"{name}: {weight.scales.dtype} scales are not Q4_0's fp16.")
+    if not torch.equal(weight.scales.to(torch.float16).to(weight.scales.dtype), weight.scales):
+        # bf16 scales (compressed-tensors) convert exactly within fp16's range, which
+        # quantization scales rarely leave
+        raise ValueError(
+            f"{name}: {str(weight.scales.dtype).removeprefix('torch.')} scales that fp16 "
+            "cannot hold exactly do not fit Q4_0 blocks; pass dtype='bfloat16' to "
+            "dequantize them at load."
+        )
     if not bool((weight.zeros == SYMMETRIC_ZERO).all()):
         raise ValueError(f"{name}: zero points other than {SYMMETRIC_ZERO} do not fit Q4_0.")
     blocks = k // Q4_0_VALUES

@@ -158,24 +158,34 @@ def gptq_to_int4(
                     f"{SYMMETRIC_ZERO} (a checkpoint with zero points labelled symmetric?)."
                 )
         zeros = torch.full((num_groups, n), SYMMETRIC_ZERO, dtype=scales.dtype)
-    default = torch.arange(k, dtype=torch.int64) // group_size
-    perm = None
-    if g_idx is not None:
-        _check_shape(f"{name}.g_idx", g_idx, (k,), g_idx.dtype)
-        g_idx = g_idx.to(torch.int64)
-        if not torch.equal(g_idx, default):
-            perm = torch.sort(g_idx, stable=True).indices  # [K] input channel per row
-            if not torch.equal(g_idx[perm], default):
-                raise ValueError(
-                    f"{name}.g_idx: groups must each hold group_size={group_size} input "
-                    "channels (this g_idx does not)."
-                )
-    elif scheme.desc_act:
+    if g_idx is None and scheme.desc_act:
         raise ValueError(f"{name}.g_idx is missing (desc_act=true needs it).")
+    perm = act_order_perm(f"{name}.g_idx", g_idx, k, group_size)
     if perm is None:
         return Int4Weight(qweight.contiguous(), scales, zeros, group_size, None)
     codes = unpack_rows(qweight)[perm]  # [K, N] rows sorted by group
     return Int4Weight(pack_rows(codes), scales, zeros, group_size, perm)
+
+
+def act_order_perm(
+    name: str, g_idx: torch.Tensor | None, in_features: int, group_size: int
+) -> torch.Tensor | None:
+    """The rows of an act-order weight sorted by group: int64 [K], row j holds input channel
+    perm[j]; None when `g_idx` (each input channel's group) is absent or in column order."""
+    if g_idx is None:
+        return None
+    _check_shape(name, g_idx, (in_features,), g_idx.dtype)
+    g_idx = g_idx.to(torch.int64)
+    default = torch.arange(in_features, dtype=torch.int64) // group_size
+    if torch.equal(g_idx, default):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices  # [K] input channel per row
+    if not torch.equal(g_idx[perm], default):
+        raise ValueError(
+            f"{name}: groups must each hold group_size={group_size} input channels (this "
+            "g_idx does not)."
+        )
+    return perm
 
 
 def dequantize_int4(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:

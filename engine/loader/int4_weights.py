@@ -1,15 +1,18 @@
-"""An INT4 checkpoint (AWQ / GPTQ) streamed into the model: each projection's packed tensors
-are collected, decoded (engine/loader/int4_packing.py) and then either
+"""An INT4 checkpoint (AWQ / GPTQ / compressed-tensors) streamed into the model: each
+projection's packed tensors are collected, decoded (engine/loader/int4_packing.py,
+ct_int4_packing.py) and then either
 
 - kept in INT4 (`keep`: engine/layers/int4_installer.py; see `Int4Loading` for where), or
 - dequantized to the model's dtype and passed on as ``<module>.weight`` to the generic
   loader (the log says so once).
 
-Checkpoint names per quantized module ``<m>``: ``<m>.qweight``, ``<m>.qzeros``,
-``<m>.scales`` and (GPTQ) ``<m>.g_idx``; its ``<m>.bias`` and every other tensor pass
-through as they are. The parts of a module may come in any order, from any file: a module
-is decoded when its last part arrives (GPTQ without `g_idx` or symmetric without
-`qzeros`: at the end of the stream).
+Checkpoint names per quantized module ``<m>`` (`PARTS`): AWQ / GPTQ ``<m>.qweight``,
+``<m>.qzeros``, ``<m>.scales`` and (GPTQ) ``<m>.g_idx``; compressed-tensors
+``<m>.weight_packed``, ``<m>.weight_scale``, ``<m>.weight_shape`` and, when its scheme has
+them, ``<m>.weight_zero_point`` and ``<m>.weight_g_idx``. Its ``<m>.bias`` and every other
+tensor pass through as they are. The parts of a module may come in any order, from any
+file: a module is decoded when its last part arrives (GPTQ without `g_idx` or symmetric
+without `qzeros`: at the end of the stream).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from typing import Any
 
 import torch
 
+from engine.config.weights.fp8_checkpoint import is_ignored
 from engine.config.weights.int4_checkpoint import Int4Scheme
 from engine.layers.int4_installer import Int4Installer
 from engine.layers.quantization import CPUQuantizedLinearMethod
+from engine.loader.ct_int4_packing import compressed_tensors_to_int4
 from engine.loader.int4_native import fits_q4_0, int4_to_q4_0
 from engine.loader.int4_packing import Int4Weight, awq_to_int4, dequantize_int4, gptq_to_int4
 from engine.native import native_kernels_available
@@ -31,11 +36,24 @@ from engine.native.quant import concat_rows
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("qweight", "qzeros", "scales", "g_idx")
-_REQUIRED = {
-    "awq": ("qweight", "qzeros", "scales"),
-    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+# method -> (its tensors' leaf names, the leaf that marks a quantized module)
+PARTS = {
+    "awq": (GPTQ_PARTS, "qweight"),
+    "gptq": (GPTQ_PARTS, "qweight"),
+    "compressed-tensors": (CT_PARTS, "weight_packed"),
 }
+
+
+def _required(scheme: Int4Scheme) -> tuple[str, ...]:
+    """The parts after which a module is decoded at once."""
+    if scheme.method == "awq":
+        return ("qweight", "qzeros", "scales")
+    if scheme.method == "gptq":
+        return GPTQ_PARTS
+    optional = {"weight_zero_point": scheme.zero_point, "weight_g_idx": scheme.desc_act}
+    return tuple(p for p in CT_PARTS if optional.get(p, True))
 
 
 def int4_kept_packed(device: torch.device) -> bool:
@@ -43,19 +61,44 @@ def int4_kept_packed(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def quantized_modules(model_dir: Path) -> list[str]:
-    """The modules the directory's safetensors store as INT4 (names ending in .qweight),
-    read from the files' headers only."""
+def quantized_modules(model_dir: Path, scheme: Int4Scheme) -> list[str]:
+    """The modules the directory's safetensors store as INT4 (names ending in .qweight, or
+    .weight_packed), read from the files' headers only."""
     from safetensors import safe_open
 
+    suffix = "." + PARTS[scheme.method][1]
     names = []
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            names += [n.removesuffix(".qweight") for n in f.keys() if n.endswith(".qweight")]  # noqa: SIM118
+            names += [n.removesuffix(suffix) for n in f.keys() if n.endswith(suffix)]  # noqa: SIM118
     return names
 
 
+def _decode_compressed_tensors(
+    prefix: str, parts: dict[str, torch.Tensor], scheme: Int4Scheme
+) -> Int4Weight:
+    missing = [p for p in ("weight_packed", "weight_scale", "weight_shape") if p not in parts]
+    if missing:
+        raise ValueError(f"INT4 module {prefix!r} lacks {', '.join(missing)}.")
+    if is_ignored(prefix, scheme.modules_not_converted):
+        raise ValueError(
+            f"INT4 module {prefix!r} is stored packed, but quantization_config.ignore "
+            f"{list(scheme.modules_not_converted)} names it (a float module)."
+        )
+    return compressed_tensors_to_int4(
+        prefix,
+        parts["weight_packed"],
+        parts["weight_scale"],
+        parts["weight_shape"],
+        parts.get("weight_zero_point"),
+        parts.get("weight_g_idx"),
+        scheme,
+    )
+
+
 def _decode(prefix: str, parts: dict[str, torch.Tensor], scheme: Int4Scheme) -> Int4Weight:
+    if scheme.method == "compressed-tensors":
+        return _decode_compressed_tensors(prefix, parts, scheme)
     if "qweight" not in parts or "scales" not in parts:
         missing = [p for p in ("qweight", "scales") if p not in parts]
         raise ValueError(f"INT4 module {prefix!r} lacks {', '.join(missing)}.")
@@ -78,6 +121,7 @@ def int4_checkpoint_weights(
     returns True when it took it) or else replaced by its dequantized ``.weight``."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     num_dequantized = 0
+    leaves, required = PARTS[scheme.method][0], _required(scheme)
 
     def finish(prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal num_dequantized
@@ -88,14 +132,14 @@ def int4_checkpoint_weights(
 
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
-        if leaf not in PARTS:
+        if leaf not in leaves:
             yield name, tensor
             continue
         if not isinstance(tensor, torch.Tensor):  # a lazy safetensors slice, read whole
             tensor = tensor[:]
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
-        if all(p in parts for p in _REQUIRED[scheme.method]):
+        if all(p in parts for p in required):
             yield from finish(prefix, pending.pop(prefix))
     for prefix in sorted(pending):
         yield from finish(prefix, pending[prefix])
@@ -137,7 +181,7 @@ class Int4Loading:
             make_method, self.kind = _native_method, "native Q4_0 blocks"
         if make_method is not None:
             self.installer = Int4Installer(model, model.packed_modules_mapping, device, make_method)
-            self.installer.prepare(quantized_modules(model_dir))
+            self.installer.prepare(quantized_modules(model_dir, scheme))
 
     @property
     def native(self) -> bool:

@@ -86,9 +86,10 @@ def load_model(
     `op_impl` overrides the op implementation chosen from the backend, device and dtype.
     `quantization` keeps the projections quantized (engine/layers/quantization.py):
     "gguf" fills them from `gguf_file`'s blocks before any fp32 storage exists; "int8"
-    quantizes each projection as soon as it is loaded; "awq" / "gptq" read the checkpoint's
-    INT4 tensors (engine/loader/int4_weights.py). `load_format="dummy"` reads no
-    weights: every parameter is drawn from `seed` (engine/loader/dummy_weights.py).
+    quantizes each projection as soon as it is loaded; "awq" / "gptq" /
+    "compressed-tensors" read the checkpoint's INT4 tensors (engine/loader/int4_weights.py).
+    `load_format="dummy"` reads no weights: every parameter is drawn from `seed`
+    (engine/loader/dummy_weights.py).
     """
     model_class = get_model_class(hf_config)
     if op_impl is None:
@@ -161,7 +162,10 @@ def _load_checkpoint(
 def _int4_scheme(model_dir: Path, hf_config: Any) -> Any:
     found = read_checkpoint_quantization(model_dir, hf_config)
     if found is None or found.method not in INT4_METHODS:
-        raise ValueError(f"an INT4 method needs an AWQ or GPTQ checkpoint; {model_dir} is not one.")
+        raise ValueError(
+            f"an INT4 method needs an AWQ, GPTQ or compressed-tensors INT4 checkpoint; "
+            f"{model_dir} is not one."
+        )
     return found.scheme
 
 

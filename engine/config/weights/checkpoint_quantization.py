@@ -11,11 +11,17 @@ so an unsupported checkpoint is refused at load instead of loaded as garbage.
     hf_quant_config.json (modelopt) ─┴─▶ quant_method ─▶ FORMATS[quant_method](config)
                                                           └─▶ CheckpointQuantization
 
-    quant_method          engine method   scheme       loads as
-    "compressed-tensors"  "fp8"           Fp8Scheme    engine/loader/fp8_weights.py
-    "modelopt"            "fp8"           Fp8Scheme    engine/loader/fp8_weights.py
-    "awq"                 "awq"           Int4Scheme   engine/loader/int4_weights.py
-    "gptq"                "gptq"          Int4Scheme   engine/loader/int4_weights.py
+    quant_method          engine method         scheme       loads as
+    "compressed-tensors"  "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
+      (format "float-quantized")
+    "compressed-tensors"  "compressed-tensors"  Int4Scheme   engine/loader/int4_weights.py
+      (format "pack-quantized", 4-bit int weights)
+    "modelopt"            "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
+    "awq"                 "awq"                 Int4Scheme   engine/loader/int4_weights.py
+    "gptq"                "gptq"                Int4Scheme   engine/loader/int4_weights.py
+
+compressed-tensors' one entry routes by the config's `format`
+(engine/config/weights/ct_int4_checkpoint.py).
 
 `resolve_checkpoint_quantization` then checks `EngineArgs.quantization` against it (vLLM's
 rule: the checkpoint's format wins; naming it, or "auto"/None, is the same). Families that
@@ -31,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config.weights.fp8_checkpoint import Fp8Scheme, parse_compressed_tensors, parse_modelopt
+from engine.config.weights.ct_int4_checkpoint import parse_compressed_tensors
+from engine.config.weights.fp8_checkpoint import Fp8Scheme, parse_modelopt
 from engine.config.weights.int4_checkpoint import Int4Scheme, parse_awq, parse_gptq
 
 MODELOPT_CONFIG_FILE = "hf_quant_config.json"
@@ -42,7 +49,7 @@ class CheckpointQuantization:
     """A checkpoint's quantization as the engine runs it."""
 
     quant_method: str  # the checkpoint's name for its format: "compressed-tensors", "awq", ...
-    method: str  # the engine's method (`ModelConfig.quantization`): "fp8", "awq", "gptq"
+    method: str  # the engine's method (`ModelConfig.quantization`): "fp8", "awq", "gptq", ...
     scheme: Fp8Scheme | Int4Scheme  # the method's settings, parsed from the config
 
 
@@ -63,7 +70,7 @@ FORMATS: dict[str, Callable[[dict[str, Any]], tuple[str, Any]]] = {
     "gptq": _int4(parse_gptq),
 }
 # The engine's names for what FORMATS yields: a request for one of these needs such a checkpoint.
-CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
+CHECKPOINT_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 
 # Architectures whose family reads or refuses `quantization_config` itself, in its
 # check_config (GPT-OSS: MXFP4 experts dequantized at load; DeepSeek-V3: refused with how

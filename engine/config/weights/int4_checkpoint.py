@@ -1,4 +1,5 @@
-"""INT4 weight-only checkpoints as the Hub stores them: AWQ (GEMM layout) and GPTQ.
+"""INT4 weight-only checkpoints as the Hub stores them: AWQ (GEMM layout) and GPTQ (and,
+parsed in ct_int4_checkpoint.py into the same scheme, compressed-tensors `pack-quantized`).
 
 `parse_awq` / `parse_gptq` read a `quantization_config` (the dict in config.json) into one
 `Int4Scheme`, or raise ValueError naming the first field whose value we do not serve: a
@@ -25,20 +26,27 @@ from dataclasses import dataclass
 from typing import Any
 
 INT4_GROUP_SIZES = (32, 64, 128, -1)
-# The methods whose checkpoints hold INT4 weights, as config.json's `quant_method` names them.
-INT4_METHODS = ("awq", "gptq")
+# The methods whose checkpoints hold INT4 weights, as config.json's `quant_method` names them
+# (compressed-tensors' INT4 is its `pack-quantized` format; its FP8 is method "fp8").
+INT4_METHODS = ("awq", "gptq", "compressed-tensors")
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Scheme:
     """How one INT4 checkpoint's tensors decode (engine/loader/int4_packing.py)."""
 
-    method: str  # "awq" or "gptq": which tensor layout (packing axis, nibble order)
+    # Which tensor layout (packing axis, nibble order, tensor names): "awq", "gptq", or
+    # "compressed-tensors" (`pack-quantized`: weight_packed along the input of each output
+    # row, weight_scale [N, G], weight_zero_point packed along the output, weight_g_idx)
+    method: str
     group_size: int  # input channels per scale; -1: all of them (per output channel)
     zero_point: bool  # False: symmetric, the zero point is 8 whatever the checkpoint holds
     zero_offset: int  # added to each stored zero point (GPTQ v1 stores z - 1)
-    desc_act: bool  # GPTQ act-order: `g_idx` maps input channels to groups in any order
-    modules_not_converted: tuple[str, ...] = ()  # module names kept in floats (AWQ)
+    # act-order: `g_idx` maps input channels to groups in any order (GPTQ `desc_act`,
+    # compressed-tensors `actorder` "group")
+    desc_act: bool
+    # module names kept in floats: AWQ's modules_to_not_convert, compressed-tensors' `ignore`
+    modules_not_converted: tuple[str, ...] = ()
 
     @property
     def fits_q4_0(self) -> bool:
