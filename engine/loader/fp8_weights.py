@@ -18,16 +18,17 @@ or compressed-tensors' ``weight_scale``, one fp32 scale per [rows, cols] block, 
 edges) are always dequantized at load, on every device: no block-scaled FP8 GEMM is built
 (docs/fp8.md says what one would need). Each pair is expanded exactly as it streams in::
 
-    weight fp8 [N, K] ──zero-pad to [nb*rows, kb*cols]──▶ view [nb, rows, kb, cols]
-      × scale [nb, kb] broadcast over each block ──▶ crop to [N, K] ──▶ model dtype
+    weight fp8 [N, K] ──zero-pad──▶ fp32 [nb*rows, kb*cols] = view [nb, rows, kb, cols]
+      *= scale [nb, 1, kb, 1] ──crop──▶ [N, K] ──▶ model dtype
 
-In both ways ``input_scale`` / ``activation_scale`` are dropped (activations are not quantized on the dequantized
-path, and quantized per token on the FP8 one: engine/layers/fp8_linear.py says why) and the
-KV-cache ``k_scale`` / ``v_scale`` tensors are collected into `Fp8Checkpoint.kv_scales`.
-A weight waits for its scale (either may come first, from any file); a lone one is an error,
-and so is an FP8 tensor that is not a module's weight (it would load as unscaled numbers).
-Names under `Fp8Checkpoint.skipped` (the layers another stage or nobody loads, e.g.
-DeepSeek's multi-token prediction layers) pass through as they are, not dequantized.
+In every way ``input_scale`` / ``activation_scale`` are dropped (activations are not
+quantized on the dequantized path, and quantized per token on the FP8 one:
+engine/layers/fp8_linear.py says why) and the KV-cache ``k_scale`` / ``v_scale`` tensors
+are collected into `Fp8Checkpoint.kv_scales`. A weight waits for its scale (either may come
+first, from any file); a lone one is an error, and so is an FP8 tensor that is not a
+module's weight (it would load as unscaled numbers). Names under `Fp8Checkpoint.skipped`
+(layers another stage, or nothing, loads: DeepSeek's multi-token prediction layers) pass
+through as they are, not dequantized.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class Fp8Checkpoint:
             raise ValueError(f"{module}.weight is {weight.dtype}, expected {FP8_DTYPE}.")
         if self.scheme.block_size is not None:
             try:
-                dequantized = dequantize_block_fp8(weight, scale, self.scheme.block_size, self.dtype)
+                block = self.scheme.block_size
+                dequantized = dequantize_block_fp8(weight, scale, block, self.dtype)
             except ValueError as error:
                 raise ValueError(f"{module}: {error}") from None
             yield f"{module}.weight", dequantized

@@ -41,9 +41,9 @@ def quantize_blocks(
             tile = weight[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].float()
             s = max(float(tile.abs().max()) / FP8_MAX, 1e-12)
             scale[i, j] = s
-            q[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols] = (tile / s).clamp(
-                -FP8_MAX, FP8_MAX
-            ).to(torch.float8_e4m3fn)
+            q[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols] = (
+                (tile / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            )
     return q, scale
 
 

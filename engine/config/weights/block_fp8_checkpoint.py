@@ -41,7 +41,12 @@ _SERVED = {
     "expert_dtype": ("fp8",),
 }
 # transformers' defaults for the fields a config may leave out
-_DEFAULTS = {"fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float", "expert_dtype": "fp8"}
+_DEFAULTS = {
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "scale_fmt": "float",
+    "expert_dtype": "fp8",
+}
 
 
 def parse_block_fp8(config: dict[str, Any]) -> tuple[str, Fp8Scheme]:

@@ -126,11 +126,9 @@ def parse_compressed_tensors(config: dict[str, Any]) -> tuple[str, Fp8Scheme]:
             raise ValueError(f"quantization_config {where}weights is missing.")
         strategy = _parse_weights(weights, f"{where}weights.")
         strategies.add(strategy)
-        activations.add(
-            _parse_activations(
-                group.get("input_activations"), f"{where}input_activations.", strategy[1] is not None
-            )
-        )
+        block = strategy[1] is not None
+        inputs = group.get("input_activations")
+        activations.add(_parse_activations(inputs, f"{where}input_activations.", block))
     if len(strategies) > 1 or len(activations) > 1:
         # One scheme per model keeps one LinearMethod; mixed groups are not published FP8.
         raise ValueError(
