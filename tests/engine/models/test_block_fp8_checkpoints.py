@@ -1,8 +1,8 @@
 """Block-scaled FP8 checkpoints (transformers' `quant_method: "fp8"` layout of Qwen3-*-FP8
 and DeepSeek-V3, and llm-compressor's compressed-tensors FP8_BLOCK), made here from tiny
-random Llama, Qwen3 and DeepSeek-V3 models with sizes that leave ragged edge blocks, served
-by the engine (dequantized at load) against transformers on the dequantized weights
-(DESIGN.md's top-5 rule), in every scheduling regime of test_engine_correctness."""
+random Llama, Qwen3, Qwen3-MoE and DeepSeek-V3 models with sizes that leave ragged edge
+blocks, served by the engine (dequantized at load) against transformers on the dequantized
+weights (DESIGN.md's top-5 rule), in every scheduling regime of test_engine_correctness."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from tests.model_utils import make_tiny_llama, make_tiny_model
 LLAMA = dict(hidden_size=160, num_heads=5, num_kv_heads=1, intermediate_size=288,
              max_position_embeddings=256)  # fmt: skip
 QWEN3 = dict(hidden_size=80, num_heads=4, num_kv_heads=2, head_dim=24, intermediate_size=144)
+QWEN3_MOE = dict(QWEN3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40)
 
 
 def _llama(root):
@@ -43,6 +44,14 @@ def _llama(root):
 def _qwen3(root):
     source = make_tiny_model(root / "source", "Qwen3ForCausalLM", **QWEN3)
     path, reference = make_block_fp8(source, root / "fp8", root / "ref", (32, 48))
+    return path, reference, {}
+
+
+def _qwen3_moe(root):
+    """Experts (and their router, kept in float as the releases do) of Qwen3-30B-A3B-FP8's
+    layout: the experts see dequantized weights, as any other MoE family would."""
+    source = make_tiny_model(root / "source", "Qwen3MoeForCausalLM", **QWEN3_MOE)
+    path, reference = make_block_fp8(source, root / "fp8", root / "ref", (32, 32))
     return path, reference, {}
 
 
@@ -64,14 +73,16 @@ def checkpoint(request, tmp_path_factory):
     return CHECKPOINTS[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def _matches_transformers_in_every_regime(path, reference_dir, load_kwargs=None) -> None:
+def _matches_transformers_in_every_regime(
+    path, reference_dir, load_kwargs=None, regimes=REGIMES
+) -> None:
     prompts = make_prompts(128)
     reference = hf_greedy(reference_dir, prompts, MAX_TOKENS, **(load_kwargs or {}))
     llm, unconstrained = run(path, prompts)
     assert llm.llm_engine.get_model_config().quantization == "fp8"
     assert_close_to_reference(reference, ours_greedy(unconstrained))
     baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in REGIMES.items():
+    for name, kwargs in regimes.items():
         llm, outputs = run(path, prompts, **kwargs)
         assert [o.outputs[0].token_ids for o in outputs] == baseline, name
         if name == "preemption-tiny-cache":
@@ -81,6 +92,14 @@ def _matches_transformers_in_every_regime(path, reference_dir, load_kwargs=None)
 def test_dequantized_at_load_matches_transformers_in_every_regime(checkpoint) -> None:
     path, reference_dir, load_kwargs = checkpoint
     _matches_transformers_in_every_regime(path, reference_dir, load_kwargs)
+
+
+def test_qwen3_moe_block_fp8_matches_transformers(tmp_path) -> None:
+    """A mixture of experts other than DeepSeek's (whose test runs every regime): the
+    dequantized experts against transformers, and with preemption."""
+    path, reference, _ = _qwen3_moe(tmp_path)
+    regimes = {"preemption-tiny-cache": REGIMES["preemption-tiny-cache"]}
+    _matches_transformers_in_every_regime(path, reference, regimes=regimes)
 
 
 def test_said_once_and_never_kept_in_fp8(checkpoint, caplog, monkeypatch) -> None:
