@@ -24,8 +24,8 @@ Served (anything else is refused with the field and value named): `fmt` "e4m3" (
 `activation_scheme` "dynamic", `weight_block_size` two positive sizes, `scale_fmt` "float"
 or "ue8m0" (power-of-two scales, DeepSeek-V3.1's; fp32 or float8_e8m0fnu tensors), experts
 in FP8. Not served: `weight_block_size` null (per-tensor FP8 under this quant_method: the
-producers disagree on the scale tensors' names), static activation scales (not defined for
-block-scaled weights), FP4 experts and FP8 embedding tables (`modules_to_convert`).
+producers disagree on the scale tensors' names), static activation scales (no block-scaled
+release uses them), FP4 experts and FP8 embedding tables (`modules_to_convert`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ refused with the field and value named):
 - compressed-tensors block-scaled (llm-compressor's FP8_BLOCK): weights strategy `block` with
   a `block_structure` [rows, cols] (`weight_scale` float32 [ceil(out/rows), ceil(in/cols)],
   one scale per block, ragged edge blocks included); input activations absent or dynamic per
-  `token` or per `group` (static ones are not defined for block weights).
+  `token` or per `group` (static ones: no block-scaled release uses them).
   The other block-scaled format, transformers' `quant_method: "fp8"` (Qwen3-FP8,
   DeepSeek-V3), is parsed in block_fp8_checkpoint.py into the same scheme.
 - modelopt: `quant_algo` FP8 (per-tensor weight and static per-tensor input scales),
