@@ -13,14 +13,27 @@ two ways:
       q_proj.weight fp8 [Nq, K], q_proj.weight_scale [] ──▶ qkv_proj.weight rows [0, Nq)
                                                         ──▶ qkv_proj.weight_scale [0, Nq) = s_q
 
-In both ways ``input_scale`` is dropped (activations are not quantized on the dequantized
-path, and quantized per token on the FP8 one: engine/layers/fp8_linear.py says why) and the
-KV-cache ``k_scale`` / ``v_scale`` tensors are collected into `Fp8Checkpoint.kv_scales`.
-A weight waits for its scale (either may come first, from any file); a lone one is an error.
+Block-scaled checkpoints (``weight_strategy == "block"``: transformers' ``weight_scale_inv``
+or compressed-tensors' ``weight_scale``, one fp32 scale per [rows, cols] block, ragged at the
+edges) are always dequantized at load, on every device: no block-scaled FP8 GEMM is built
+(docs/fp8.md says what one would need). Each pair is expanded exactly as it streams in::
+
+    weight fp8 [N, K] ──zero-pad──▶ fp32 [nb*rows, kb*cols] = view [nb, rows, kb, cols]
+      *= scale [nb, 1, kb, 1] ──crop──▶ [N, K] ──▶ model dtype
+
+In every way ``input_scale`` / ``activation_scale`` are dropped (activations are not
+quantized on the dequantized path, and quantized per token on the FP8 one:
+engine/layers/fp8_linear.py says why) and the KV-cache ``k_scale`` / ``v_scale`` tensors
+are collected into `Fp8Checkpoint.kv_scales`. A weight waits for its scale (either may come
+first, from any file); a lone one is an error, and so is an FP8 tensor that is not a
+module's weight (it would load as unscaled numbers). Names under `Fp8Checkpoint.skipped`
+(layers another stage, or nothing, loads: DeepSeek's multi-token prediction layers) pass
+through as they are, not dequantized.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +46,11 @@ from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
 from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, Gemv, Quantizer, ScaledMM
 from engine.layers.linear import Linear
 
-_QUANT_TENSOR = re.compile(r"^(?P<module>.+)\.(?P<leaf>weight|weight_scale|input_scale)$")
+_QUANT_TENSOR = re.compile(
+    r"^(?P<module>.+)\.(?P<leaf>weight|weight_scale(?:_inv)?|input_scale|activation_scale)$"
+)
+# transformers' names for the scales (FineGrainedFP8) -> compressed-tensors' ones
+_LEAF_NAMES = {"weight_scale_inv": "weight_scale", "activation_scale": "input_scale"}
 _KV_SCALE = re.compile(r"^(?P<attn>.+?)(?:\.[kv]_proj)?\.(?P<kv>k_scale|v_scale)$")
 
 
@@ -43,6 +60,31 @@ def dequantize_fp8(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, K] of `dtype`
     return (weight.float() * _row_scales(scale, weight.shape[0])[:, None]).to(dtype)
+
+
+def dequantize_block_fp8(
+    weight: torch.Tensor,  # fp8 [N, K]
+    scale: torch.Tensor,  # fp32 (or ue8m0) [ceil(N / rows), ceil(K / cols)]
+    block_size: tuple[int, int],  # (rows, cols)
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K] of `dtype`
+    """weight[i, j] * scale[i // rows, j // cols], ragged edge blocks included; each product
+    is one fp32 multiply, so it is the exact product rounded once to fp32."""
+    rows, cols = block_size
+    n, k = weight.shape
+    num_row_blocks, num_col_blocks = math.ceil(n / rows), math.ceil(k / cols)
+    if tuple(scale.shape) != (num_row_blocks, num_col_blocks):
+        raise ValueError(
+            f"a block-scaled FP8 weight [{n}, {k}] with blocks [{rows}, {cols}] needs scales "
+            f"[{num_row_blocks}, {num_col_blocks}], got {list(scale.shape)}."
+        )
+    if scale.dtype == torch.uint8:  # ue8m0 exponents stored as bytes: 2^(byte - 127)
+        scale = scale.view(torch.float8_e8m0fnu)
+    padded = weight.new_zeros(num_row_blocks * rows, num_col_blocks * cols, dtype=torch.float32)
+    padded[:n, :k] = weight  # exact: every E4M3 value is an fp32 value
+    blocks = padded.view(num_row_blocks, rows, num_col_blocks, cols)
+    blocks.mul_(scale.float()[:, None, :, None])
+    return padded[:n, :k].to(dtype).contiguous()
 
 
 def _row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:  # fp32 [rows]
@@ -63,20 +105,26 @@ class Fp8Checkpoint:
     kept: frozenset[str] = frozenset()  # checkpoint modules whose weights stay FP8
     # "<attention module>" -> {"k_scale": s, "v_scale": s}, as the checkpoint has them
     kv_scales: dict[str, dict[str, float]] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()  # name prefixes the model does not load: passed through
 
     def weights(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint stream with FP8 pairs dequantized or kept (see the module doc)."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
+            if self.skipped and name.startswith(self.skipped):
+                yield name, tensor
+                continue
             kv = _KV_SCALE.match(name)
             if kv is not None:
                 self.kv_scales.setdefault(kv["attn"], {})[kv["kv"]] = float(_whole(tensor))
                 continue
             match = _QUANT_TENSOR.match(name)
             if match is None:
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == FP8_DTYPE:
+                    raise ValueError(f"{name!r} is {FP8_DTYPE} but not a module's weight.")
                 yield name, tensor
                 continue
-            module, leaf = match["module"], match["leaf"]
+            module, leaf = match["module"], _LEAF_NAMES.get(match["leaf"], match["leaf"])
             if leaf == "input_scale":
                 continue
             tensor = _whole(tensor)
@@ -99,7 +147,14 @@ class Fp8Checkpoint:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         if weight.dtype != FP8_DTYPE:
             raise ValueError(f"{module}.weight is {weight.dtype}, expected {FP8_DTYPE}.")
-        if module in self.kept:
+        if self.scheme.block_size is not None:
+            try:
+                block = self.scheme.block_size
+                dequantized = dequantize_block_fp8(weight, scale, block, self.dtype)
+            except ValueError as error:
+                raise ValueError(f"{module}: {error}") from None
+            yield f"{module}.weight", dequantized
+        elif module in self.kept:
             yield f"{module}.weight", weight
             yield f"{module}.weight_scale", _row_scales(scale, weight.shape[0])
         else:

@@ -21,6 +21,7 @@ from engine.distributed.parallel_state import get_parallel_rank
 from engine.layers.batch_invariant import make_batch_invariant
 from engine.layers.crossover import plan_crossovers
 from engine.layers.fp8_linear import (
+    FP8_COMPUTE_ENV,
     fp8_compute_forced,
     fp8_gemv_kernel,
     fp8_tensor_cores,
@@ -180,6 +181,9 @@ def _fp8_checkpoint(
     found = read_checkpoint_quantization(model_dir, hf_config)
     if found is None or found.method != "fp8":
         raise ValueError(f"quantization='fp8' needs an FP8 checkpoint; {model_dir} is not one.")
+    skipped = model.weights_on_other_stages()
+    if found.scheme.weight_strategy == "block":
+        return _block_fp8_checkpoint(found, dtype, device, keep_fp8, skipped)
     check_quantizable(model, "fp8")
     if keep_fp8 is None:
         keep_fp8 = fp8_compute_forced()
@@ -203,7 +207,30 @@ def _fp8_checkpoint(
             "FP8 checkpoint (%s): %s has no FP8 tensor cores, so the weights are dequantized "
             "to %s at load.", found.quant_method, device, dtype,
         )  # fmt: skip
-    return Fp8Checkpoint(found.scheme, dtype, kept)
+    return Fp8Checkpoint(found.scheme, dtype, kept, skipped=skipped)
+
+
+def _block_fp8_checkpoint(
+    found: Any, dtype: torch.dtype, device: torch.device, keep_fp8: bool | None, skipped: tuple
+) -> Fp8Checkpoint:
+    """Block-scaled FP8 is dequantized at load on every device, any family (mixture-of-
+    experts included: the experts see float weights). No block-scaled FP8 GEMM is built yet
+    (docs/fp8.md): keeping these weights FP8 is refused rather than run through the
+    per-row path, which would need the scales requantized."""
+    if keep_fp8 is None:
+        keep_fp8 = fp8_compute_forced()
+    if keep_fp8:
+        raise ValueError(
+            f"${FP8_COMPUTE_ENV}=fp8: a block-scaled FP8 checkpoint ({found.quant_method}, "
+            f"blocks {list(found.scheme.block_size)}) has no FP8 GEMM here yet; it runs "
+            "dequantized (unset it, or 'dequantize')."
+        )
+    logger.info(
+        "Block-scaled FP8 checkpoint (%s, blocks %s): no block-scaled FP8 GEMM is built, so "
+        "the weights are dequantized to %s at load on %s.",
+        found.quant_method, list(found.scheme.block_size), dtype, device,
+    )  # fmt: skip
+    return Fp8Checkpoint(found.scheme, dtype, skipped=skipped)
 
 
 def _set_kv_scales(model: DecoderForCausalLM, kv_scales: dict[str, dict[str, float]]) -> None:

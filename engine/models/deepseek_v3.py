@@ -10,9 +10,13 @@ config sets head_dim = qk_rope_head_dim).
 Weights load from safetensors under the Hub's names (per-expert ``mlp.experts.{e}.*`` or
 transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``). The multi-token
 prediction layers some checkpoints carry (``model.layers.{num_hidden_layers}.*`` and on,
-`num_nextn_predict_layers`) are not used and skipped. Refused, with the reason: a quantized
-checkpoint (DeepSeek's fp8 block-quantized release: dequantize it to bf16 first), tensor
-and pipeline parallelism, and (elsewhere) llama.cpp's ``deepseek2`` GGUF files.
+`num_nextn_predict_layers`) are not used and skipped. DeepSeek's own release is block-scaled
+FP8 (every projection, MLA's and the experts', with a ``weight_scale_inv``): it loads
+dequantized to the model's dtype as the checkpoint streams in (engine/loader/fp8_weights.py),
+before the expert names are mapped, so the experts load as from a bf16 checkpoint. Refused,
+with the reason: other quantized checkpoints (per-channel FP8, INT4: the experts have no
+path for them), tensor and pipeline parallelism, and (elsewhere) llama.cpp's ``deepseek2``
+GGUF files.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from engine.attention.kv_cache_spec import KVCacheSpec, LatentKVSpec
+from engine.config.weights.checkpoint_quantization import parse_quantization_config
 from engine.layers.decoder_layers import DecoderSpec
 from engine.layers.deepseek_moe import DeepseekMoESpec, GroupedTopK
 from engine.models.decoder import DecoderForCausalLM
@@ -50,14 +55,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def check_config(cls, config: Any) -> None:
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise NotImplementedError(
-                f"DeepseekV3ForCausalLM: the checkpoint is quantized (quant_method="
-                f"{method!r}); only bf16/fp16/fp32 weights load. Dequantize it first "
-                "(DeepSeek's fp8_cast_bf16.py writes the bf16 checkpoint)."
-            )
+        _check_quantization(getattr(config, "quantization_config", None))
         first_dense = int(config.first_k_dense_replace or 0)
         if first_dense < config.num_hidden_layers:
             GroupedTopK.from_config(config)  # the routing settings, checked before building
@@ -81,3 +79,22 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     def decode_layer_weights(self) -> list[dict[str, Any]] | None:
         return None  # MLA layers: not what the fused CPU decode step computes
+
+
+def _check_quantization(quant: Any) -> None:
+    """Block-scaled FP8 (DeepSeek's release, or llm-compressor's FP8_BLOCK) is dequantized at
+    load; any other quantized checkpoint is refused with what to do."""
+    if not quant:
+        return
+    if not isinstance(quant, dict):
+        quant = quant.to_dict()  # transformers' config object
+    found = parse_quantization_config(dict(quant))  # ValueError naming an unserved field
+    strategy = getattr(found.scheme, "weight_strategy", None)
+    if found.method != "fp8" or strategy != "block":
+        scheme = found.method + (f" per {strategy}" if strategy else "")
+        raise NotImplementedError(
+            f"DeepseekV3ForCausalLM: the checkpoint is quantized (quant_method="
+            f"{found.quant_method!r}: {scheme}); of quantized "
+            "checkpoints only block-scaled FP8 loads (dequantized at load: the experts have "
+            "no other quantized path). Dequantize it to bf16 first."
+        )

@@ -4,7 +4,8 @@
   `compressed-tensors` package itself (the library llm-compressor saves with): the model's
   Linear layers (not `lm_head`) get the preset scheme ("FP8_DYNAMIC": per-channel weight
   scales and dynamic per-token activations; "FP8": per-tensor weight and static input
-  scales), scales are the weights' absolute maxima over 448 (llm-compressor's min-max
+  scales; "FP8_BLOCK": a scale per 128x128 block and dynamic per-group activations), scales
+  are the weights' (or blocks') absolute maxima over 448 (llm-compressor's min-max
   observer), then the model is compressed and saved with its `quantization_config`.
   transformers loads it back dequantized (`compressed_tensors_reference_kwargs`).
 - `make_modelopt_fp8(path, reference)`: NVIDIA ModelOpt's export, written by hand as its
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engine.block_fp8_checkpoints import quantize_blocks
 from tests.model_utils import make_tiny_llama
 
 FP8_MAX = 448.0
@@ -57,7 +59,10 @@ def make_compressed_tensors_fp8(path: Path, scheme: str = "FP8_DYNAMIC", **llama
             if not hasattr(module, "weight_scale"):
                 continue
             weight = module.weight.float()
-            if module.weight_scale.numel() == 1:
+            block = module.quantization_scheme.weights.block_structure
+            if block is not None:  # FP8_BLOCK: a scale per block, ragged at the edges
+                scale = quantize_blocks(weight, tuple(block))[1]
+            elif module.weight_scale.numel() == 1:
                 scale = weight.abs().max() / FP8_MAX
             else:
                 scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX

@@ -13,10 +13,12 @@ so an unsupported checkpoint is refused at load instead of loaded as garbage.
 
     quant_method          engine method         scheme       loads as
     "compressed-tensors"  "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
-      (format "float-quantized")
+      (format "float-quantized": per channel, per tensor or block)
     "compressed-tensors"  "compressed-tensors"  Int4Scheme   engine/loader/int4_weights.py
       (format "pack-quantized", 4-bit int weights)
     "modelopt"            "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
+    "fp8" (transformers)  "fp8"                 Fp8Scheme    engine/loader/fp8_weights.py
+      (block-scaled)
     "awq"                 "awq"                 Int4Scheme   engine/loader/int4_weights.py
     "gptq"                "gptq"                Int4Scheme   engine/loader/int4_weights.py
 
@@ -25,8 +27,9 @@ compressed-tensors' one entry routes by the config's `format`
 
 `resolve_checkpoint_quantization` then checks `EngineArgs.quantization` against it (vLLM's
 rule: the checkpoint's format wins; naming it, or "auto"/None, is the same). Families that
-read their own quantized weights (GPT-OSS's MXFP4 experts; DeepSeek-V3, which refuses its
-block FP8 with how to convert it) are passed over here: `FAMILY_ARCHITECTURES`.
+read their own quantized weights (GPT-OSS's MXFP4 experts) are passed over here:
+`FAMILY_ARCHITECTURES`; DeepSeek-V3 takes its block-scaled FP8 through this table and
+refuses the other formats in its own check (engine/models/deepseek_v3.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config.weights.block_fp8_checkpoint import parse_block_fp8
 from engine.config.weights.ct_int4_checkpoint import parse_compressed_tensors
 from engine.config.weights.fp8_checkpoint import Fp8Scheme, parse_modelopt
 from engine.config.weights.int4_checkpoint import Int4Scheme, parse_awq, parse_gptq
@@ -66,16 +70,16 @@ def _int4(parse: Callable[[dict[str, Any]], Int4Scheme]) -> Callable[[dict[str, 
 FORMATS: dict[str, Callable[[dict[str, Any]], tuple[str, Any]]] = {
     "compressed-tensors": parse_compressed_tensors,
     "modelopt": parse_modelopt,
+    "fp8": parse_block_fp8,  # transformers' FineGrainedFP8: block-scaled (DeepSeek, Qwen3)
     "awq": _int4(parse_awq),
     "gptq": _int4(parse_gptq),
 }
 # The engine's names for what FORMATS yields: a request for one of these needs such a checkpoint.
 CHECKPOINT_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 
-# Architectures whose family reads or refuses `quantization_config` itself, in its
-# check_config (GPT-OSS: MXFP4 experts dequantized at load; DeepSeek-V3: refused with how
-# to convert it): their configs pass through this table untouched.
-FAMILY_ARCHITECTURES = ("GptOssForCausalLM", "DeepseekV3ForCausalLM")
+# Architectures whose family reads `quantization_config` itself, in its check_config
+# (GPT-OSS: MXFP4 experts dequantized at load): their configs pass through this table untouched.
+FAMILY_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 def checkpoint_quantization_config(model_dir: Path, hf_config: Any) -> dict[str, Any] | None:
@@ -104,8 +108,11 @@ def read_checkpoint_quantization(model_dir: Path, hf_config: Any) -> CheckpointQ
     if any(name in FAMILY_ARCHITECTURES for name in architectures):
         return None
     config = checkpoint_quantization_config(model_dir, hf_config)
-    if config is None:
-        return None
+    return None if config is None else parse_quantization_config(config)
+
+
+def parse_quantization_config(config: dict[str, Any]) -> CheckpointQuantization:
+    """A quantization dictionary as the engine runs it (ValueError naming the field)."""
     quant_method = config.get("quant_method")
     quant_method = getattr(quant_method, "value", quant_method)  # transformers' enum
     if isinstance(quant_method, str):

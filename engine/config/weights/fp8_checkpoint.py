@@ -16,6 +16,12 @@ refused with the field and value named):
   `channel` or `tensor`; input activations absent, or 8-bit float, symmetric, either dynamic
   per `token` or static per `tensor`; targets `Linear`; `ignore` names modules kept in the
   checkpoint's dtype (usually `lm_head`).
+- compressed-tensors block-scaled (llm-compressor's FP8_BLOCK): weights strategy `block` with
+  a `block_structure` [rows, cols] (`weight_scale` float32 [ceil(out/rows), ceil(in/cols)],
+  one scale per block, ragged edge blocks included); input activations absent or dynamic per
+  `token` or per `group` (static ones: no block-scaled release uses them).
+  The other block-scaled format, transformers' `quant_method: "fp8"` (Qwen3-FP8,
+  DeepSeek-V3), is parsed in block_fp8_checkpoint.py into the same scheme.
 - modelopt: `quant_algo` FP8 (per-tensor weight and static per-tensor input scales),
   `exclude_modules` (or `ignore`) as the unquantized modules, `kv_cache_quant_algo` FP8 or
   none.
@@ -35,10 +41,13 @@ FP8_METHOD = "fp8"
 class Fp8Scheme:
     """How an FP8 checkpoint's projections are stored."""
 
-    weight_strategy: str  # "channel" (a scale per output row) or "tensor" (one per matrix)
+    # "channel" (a scale per output row), "tensor" (one per matrix) or "block" (one per
+    # block_size block: weight_scale [ceil(out / rows), ceil(in / cols)])
+    weight_strategy: str
     activation_scheme: str  # "dynamic" (per token, at run time), "static" (input_scale), "none"
     ignore: tuple[str, ...] = ()  # modules left unquantized: names, or "re:<regex>"
     kv_cache_scales: bool = False  # the checkpoint carries k_scale / v_scale for an FP8 cache
+    block_size: tuple[int, int] | None = None  # (rows, cols) of a block: "block" only
 
 
 def _require(config: dict[str, Any], field: str, allowed: tuple[Any, ...], where: str) -> Any:
@@ -51,20 +60,41 @@ def _require(config: dict[str, Any], field: str, allowed: tuple[Any, ...], where
     return value
 
 
-def _parse_weights(args: dict[str, Any], where: str) -> str:
+def block_shape(value: Any, field: str) -> tuple[int, int]:
+    """A [rows, cols] block shape (any positive sizes: dequantized at load, each is exact)."""
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise ValueError(
+            f"quantization_config {field}={value!r} is not served (block-scaled FP8 needs "
+            "[rows, cols], two positive integers)."
+        )
+    return int(value[0]), int(value[1])
+
+
+def _parse_weights(args: dict[str, Any], where: str) -> tuple[str, tuple[int, int] | None]:
     _require(args, "num_bits", (8,), where)
     _require(args, "type", ("float",), where)
     _require(args, "symmetric", (True,), where)
     _require(args, "dynamic", (False,), where)
-    return str(_require(args, "strategy", ("channel", "tensor"), where))
+    strategy = str(_require(args, "strategy", ("channel", "tensor", "block"), where))
+    if strategy != "block":
+        return strategy, None
+    return strategy, block_shape(args.get("block_structure"), f"{where}block_structure")
 
 
-def _parse_activations(args: dict[str, Any] | None, where: str) -> str:
+def _parse_activations(args: dict[str, Any] | None, where: str, block: bool = False) -> str:
     if args is None:
         return "none"  # weight-only FP8 (W8A16)
     _require(args, "num_bits", (8,), where)
     _require(args, "type", ("float",), where)
     _require(args, "symmetric", (True,), where)
+    if block:  # llm-compressor's FP8_BLOCK: dynamic per group of 128 inputs (or per token)
+        _require(args, "dynamic", (True,), where)
+        _require(args, "strategy", ("token", "group"), where)
+        return "dynamic"
     if args.get("dynamic") is True:
         _require(args, "strategy", ("token",), where)
         return "dynamic"
@@ -94,10 +124,11 @@ def parse_compressed_tensors(config: dict[str, Any]) -> tuple[str, Fp8Scheme]:
         weights = group.get("weights")
         if weights is None:
             raise ValueError(f"quantization_config {where}weights is missing.")
-        strategies.add(_parse_weights(weights, f"{where}weights."))
-        activations.add(
-            _parse_activations(group.get("input_activations"), f"{where}input_activations.")
-        )
+        strategy = _parse_weights(weights, f"{where}weights.")
+        strategies.add(strategy)
+        block = strategy[1] is not None
+        inputs = group.get("input_activations")
+        activations.add(_parse_activations(inputs, f"{where}input_activations.", block))
     if len(strategies) > 1 or len(activations) > 1:
         # One scheme per model keeps one LinearMethod; mixed groups are not published FP8.
         raise ValueError(
@@ -110,7 +141,8 @@ def parse_compressed_tensors(config: dict[str, Any]) -> tuple[str, Fp8Scheme]:
         _require(kv, "type", ("float",), "kv_cache_scheme.")
         _require(kv, "strategy", ("tensor",), "kv_cache_scheme.")
     ignore = tuple(str(name) for name in config.get("ignore") or ())
-    return FP8_METHOD, Fp8Scheme(strategies.pop(), activations.pop(), ignore, kv is not None)
+    strategy, block = strategies.pop()
+    return FP8_METHOD, Fp8Scheme(strategy, activations.pop(), ignore, kv is not None, block)
 
 
 def parse_modelopt(config: dict[str, Any]) -> tuple[str, Fp8Scheme]:

@@ -96,7 +96,11 @@ REFUSED = {
     "int4 weights": (_edited((*G, "weights", "num_bits"), 4), "weights.num_bits=4"),
     "int weights": (_edited((*G, "weights", "type"), "int"), "weights.type='int'"),
     "group strategy": (_edited((*G, "weights", "strategy"), "group"), "weights.strategy='group'"),
-    "block strategy": (_edited((*G, "weights", "strategy"), "block"), "weights.strategy='block'"),
+    # block weights are served (test_block_fp8_config.py), but not without their block shape
+    "block without a shape": (
+        _edited((*G, "weights", "strategy"), "block"),
+        "weights.block_structure=None",
+    ),
     "asymmetric": (_edited((*G, "weights", "symmetric"), False), "weights.symmetric=False"),
     "per-group activations": (
         _edited((*G, "input_activations", "strategy"), "group"),
@@ -151,7 +155,7 @@ def test_ignore_patterns() -> None:
 def test_the_engine_refuses_an_unserved_checkpoint_at_load(tmp_path) -> None:
     path = make_compressed_tensors_fp8(tmp_path / "fp8", "FP8_DYNAMIC", max_position_embeddings=64)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "group"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"weights\.strategy='block' is not served"):
+    with pytest.raises(ValueError, match=r"weights\.strategy='group' is not served"):
         LLM(model=str(path), max_model_len=64)

@@ -1,8 +1,8 @@
 """DeepSeek-V3 (multi-head latent attention, DeepSeek MoE) on tiny random models built with
 transformers' `DeepseekV3Config`: token for token against transformers `generate` with
 prefix caching on and off, chunked prefill and preemption; the latent KV cache's size; the
-Hub's and transformers 5's tensor names; and what is refused (quantized checkpoints,
-deepseek2 GGUF files)."""
+Hub's and transformers 5's tensor names; and what is refused (quantized checkpoints other
+than block FP8, deepseek2 GGUF files)."""
 
 from __future__ import annotations
 
@@ -194,14 +194,19 @@ def test_stacked_expert_names_and_mtp_layers_load(small_model, tmp_path) -> None
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
 
 
-def test_quantized_checkpoint_is_refused(small_model, tmp_path) -> None:
+def test_quantized_checkpoint_other_than_block_fp8_is_refused(small_model, tmp_path) -> None:
+    """DeepSeek's block FP8 release loads (test_block_fp8_checkpoints.py); per-channel FP8
+    (and INT4) is refused naming the format: the experts have no path for it."""
+    from tests.engine.config.test_checkpoint_quantization import CT_DYNAMIC
+
     quantized = tmp_path / "fp8"
     quantized.mkdir()
     config = json.loads((small_model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = CT_DYNAMIC
     (quantized / "config.json").write_text(json.dumps(config))
     (quantized / "model.safetensors").symlink_to(small_model / "model.safetensors")
-    with pytest.raises(NotImplementedError, match=r"quant_method='fp8'.*Dequantize"):
+    message = r"quant_method='compressed-tensors': fp8 per channel.*only block-scaled FP8"
+    with pytest.raises(NotImplementedError, match=message):
         LLM(model=str(quantized), max_model_len=64)
 
 
