@@ -13,8 +13,8 @@ from pathlib import Path
 
 from clients import Client
 from clients.cli import add_client_commands, run_chat
-from tests.clients.conftest import free_port
 from tests.clients.fake_server import FakeService, start_fake_server
+from tests.services.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

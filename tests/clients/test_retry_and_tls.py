@@ -21,8 +21,8 @@ from clients import (
     UnavailableError,
 )
 from clients.channel import Deadline
-from tests.clients.conftest import free_port
 from tests.clients.fake_server import FakeService, start_fake_server
+from tests.services.processes import free_port
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
 
