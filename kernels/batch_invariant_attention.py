@@ -27,7 +27,8 @@ import triton.language as tl
 from kernels._common import next_power_of_2
 from kernels._math import tanh
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import LOG2_E, find_request
+from kernels.paged_kv_tiles import find_request, load_kv_tile
+from kernels.paged_launch import paged_attention_args
 
 BLOCK_N = 64  # keys per step, for every row of every launch
 NUM_WARPS = 4
@@ -99,17 +100,15 @@ def _invariant_attention_kernel(
         visible = kv_pos <= q_pos
         if SLIDING_WINDOW > 0:
             visible = visible & (kv_pos > q_pos - SLIDING_WINDOW)
-        block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=visible, other=0)
-        # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
-        kv_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        kv_mask = visible[:, None] & dim_valid[None, :]
-        k = tl.load(
-            key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
+        # Masked by `visible`, not by the context length: keys the row does not see are
+        # never read (zeros), so nothing but its own keys enters the row's sums.
+        k, v = load_kv_tile(
+            key_cache_ptr, value_cache_ptr, block_table_row, kv_pos, visible, kv_head, dims,
+            dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, 1.0, 1.0,
+            BLOCK_SIZE, False,
+        )  # fmt: skip
+        k = k.to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
+        v = v.to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1) * scale_log2  # [BLOCK_N]
         if HAS_SOFT_CAP:
             scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
@@ -117,9 +116,6 @@ def _invariant_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new)  # [BLOCK_N]
-        v = tl.load(
-            value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
@@ -151,41 +147,19 @@ def invariant_attention(
         out = torch.empty_like(query)
     check_paged_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc, out, 1)
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     check_attention_options(query, sliding_window, logits_soft_cap, sinks)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
     # Program ids per request: its query rows plus one spare (find_request's numbering).
     grid = (num_tokens + num_reqs, num_heads)
+    shared = paged_attention_args(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+    )  # fmt: skip
     _invariant_attention_kernel[grid](
-        query_ptr=query,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
-        block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens,
-        query_start_loc_ptr=query_start_loc,
-        out_ptr=out,
-        scale_log2=scale * LOG2_E,
-        soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
-        sinks_ptr=out if sinks is None else sinks,  # never read without sinks
-        num_reqs=num_reqs,
-        stride_q_token=query.stride(0),
-        stride_q_head=query.stride(1),
-        stride_cache_block=key_cache.stride(0),
-        stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
-        stride_bt_req=block_tables.stride(0),
-        stride_out_token=out.stride(0),
-        stride_out_head=out.stride(1),
-        QUERIES_PER_KV=num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
+        **shared,
         HEAD_DIM_PADDED=next_power_of_2(head_dim),
-        SLIDING_WINDOW=sliding_window or 0,
-        HAS_SOFT_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,
         num_stages=2,
