@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import kv_scale_args, next_power_of_2
-from kernels.fp8_quant import kv_scale_value
+from kernels.fp8_quant import kv_scale_values
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
 from kernels.paged_kv_tiles import attend_kv_tile, find_request
 from kernels.paged_launch import dot_tile_args, paged_attention_args
@@ -182,11 +182,7 @@ def _paged_attention_kernel(
         m_i = tl.where(first, sink, m_i)
         l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_Q * GROUP, HEAD_DIM_PADDED], tl.float32)
-    ks = 1.0
-    vs = 1.0
-    if IS_FP8:
-        ks = kv_scale_value(k_scale, SCALE_IS_PTR)
-        vs = kv_scale_value(v_scale, SCALE_IS_PTR)
+    ks, vs = kv_scale_values(k_scale, v_scale, IS_FP8, SCALE_IS_PTR)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
     for tile in range(tile_lo, tile_hi):
