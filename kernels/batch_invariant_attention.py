@@ -16,6 +16,10 @@ sums a row by its place in the tile: kernels/batch_invariant_matmul.py). A row's
 depends only on its query, its position and the cache: the same alone or in any batch, in a
 whole or a chunked prefill, after a prefix-cache hit, or decoded. Same inputs and results as
 `paged_attention` (kernels/paged_attention.py), sliding window, soft-cap and sinks included.
+
+The request search, the K/V tile load and the launch arguments are the other two kernels'
+(kernels/paged_kv_tiles.py, kernels/paged_launch.py); their online-softmax step is not
+shared: it multiplies a tile of rows with `tl.dot`, which this kernel avoids.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton.language as tl
 from kernels._common import next_power_of_2
 from kernels._math import tanh
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import find_request, load_kv_tile
+from kernels.paged_kv_tiles import find_query_tile, load_kv_tile
 from kernels.paged_launch import paged_attention_args
 
 BLOCK_N = 64  # keys per step, for every row of every launch
@@ -66,11 +70,7 @@ def _invariant_attention_kernel(
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    q_first = tl.load(query_start_loc_ptr)
-    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, 1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    row = pid - (q_start - q_first + req)
+    req, q_start, q_len, row = find_query_tile(query_start_loc_ptr, num_reqs, pid, 1)
     if row >= q_len:
         return  # a spare program id, or past the end of the batch
     seq_len = tl.load(seq_lens_ptr + req)

@@ -41,7 +41,7 @@ import triton.language as tl
 from kernels._common import is_interpreter, kv_scale_args, next_power_of_2
 from kernels.fp8_quant import kv_scale_values
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import attend_kv_tile, find_request
+from kernels.paged_kv_tiles import attend_kv_tile, find_query_tile
 from kernels.paged_launch import dot_tile_args, paged_attention_args
 
 
@@ -197,11 +197,7 @@ def _flash_prefill_kernel(
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    q_first = tl.load(query_start_loc_ptr)
-    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_tile = pid - ((q_start - q_first) // BLOCK_M + req)
+    req, q_start, q_len, q_tile = find_query_tile(query_start_loc_ptr, num_reqs, pid, BLOCK_M)
     if q_tile * BLOCK_M >= q_len:
         return  # a spare program id, or past the end of the batch
     seq_len = tl.load(seq_lens_ptr + req)

@@ -48,7 +48,7 @@ import triton.language as tl
 from kernels._common import kv_scale_args, next_power_of_2
 from kernels.fp8_quant import kv_scale_values
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import attend_kv_tile, find_request
+from kernels.paged_kv_tiles import attend_kv_tile, find_query_tile
 from kernels.paged_launch import dot_tile_args, paged_attention_args
 from kernels.split_kv import choose_num_splits, merge_splits
 
@@ -127,11 +127,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    q_first = tl.load(query_start_loc_ptr)
-    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_tile = pid - ((q_start - q_first) // BLOCK_Q + req)
+    req, q_start, q_len, q_tile = find_query_tile(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
     if q_tile * BLOCK_Q >= q_len:
         return  # a spare program id, or past the end of the batch
     seq_len = tl.load(seq_lens_ptr + req)

@@ -4,6 +4,7 @@ id serves, one tile of keys and values gathered from the paged cache, and one ti
 of the online softmax.
 
     find_request      program id -> request, a binary search over query_start_loc
+    find_query_tile   program id -> request, its query rows and the program's query tile
     load_kv_tile      [BLOCK_N, HEAD_DIM_PADDED] keys and values of BLOCK_N positions,
                       each looked up in the block table (an FP8 cache dequantized)
     attend_kv_tile    scores = q @ k^T (soft-capped, masked), then the running max m,
@@ -35,6 +36,19 @@ def find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.conste
         lo = tl.where(owns, mid, lo)
         hi = tl.where(owns, hi, mid - 1)
     return lo
+
+
+@triton.jit
+def find_query_tile(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """(req, q_start, q_len, q_tile): the request program `pid` serves, its first row and
+    query length, and the program's tile of BLOCK_Q query tokens (tokens from
+    q_tile * BLOCK_Q, which is >= q_len for a spare id: the caller returns)."""
+    q_first = tl.load(query_start_loc_ptr)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = pid - ((q_start - q_first) // BLOCK_Q + req)
+    return req, q_start, q_len, q_tile
 
 
 @triton.jit
