@@ -17,9 +17,11 @@ depends only on its query, its position and the cache: the same alone or in any 
 whole or a chunked prefill, after a prefix-cache hit, or decoded. Same inputs and results as
 `paged_attention` (kernels/paged_attention.py), sliding window, soft-cap and sinks included.
 
-The request search, the K/V tile load and the launch arguments are the other two kernels'
-(kernels/paged_kv_tiles.py, kernels/paged_launch.py); their online-softmax step is not
-shared: it multiplies a tile of rows with `tl.dot`, which this kernel avoids.
+The request search, the K/V tile addressing and the launch arguments are the other two
+kernels' (kernels/paged_kv_tiles.py, kernels/paged_launch.py). Their tile load and
+online-softmax step are not shared: the step multiplies a tile of rows with `tl.dot`, which
+this kernel avoids, and the load reads the values with the keys, which this kernel delays
+until the scores are done (one row, fp32 tiles: registers).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton.language as tl
 from kernels._common import next_power_of_2
 from kernels._math import tanh
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import find_query_tile, load_kv_tile
+from kernels.paged_kv_tiles import find_query_tile, kv_tile_offsets
 from kernels.paged_launch import paged_attention_args
 
 BLOCK_N = 64  # keys per step, for every row of every launch
@@ -102,13 +104,14 @@ def _invariant_attention_kernel(
             visible = visible & (kv_pos > q_pos - SLIDING_WINDOW)
         # Masked by `visible`, not by the context length: keys the row does not see are
         # never read (zeros), so nothing but its own keys enters the row's sums.
-        k, v = load_kv_tile(
-            key_cache_ptr, value_cache_ptr, block_table_row, kv_pos, visible, kv_head, dims,
-            dim_valid, stride_cache_block, stride_cache_slot, stride_cache_head, 1.0, 1.0,
-            BLOCK_SIZE, False,
+        kv_offsets = kv_tile_offsets(
+            block_table_row, kv_pos, visible, kv_head, stride_cache_block, stride_cache_slot,
+            stride_cache_head, BLOCK_SIZE,
         )  # fmt: skip
-        k = k.to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
-        v = v.to(tl.float32)
+        kv_mask = visible[:, None] & dim_valid[None, :]
+        k = tl.load(
+            key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
         scores = tl.sum(k * q[None, :], axis=1) * scale_log2  # [BLOCK_N]
         if HAS_SOFT_CAP:
             scores = soft_cap_log2 * tanh(scores / soft_cap_log2)
@@ -116,6 +119,11 @@ def _invariant_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new)  # [BLOCK_N]
+        # Loaded here, not with the keys: a value tile held across the scores spills
+        # registers on sm_90 (fp32, head_dim 256).
+        v = tl.load(
+            value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
