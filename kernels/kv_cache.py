@@ -35,7 +35,7 @@ from kernels._common import (
     kv_scale_args,
     next_power_of_2,
 )
-from kernels.fp8_quant import kv_scale_values, quantize_e4m3
+from kernels.fp8_quant import kv_scale_value, quantize_e4m3
 
 
 @triton.jit
@@ -56,21 +56,6 @@ def cache_slot_offsets(
         + heads[:, None] * stride_cache_head
         + dims[None, :]
     )
-
-
-@triton.jit
-def store_cache_tile(
-    cache_ptr,  # kv_cache[0] or kv_cache[1]
-    offsets,  # cache_slot_offsets'
-    x,  # a tile of keys or values in the model dtype (or fp32)
-    scale,  # fp32, an FP8 cache's scale (read when IS_FP8)
-    mask,
-    IS_FP8: tl.constexpr,  # bool, the cache is E4M3: store clamp(x / scale) rounded
-):
-    """Stores `x` in the cache's dtype (rounded to nearest even; an FP8 cache's quantized)."""
-    if IS_FP8:
-        x = quantize_e4m3(x, scale)
-    tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,11 +94,16 @@ def _write_kv_cache_kernel(
     )  # [HEADS_PADDED, HEAD_DIM_PADDED]
     key_offsets = token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :]
     value_offsets = token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :]
+    cache_dtype = key_cache_ptr.dtype.element_ty
     key = tl.load(key_ptr + key_offsets, mask=mask)
     value = tl.load(value_ptr + value_offsets, mask=mask)
-    ks, vs = kv_scale_values(k_scale, v_scale, IS_FP8, SCALE_IS_PTR)
-    store_cache_tile(key_cache_ptr, cache_offsets, key, ks, mask, IS_FP8)
-    store_cache_tile(value_cache_ptr, cache_offsets, value, vs, mask, IS_FP8)
+    if IS_FP8:
+        key = quantize_e4m3(key, kv_scale_value(k_scale, SCALE_IS_PTR))
+        value = quantize_e4m3(value, kv_scale_value(v_scale, SCALE_IS_PTR))
+    key = key.to(cache_dtype)
+    value = value.to(cache_dtype)
+    tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
+    tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
 
 
 def cache_write_args(

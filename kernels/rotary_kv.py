@@ -41,8 +41,8 @@ from kernels._common import (
     kv_scale_args,
     next_power_of_2,
 )
-from kernels.fp8_quant import kv_scale_values
-from kernels.kv_cache import cache_slot_offsets, cache_write_args, store_cache_tile
+from kernels.fp8_quant import kv_scale_values, quantize_e4m3
+from kernels.kv_cache import cache_slot_offsets, cache_write_args
 
 
 @triton.jit
@@ -117,9 +117,15 @@ def _rotary_kv_kernel(
                 BLOCK_SIZE,
             )  # fmt: skip
             # An FP8 cache quantizes the rounded model-dtype keys, as write_kv_cache does.
+            cache_dtype = key_cache_ptr.dtype.element_ty
             ks, vs = kv_scale_values(k_scale, v_scale, IS_FP8, SCALE_IS_PTR)
-            store_cache_tile(key_cache_ptr, cache_offsets, out1, ks, kv_mask, IS_FP8)
-            store_cache_tile(key_cache_ptr, cache_offsets + HALF, out2, ks, kv_mask, IS_FP8)
+            k_cache1 = out1
+            k_cache2 = out2
+            if IS_FP8:
+                k_cache1 = quantize_e4m3(out1, ks)
+                k_cache2 = quantize_e4m3(out2, ks)
+            tl.store(key_cache_ptr + cache_offsets, k_cache1.to(cache_dtype), mask=kv_mask)
+            tl.store(key_cache_ptr + cache_offsets + HALF, k_cache2.to(cache_dtype), mask=kv_mask)
             v_first = (
                 value_ptr
                 + token * stride_value_token
@@ -128,8 +134,13 @@ def _rotary_kv_kernel(
             )
             v1 = tl.load(v_first, mask=kv_mask, other=0.0)
             v2 = tl.load(v_first + HALF, mask=kv_mask, other=0.0)
-            store_cache_tile(value_cache_ptr, cache_offsets, v1, vs, kv_mask, IS_FP8)
-            store_cache_tile(value_cache_ptr, cache_offsets + HALF, v2, vs, kv_mask, IS_FP8)
+            if IS_FP8:
+                v1 = quantize_e4m3(v1, vs)
+                v2 = quantize_e4m3(v2, vs)
+            v1 = v1.to(cache_dtype)
+            v2 = v2.to(cache_dtype)
+            tl.store(value_cache_ptr + cache_offsets, v1, mask=kv_mask)
+            tl.store(value_cache_ptr + cache_offsets + HALF, v2, mask=kv_mask)
 
 
 def _check_rotary_inputs(
