@@ -25,6 +25,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 
 
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """`tl.dot`'s input_precision for operands of `dtype`: fp32 in, fp32-exact dots ("ieee";
+    tf32 would cost ~3 decimal digits); the default for the 16-bit dtypes."""
+    return "ieee" if dtype == torch.float32 else None
+
+
 def check_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if tensor.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

@@ -16,6 +16,12 @@ sums a row by its place in the tile: kernels/batch_invariant_matmul.py). A row's
 depends only on its query, its position and the cache: the same alone or in any batch, in a
 whole or a chunked prefill, after a prefix-cache hit, or decoded. Same inputs and results as
 `paged_attention` (kernels/paged_attention.py), sliding window, soft-cap and sinks included.
+
+The request search, the K/V tile addressing and the launch arguments are the other two
+kernels' (kernels/paged_kv_tiles.py, kernels/paged_launch.py). Their tile load and
+online-softmax step are not shared: the step multiplies a tile of rows with `tl.dot`, which
+this kernel avoids, and the load reads the values with the keys, which this kernel delays
+until the scores are done (one row, fp32 tiles: registers).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import triton.language as tl
 from kernels._common import next_power_of_2
 from kernels._math import tanh
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import LOG2_E, find_request
+from kernels.paged_kv_tiles import find_query_tile, kv_tile_offsets
+from kernels.paged_launch import paged_attention_args
 
 BLOCK_N = 64  # keys per step, for every row of every launch
 NUM_WARPS = 4
@@ -65,11 +72,7 @@ def _invariant_attention_kernel(
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    q_first = tl.load(query_start_loc_ptr)
-    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, 1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    row = pid - (q_start - q_first + req)
+    req, q_start, q_len, row = find_query_tile(query_start_loc_ptr, num_reqs, pid, 1)
     if row >= q_len:
         return  # a spare program id, or past the end of the batch
     seq_len = tl.load(seq_lens_ptr + req)
@@ -99,13 +102,12 @@ def _invariant_attention_kernel(
         visible = kv_pos <= q_pos
         if SLIDING_WINDOW > 0:
             visible = visible & (kv_pos > q_pos - SLIDING_WINDOW)
-        block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=visible, other=0)
-        # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
-        kv_offsets = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
+        # Masked by `visible`, not by the context length: keys the row does not see are
+        # never read (zeros), so nothing but its own keys enters the row's sums.
+        kv_offsets = kv_tile_offsets(
+            block_table_row, kv_pos, visible, kv_head, stride_cache_block, stride_cache_slot,
+            stride_cache_head, BLOCK_SIZE,
+        )  # fmt: skip
         kv_mask = visible[:, None] & dim_valid[None, :]
         k = tl.load(
             key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
@@ -117,6 +119,8 @@ def _invariant_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new)  # [BLOCK_N]
+        # Loaded here, not with the keys: a value tile held across the scores spills
+        # registers on sm_90 (fp32, head_dim 256).
         v = tl.load(
             value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
         ).to(tl.float32)  # [BLOCK_N, HEAD_DIM_PADDED]
@@ -151,41 +155,19 @@ def invariant_attention(
         out = torch.empty_like(query)
     check_paged_attention_inputs(query, kv_cache, block_tables, seq_lens, query_start_loc, out, 1)
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     check_attention_options(query, sliding_window, logits_soft_cap, sinks)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
     # Program ids per request: its query rows plus one spare (find_request's numbering).
     grid = (num_tokens + num_reqs, num_heads)
+    shared = paged_attention_args(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+    )  # fmt: skip
     _invariant_attention_kernel[grid](
-        query_ptr=query,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
-        block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens,
-        query_start_loc_ptr=query_start_loc,
-        out_ptr=out,
-        scale_log2=scale * LOG2_E,
-        soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
-        sinks_ptr=out if sinks is None else sinks,  # never read without sinks
-        num_reqs=num_reqs,
-        stride_q_token=query.stride(0),
-        stride_q_head=query.stride(1),
-        stride_cache_block=key_cache.stride(0),
-        stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
-        stride_bt_req=block_tables.stride(0),
-        stride_out_token=out.stride(0),
-        stride_out_head=out.stride(1),
-        QUERIES_PER_KV=num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
+        **shared,
         HEAD_DIM_PADDED=next_power_of_2(head_dim),
-        SLIDING_WINDOW=sliding_window or 0,
-        HAS_SOFT_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
         BLOCK_N=BLOCK_N,
         num_warps=NUM_WARPS,
         num_stages=2,

@@ -35,6 +35,7 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
+    dot_precision,
     is_interpreter,
 )
 
@@ -150,8 +151,7 @@ def invariant_matmul(
         stride_w_row=weight.stride(0),
         stride_out_row=out.stride(0),
         HAS_BIAS=bias is not None,
-        # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others the default.
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        DOT_PRECISION=dot_precision(x.dtype),
         ROW_EXACT=is_interpreter(),
         **config,
     )

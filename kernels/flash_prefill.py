@@ -38,10 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FP8_CACHE_DTYPE, is_interpreter, kv_scale_args, next_power_of_2
-from kernels.fp8_quant import kv_scale_value
+from kernels._common import is_interpreter, kv_scale_args, next_power_of_2
+from kernels.fp8_quant import kv_scale_values
 from kernels.paged_attention_checks import check_attention_options, check_paged_attention_inputs
-from kernels.paged_kv_tiles import LOG2_E, attend_kv_tile, find_request
+from kernels.paged_kv_tiles import attend_kv_tile, find_query_tile
+from kernels.paged_launch import dot_tile_args, paged_attention_args
 
 
 def _configs() -> list[triton.Config]:
@@ -196,11 +197,7 @@ def _flash_prefill_kernel(
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    q_first = tl.load(query_start_loc_ptr)
-    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_tile = pid - ((q_start - q_first) // BLOCK_M + req)
+    req, q_start, q_len, q_tile = find_query_tile(query_start_loc_ptr, num_reqs, pid, BLOCK_M)
     if q_tile * BLOCK_M >= q_len:
         return  # a spare program id, or past the end of the batch
     seq_len = tl.load(seq_lens_ptr + req)
@@ -242,11 +239,7 @@ def _flash_prefill_kernel(
         m_i = tl.zeros([BLOCK_M], tl.float32) + sink
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    ks = 1.0
-    vs = 1.0
-    if IS_FP8:
-        ks = kv_scale_value(k_scale, SCALE_IS_PTR)
-        vs = kv_scale_value(v_scale, SCALE_IS_PTR)
+    ks, vs = kv_scale_values(k_scale, v_scale, IS_FP8, SCALE_IS_PTR)
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
 
     if SLIDING_WINDOW > 0:  # the window's edge (an empty range without a window)
@@ -306,54 +299,25 @@ def flash_prefill(
     check_paged_attention_inputs(
         query, kv_cache, block_tables, seq_lens, query_start_loc, out, max_query_len, fp8_ok=True
     )
-    k_arg, v_arg, k_is_ptr = kv_scale_args(k_scale, v_scale, kv_cache.device)
+    kv_scales = kv_scale_args(k_scale, v_scale, kv_cache.device)
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_reqs = block_tables.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     check_attention_options(query, sliding_window, logits_soft_cap, sinks)
 
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-
     def grid(meta: dict) -> tuple[int, int]:
         # Program ids per request: ceil(query_len / BLOCK_M) plus at most one spare.
         return (num_tokens // meta["BLOCK_M"] + num_reqs, num_heads)
 
+    shared = paged_attention_args(
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+    )  # fmt: skip
     _flash_prefill_kernel[grid](
-        query_ptr=query,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
-        block_tables_ptr=block_tables,
-        seq_lens_ptr=seq_lens,
-        query_start_loc_ptr=query_start_loc,
-        out_ptr=out,
-        scale_log2=scale * LOG2_E,
-        soft_cap_log2=(logits_soft_cap or 1.0) * LOG2_E,
-        sinks_ptr=out if sinks is None else sinks,  # never read without sinks
-        k_scale=k_arg,
-        v_scale=v_arg,
-        num_reqs=num_reqs,
+        **shared,
+        **dot_tile_args(query, kv_cache, kv_scales),
         query_len_bucket=min(next_power_of_2(max_query_len), 4096),
-        stride_q_token=query.stride(0),
-        stride_q_head=query.stride(1),
-        stride_cache_block=key_cache.stride(0),
-        stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
-        stride_bt_req=block_tables.stride(0),
-        stride_out_token=out.stride(0),
-        stride_out_head=out.stride(1),
-        QUERIES_PER_KV=num_heads // num_kv_heads,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=max(16, next_power_of_2(head_dim)),
-        SLIDING_WINDOW=sliding_window or 0,
-        HAS_SOFT_CAP=logits_soft_cap is not None,
-        HAS_SINKS=sinks is not None,
-        UPCAST=is_interpreter() and query.dtype == torch.bfloat16,
-        # fp32 in, fp32-exact dots (tf32 would cost ~3 decimal digits); others use the default.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        IS_FP8=kv_cache.dtype == FP8_CACHE_DTYPE,
-        SCALE_IS_PTR=k_is_ptr,
     )
     return out

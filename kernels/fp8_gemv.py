@@ -52,6 +52,7 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
+    dot_precision,
     is_interpreter,
 )
 
@@ -347,7 +348,7 @@ def fp8_gemv(
         "partial_ptr": partial, "M": m, "N": n, "K": k, "stride_x": x.stride(0),
         "stride_w": weight.stride(0), "stride_out": out.stride(0), "M_BUCKET": bucket,
         "PER_CHANNEL": per_channel,
-        "DOT_PRECISION": "ieee" if x.dtype == torch.float32 else None,
+        "DOT_PRECISION": dot_precision(x.dtype),
     }  # fmt: skip
     if config is None:
         _fp8_gemv_autotuned[grid](**args)

@@ -65,6 +65,17 @@ def kv_scale_value(scale, SCALE_IS_PTR: tl.constexpr):  # a float, or a 1-elemen
 
 
 @triton.jit
+def kv_scale_values(k_scale, v_scale, IS_FP8: tl.constexpr, SCALE_IS_PTR: tl.constexpr):
+    """An FP8 cache's (keys', values') scales in fp32; 1.0 each, never read, otherwise."""
+    ks = 1.0
+    vs = 1.0
+    if IS_FP8:
+        ks = kv_scale_value(k_scale, SCALE_IS_PTR)
+        vs = kv_scale_value(v_scale, SCALE_IS_PTR)
+    return ks, vs
+
+
+@triton.jit
 def _quantize_per_token_kernel(
     x_ptr,  # [num_tokens, K] bf16 / fp16 / fp32
     q_ptr,  # [num_tokens, K] float8_e4m3fn

@@ -29,6 +29,7 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
+    dot_precision,
 )
 
 BLOCK_M = 16
@@ -154,7 +155,7 @@ def moe_grouped_gemm(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        DOT_PRECISION=dot_precision(x.dtype),
         num_warps=4,
     )
     return out

@@ -22,6 +22,8 @@ BLOCK_N)) for the dequantization.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,7 @@ from kernels._common import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
+    dot_precision,
 )
 
 PACK = 8  # 4-bit codes per int32
@@ -99,17 +102,9 @@ def _int4_gemm_kernel(
             other=0.0,
         )
         w = _dequantized_slab(
-            qweight_ptr,
-            scales_ptr,
-            zeros_ptr,
-            offs_k,
-            offs_n,
-            mask_k,
-            mask_n,
-            stride_q,
-            stride_s,
+            qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, mask_k, mask_n, stride_q, stride_s,
             GROUP_SIZE,
-        )
+        )  # fmt: skip
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     out = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -135,17 +130,9 @@ def _int4_dequantize_kernel(
     mask_k = offs_k < K
     mask_n = offs_n < N
     w = _dequantized_slab(
-        qweight_ptr,
-        scales_ptr,
-        zeros_ptr,
-        offs_k,
-        offs_n,
-        mask_k,
-        mask_n,
-        stride_q,
-        stride_s,
+        qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, mask_k, mask_n, stride_q, stride_s,
         GROUP_SIZE,
-    )
+    )  # fmt: skip
     out = out_ptr + offs_k.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
 
@@ -166,6 +153,31 @@ def _check_weight(
         if tuple(tensor.shape) != (k // group_size, n):
             raise ValueError(f"{name} must be [{k // group_size}, {n}], got {list(tensor.shape)}.")
     return k, n
+
+
+def _weight_args(
+    qweight: torch.Tensor,  # int32 [K / 8, N]
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # [G, N]
+    group_size: int,
+    out: torch.Tensor,  # [M, N] or [K, N]
+) -> dict[str, Any]:
+    """The launch arguments both kernels take: the weight, the output and the tile sizes."""
+    return {
+        "qweight_ptr": qweight,
+        "scales_ptr": scales,
+        "zeros_ptr": zeros,
+        "out_ptr": out,
+        "N": qweight.shape[1],
+        "K": qweight.shape[0] * PACK,
+        "stride_q": qweight.stride(0),
+        "stride_s": scales.stride(0),
+        "stride_out": out.stride(0),
+        "GROUP_SIZE": group_size,
+        "BLOCK_N": BLOCK_N,
+        "BLOCK_K": BLOCK_K,
+        "num_warps": 4,
+    }
 
 
 def int4_gemm(
@@ -189,24 +201,12 @@ def int4_gemm(
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _int4_gemm_kernel[grid](
+        **_weight_args(qweight, scales, zeros, group_size, out),
         x_ptr=x,
-        qweight_ptr=qweight,
-        scales_ptr=scales,
-        zeros_ptr=zeros,
-        out_ptr=out,
         M=m,
-        N=n,
-        K=k,
         stride_x=x.stride(0),
-        stride_q=qweight.stride(0),
-        stride_s=scales.stride(0),
-        stride_out=out.stride(0),
-        GROUP_SIZE=group_size,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=4,
+        DOT_PRECISION=dot_precision(x.dtype),
     )
     return out
 
@@ -227,19 +227,5 @@ def int4_dequantize(
     if k == 0 or n == 0:
         return out
     grid = (triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))
-    _int4_dequantize_kernel[grid](
-        qweight_ptr=qweight,
-        scales_ptr=scales,
-        zeros_ptr=zeros,
-        out_ptr=out,
-        N=n,
-        K=k,
-        stride_q=qweight.stride(0),
-        stride_s=scales.stride(0),
-        stride_out=out.stride(0),
-        GROUP_SIZE=group_size,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        num_warps=4,
-    )
+    _int4_dequantize_kernel[grid](**_weight_args(qweight, scales, zeros, group_size, out))
     return out

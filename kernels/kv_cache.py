@@ -16,6 +16,8 @@ scheme); the rounding is done in fp32 first so the cast is exact (kernels/fp8_qu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,26 @@ from kernels._common import (
     next_power_of_2,
 )
 from kernels.fp8_quant import kv_scale_value, quantize_e4m3
+
+
+@triton.jit
+def cache_slot_offsets(
+    slot,  # int64, a flat slot: block_id * BLOCK_SIZE + offset
+    heads,  # [HEADS] KV heads
+    dims,  # [DIMS] element indices inside a head
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,  # int, tokens per cache block
+):
+    """[HEADS, DIMS] element offsets of `slot`'s heads in kv_cache[0] (or kv_cache[1])."""
+    # int64 throughout: slot * head stride overflows 32 bits on large caches.
+    return (
+        (slot // BLOCK_SIZE) * stride_cache_block
+        + (slot % BLOCK_SIZE) * stride_cache_slot
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
+    )
 
 
 @triton.jit
@@ -67,12 +89,8 @@ def _write_kv_cache_kernel(
     heads = tl.arange(0, HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    # int64 throughout: slot * head stride overflows 32 bits on large caches.
-    cache_offsets = (
-        (slot // BLOCK_SIZE) * stride_cache_block
-        + (slot % BLOCK_SIZE) * stride_cache_slot
-        + heads[:, None] * stride_cache_head
-        + dims[None, :]
+    cache_offsets = cache_slot_offsets(
+        slot, heads, dims, stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE
     )  # [HEADS_PADDED, HEAD_DIM_PADDED]
     key_offsets = token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :]
     value_offsets = token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :]
@@ -86,6 +104,34 @@ def _write_kv_cache_kernel(
     value = value.to(cache_dtype)
     tl.store(key_cache_ptr + cache_offsets, key, mask=mask)
     tl.store(value_cache_ptr + cache_offsets, value, mask=mask)
+
+
+def cache_write_args(
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0])
+    value_cache: torch.Tensor,  # kv_cache[1]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_scales: tuple[float | torch.Tensor, float | torch.Tensor, bool],  # kv_scale_args'
+) -> dict[str, Any]:
+    """The launch arguments of a kernel that writes `value` (and keys) into the cache at
+    `slot_mapping`: `write_kv_cache`'s and `rotary_write_kv_cache`'s (kernels/rotary_kv.py)."""
+    k_arg, v_arg, k_is_ptr = kv_scales
+    return {
+        "value_ptr": value,
+        "key_cache_ptr": key_cache,
+        "value_cache_ptr": value_cache,
+        "slot_mapping_ptr": slot_mapping,
+        "k_scale": k_arg,
+        "v_scale": v_arg,
+        "stride_value_token": value.stride(0),
+        "stride_value_head": value.stride(1),
+        "stride_cache_block": key_cache.stride(0),
+        "stride_cache_slot": key_cache.stride(1),
+        "stride_cache_head": key_cache.stride(2),
+        "BLOCK_SIZE": key_cache.shape[1],
+        "IS_FP8": key_cache.dtype == FP8_CACHE_DTYPE,
+        "SCALE_IS_PTR": k_is_ptr,
+    }
 
 
 def write_kv_cache(
@@ -108,7 +154,7 @@ def write_kv_cache(
     < num_blocks * block_size (not checked on the device).
     """
     check_kv_cache(kv_cache, fp8_ok=True)
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, tensor in (("key", key), ("value", value)):
         check_ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_dim]")
         check_last_dim_contiguous(name, tensor)
@@ -133,34 +179,20 @@ def write_kv_cache(
             f"{key.shape[0]}, {value.shape[0]} and {num_tokens}."
         )
     check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
-    k_arg, v_arg, k_is_ptr = kv_scale_args(k_scale, v_scale, kv_cache.device)
+    kv_scales = kv_scale_args(k_scale, v_scale, kv_cache.device)
     if num_tokens == 0:
         return
 
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
     heads_padded = next_power_of_2(num_kv_heads)
     head_dim_padded = next_power_of_2(head_dim)
     _write_kv_cache_kernel[(num_tokens,)](
+        **cache_write_args(value, kv_cache[0], kv_cache[1], slot_mapping, kv_scales),
         key_ptr=key,
-        value_ptr=value,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
-        slot_mapping_ptr=slot_mapping,
-        k_scale=k_arg,
-        v_scale=v_arg,
         stride_key_token=key.stride(0),
         stride_key_head=key.stride(1),
-        stride_value_token=value.stride(0),
-        stride_value_head=value.stride(1),
-        stride_cache_block=key_cache.stride(0),
-        stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PADDED=heads_padded,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
-        BLOCK_SIZE=block_size,
-        IS_FP8=kv_cache.dtype == FP8_CACHE_DTYPE,
-        SCALE_IS_PTR=k_is_ptr,
         num_warps=4 if heads_padded * head_dim_padded <= 2048 else 8,
     )

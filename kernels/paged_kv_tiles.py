@@ -4,6 +4,8 @@ id serves, one tile of keys and values gathered from the paged cache, and one ti
 of the online softmax.
 
     find_request      program id -> request, a binary search over query_start_loc
+    find_query_tile   program id -> request, its query rows and the program's query tile
+    kv_tile_offsets   where BLOCK_N positions' rows of one KV head lie in the cache
     load_kv_tile      [BLOCK_N, HEAD_DIM_PADDED] keys and values of BLOCK_N positions,
                       each looked up in the block table (an FP8 cache dequantized)
     attend_kv_tile    scores = q @ k^T (soft-capped, masked), then the running max m,
@@ -38,6 +40,40 @@ def find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def find_query_tile(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """(req, q_start, q_len, q_tile): the request program `pid` serves, its first row and
+    query length, and the program's tile of BLOCK_Q query tokens (tokens from
+    q_tile * BLOCK_Q, which is >= q_len for a spare id: the caller returns)."""
+    q_first = tl.load(query_start_loc_ptr)
+    req = find_request(query_start_loc_ptr, num_reqs, pid, q_first, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = pid - ((q_start - q_first) // BLOCK_Q + req)
+    return req, q_start, q_len, q_tile
+
+
+@triton.jit
+def kv_tile_offsets(
+    block_table_row,  # this request's row of the block table
+    kv_pos,  # [BLOCK_N] key positions
+    kv_valid,  # [BLOCK_N] positions whose block id is read
+    kv_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """[BLOCK_N] int64 offsets of the positions' (kv_head) rows in kv_cache[0] / [1]."""
+    block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
+    # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
+    return (
+        block_ids.to(tl.int64) * stride_cache_block
+        + (kv_pos % BLOCK_SIZE) * stride_cache_slot
+        + kv_head * stride_cache_head
+    )
+
+
+@triton.jit
 def load_kv_tile(
     key_cache_ptr,
     value_cache_ptr,
@@ -58,13 +94,10 @@ def load_kv_tile(
     """One tile of keys and values gathered from the paged cache ([BLOCK_N, HEAD_DIM_PADDED],
     zeros outside the context), an FP8 cache's dequantized in fp32 (float(stored) * scale);
     the caller casts them to the query's dtype."""
-    block_ids = tl.load(block_table_row + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0)
-    # int64: block_id * stride_cache_block exceeds 2^31 elements on large caches.
-    kv_offsets = (
-        block_ids.to(tl.int64) * stride_cache_block
-        + (kv_pos % BLOCK_SIZE) * stride_cache_slot
-        + kv_head * stride_cache_head
-    )  # [BLOCK_N]
+    kv_offsets = kv_tile_offsets(
+        block_table_row, kv_pos, kv_valid, kv_head, stride_cache_block, stride_cache_slot,
+        stride_cache_head, BLOCK_SIZE,
+    )  # fmt: skip
     kv_mask = kv_valid[:, None] & dim_valid[None, :]
     k = tl.load(key_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(value_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)

@@ -31,7 +31,6 @@ import triton.language as tl
 
 from kernels._common import (
     FLOAT_DTYPES,
-    FP8_CACHE_DTYPE,
     cache_dtype_fits,
     check_contiguous,
     check_dtype,
@@ -42,7 +41,8 @@ from kernels._common import (
     kv_scale_args,
     next_power_of_2,
 )
-from kernels.fp8_quant import kv_scale_value, quantize_e4m3
+from kernels.fp8_quant import kv_scale_values, quantize_e4m3
+from kernels.kv_cache import cache_slot_offsets, cache_write_args
 
 
 @triton.jit
@@ -111,18 +111,17 @@ def _rotary_kv_kernel(
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + token)  # int64
         if slot >= 0:
-            # int64 throughout: slot * head stride overflows 32 bits on large caches.
-            cache_offsets = (
-                (slot // BLOCK_SIZE) * stride_cache_block
-                + (slot % BLOCK_SIZE) * stride_cache_slot
-                + kv_heads[:, None] * stride_cache_head
-                + dims[None, :]
-            )  # [KV_HEADS_PADDED, HALF_PADDED]
+            # [KV_HEADS_PADDED, HALF_PADDED]
+            cache_offsets = cache_slot_offsets(
+                slot, kv_heads, dims, stride_cache_block, stride_cache_slot, stride_cache_head,
+                BLOCK_SIZE,
+            )  # fmt: skip
+            # An FP8 cache quantizes the rounded model-dtype keys, as write_kv_cache does.
             cache_dtype = key_cache_ptr.dtype.element_ty
+            ks, vs = kv_scale_values(k_scale, v_scale, IS_FP8, SCALE_IS_PTR)
             k_cache1 = out1
             k_cache2 = out2
-            if IS_FP8:  # from the model-dtype keys, as write_kv_cache quantizes them
-                ks = kv_scale_value(k_scale, SCALE_IS_PTR)
+            if IS_FP8:
                 k_cache1 = quantize_e4m3(out1, ks)
                 k_cache2 = quantize_e4m3(out2, ks)
             tl.store(key_cache_ptr + cache_offsets, k_cache1.to(cache_dtype), mask=kv_mask)
@@ -136,7 +135,6 @@ def _rotary_kv_kernel(
             v1 = tl.load(v_first, mask=kv_mask, other=0.0)
             v2 = tl.load(v_first + HALF, mask=kv_mask, other=0.0)
             if IS_FP8:
-                vs = kv_scale_value(v_scale, SCALE_IS_PTR)
                 v1 = quantize_e4m3(v1, vs)
                 v2 = quantize_e4m3(v2, vs)
             v1 = v1.to(cache_dtype)
@@ -175,48 +173,34 @@ def _launch(
     value: torch.Tensor,
     kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
-    k_scale: float | torch.Tensor = 1.0,
-    v_scale: float | torch.Tensor = 1.0,
+    kv_scales: tuple[float | torch.Tensor, float | torch.Tensor, bool] = (1.0, 1.0, False),
 ) -> None:
     num_tokens, num_qk_heads, head_dim = qk.shape
     if num_tokens == 0:
         return
     num_kv_heads = num_qk_heads - num_heads
-    key_cache = value_cache = qk  # never written without WRITE_KV
-    block_size = 1
+    # Without WRITE_KV nothing of the cache is read or written: qk stands in for it (and
+    # its head count for BLOCK_SIZE, a constexpr of no use then).
+    key_cache = value_cache = qk
     if kv_cache is not None:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        block_size = kv_cache.shape[2]
     heads_padded = next_power_of_2(max(num_heads, 1))
     _rotary_kv_kernel[(num_tokens,)](
+        **cache_write_args(value, key_cache, value_cache, slot_mapping, kv_scales),
         qk_ptr=qk,
         cos_ptr=cos,
         sin_ptr=sin,
-        value_ptr=value,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
-        slot_mapping_ptr=slot_mapping,
-        k_scale=k_scale,
-        v_scale=v_scale,
         stride_qk_token=qk.stride(0),
         stride_qk_head=qk.stride(1),
         stride_cos_token=cos.stride(0),
         stride_sin_token=sin.stride(0),
-        stride_value_token=value.stride(0),
-        stride_value_head=value.stride(1),
-        stride_cache_block=key_cache.stride(0),
-        stride_cache_slot=key_cache.stride(1),
-        stride_cache_head=key_cache.stride(2),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PADDED=heads_padded,
         KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
         HALF_PADDED=next_power_of_2(head_dim // 2),
-        BLOCK_SIZE=block_size,
         WRITE_KV=kv_cache is not None,
-        IS_FP8=kv_cache is not None and kv_cache.dtype == FP8_CACHE_DTYPE,
-        SCALE_IS_PTR=isinstance(k_scale, torch.Tensor),
         num_warps=4 if heads_padded * head_dim <= 4096 else 8,
     )
 
@@ -283,5 +267,5 @@ def rotary_write_kv_cache(
     check_same_device(
         qk=qk, value=value, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping
     )
-    k_arg, v_arg, _ = kv_scale_args(k_scale, v_scale, kv_cache.device)
-    _launch(qk, cos, sin, num_heads, value, kv_cache, slot_mapping, k_arg, v_arg)
+    kv_scales = kv_scale_args(k_scale, v_scale, kv_cache.device)
+    _launch(qk, cos, sin, num_heads, value, kv_cache, slot_mapping, kv_scales)
