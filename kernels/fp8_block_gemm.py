@@ -90,7 +90,8 @@ class BlockGemmConfig:
         """Its K step divides the scale column, and its accumulator fits the warps
         (64 x 128 fp32 for 4 warps, 128 x 128 for 8) without spilling."""
         step = max_block_k(block_cols)
-        return step > 0 and step % self.block_k == 0 and bucket * self.block_n <= 2048 * self.num_warps
+        fits_step = step > 0 and step % self.block_k == 0
+        return fits_step and bucket * self.block_n <= 2048 * self.num_warps
 
     def triton(self) -> triton.Config:
         kwargs = {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k}
@@ -113,8 +114,11 @@ GPU_CONFIGS = (
 
 
 def candidate_configs(bucket: int, block_cols: int) -> list[BlockGemmConfig]:
-    """The configs the autotuner times (the interpreter, which cannot time: the first)."""
-    fitting = [c for c in GPU_CONFIGS if c.fits(bucket, block_cols)]
+    """The configs the autotuner times (the interpreter, which cannot time: the first):
+    those that fit, with K steps of at least 64 where the block allows (the narrow ones
+    are for blocks that allow no wider step)."""
+    widest = min(64, max_block_k(block_cols))
+    fitting = [c for c in GPU_CONFIGS if c.fits(bucket, block_cols) and c.block_k >= widest]
     return fitting[:1] if is_interpreter() else fitting
 
 

@@ -114,7 +114,7 @@ def test_candidates_on_a_gpu(monkeypatch) -> None:
     and whose accumulator fits its warps."""
     monkeypatch.setattr("kernels.fp8_block_gemm.is_interpreter", lambda: False)
     decode = candidate_configs(16, 128)
-    assert decode == [c for c in GPU_CONFIGS if 128 % c.block_k == 0]
+    assert decode == [c for c in GPU_CONFIGS if c.block_k >= 64]
     prefill = candidate_configs(128, 128)
     assert prefill and all(128 * c.block_n <= 2048 * c.num_warps for c in prefill)
     assert all(c.block_k == 16 for c in candidate_configs(16, 48))
