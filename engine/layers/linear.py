@@ -57,6 +57,9 @@ class Linear(nn.Linear):
     plan: LinearPlan | None = None
     # Set for quantized weights (engine/layers/quantization.py): computes the layer instead.
     quant_method: Any = None
+    # True where code outside `forward` reads `weight` as a float matrix (MLA's kv_b_proj):
+    # a checkpoint's quantized weight is then dequantized at load, never kept quantized.
+    float_weight_only: bool = False
 
     def __init__(
         self,

@@ -91,6 +91,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = Linear(
             self.kv_lora_rank, self.num_heads * (self.nope + self.v_head_dim), bias=False
         )
+        self.kv_b_proj.float_weight_only = True  # `_mla_weights` splits the float matrix
         self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
         self.attn = attn_backend.mla_attention()
         self._weights: MLAWeights | None = None  # views of kv_b_proj.weight, built on first use

@@ -15,8 +15,9 @@ two ways:
 
 Block-scaled checkpoints (``weight_strategy == "block"``: transformers' ``weight_scale_inv``
 or compressed-tensors' ``weight_scale``, one fp32 scale per [rows, cols] block, ragged at the
-edges) are always dequantized at load, on every device: no block-scaled FP8 GEMM is built
-(docs/fp8.md says what one would need). Each pair is expanded exactly as it streams in::
+edges) pass through as FP8 weight + fp32 scale grid for the layers
+engine/loader/block_fp8_weights.py kept (CUDA), and are dequantized at load for the rest
+(every layer elsewhere). Each dequantized pair is expanded exactly as it streams in::
 
     weight fp8 [N, K] ──zero-pad──▶ fp32 [nb*rows, kb*cols] = view [nb, rows, kb, cols]
       *= scale [nb, 1, kb, 1] ──crop──▶ [N, K] ──▶ model dtype
@@ -72,19 +73,36 @@ def dequantize_block_fp8(
     is one fp32 multiply, so it is the exact product rounded once to fp32."""
     rows, cols = block_size
     n, k = weight.shape
-    num_row_blocks, num_col_blocks = math.ceil(n / rows), math.ceil(k / cols)
-    if tuple(scale.shape) != (num_row_blocks, num_col_blocks):
-        raise ValueError(
-            f"a block-scaled FP8 weight [{n}, {k}] with blocks [{rows}, {cols}] needs scales "
-            f"[{num_row_blocks}, {num_col_blocks}], got {list(scale.shape)}."
-        )
-    if scale.dtype == torch.uint8:  # ue8m0 exponents stored as bytes: 2^(byte - 127)
-        scale = scale.view(torch.float8_e8m0fnu)
+    num_row_blocks, num_col_blocks = check_block_grid(weight, scale, block_size)
+    scale = block_scales_fp32(scale)
     padded = weight.new_zeros(num_row_blocks * rows, num_col_blocks * cols, dtype=torch.float32)
     padded[:n, :k] = weight  # exact: every E4M3 value is an fp32 value
     blocks = padded.view(num_row_blocks, rows, num_col_blocks, cols)
     blocks.mul_(scale.float()[:, None, :, None])
     return padded[:n, :k].to(dtype).contiguous()
+
+
+def check_block_grid(
+    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int]
+) -> tuple[int, int]:
+    """The scale grid's shape [ceil(N / rows), ceil(K / cols)], or ValueError naming both."""
+    rows, cols = block_size
+    n, k = weight.shape
+    grid = (math.ceil(n / rows), math.ceil(k / cols))
+    if tuple(scale.shape) != grid:
+        raise ValueError(
+            f"a block-scaled FP8 weight [{n}, {k}] with blocks [{rows}, {cols}] needs scales "
+            f"{list(grid)}, got {list(scale.shape)}."
+        )
+    return grid
+
+
+def block_scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """A block scale grid as fp32 (exact: ue8m0 scales, stored as float8_e8m0fnu or as
+    bytes 2^(byte - 127), are powers of two)."""
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    return scale.float().contiguous()
 
 
 def _row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:  # fp32 [rows]
@@ -148,12 +166,16 @@ class Fp8Checkpoint:
         if weight.dtype != FP8_DTYPE:
             raise ValueError(f"{module}.weight is {weight.dtype}, expected {FP8_DTYPE}.")
         if self.scheme.block_size is not None:
+            block = self.scheme.block_size
             try:
-                block = self.scheme.block_size
-                dequantized = dequantize_block_fp8(weight, scale, block, self.dtype)
+                check_block_grid(weight, scale, block)
             except ValueError as error:
                 raise ValueError(f"{module}: {error}") from None
-            yield f"{module}.weight", dequantized
+            if module in self.kept:  # a block FP8 layer: engine/layers/fp8_block_linear.py
+                yield f"{module}.weight", weight
+                yield f"{module}.weight_scale", block_scales_fp32(scale)
+            else:
+                yield f"{module}.weight", dequantize_block_fp8(weight, scale, block, self.dtype)
         elif module in self.kept:
             yield f"{module}.weight", weight
             yield f"{module}.weight_scale", _row_scales(scale, weight.shape[0])
@@ -165,7 +187,7 @@ def _whole(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor[:]  # a lazy slice
 
 
-def _checkpoint_modules(
+def checkpoint_modules(
     name: str, layer: Linear, packed: Mapping[str, tuple[str, ...]]
 ) -> list[str]:
     """The checkpoint modules a (fused) layer of ours is filled from."""
@@ -191,7 +213,7 @@ def install_fp8_layers(
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
             continue
-        members = _checkpoint_modules(name, layer, packed)
+        members = checkpoint_modules(name, layer, packed)
         ignored = [is_ignored(m, scheme.ignore) for m in members]
         if all(ignored):
             continue

@@ -20,8 +20,12 @@ from engine.config.weights.int4_checkpoint import INT4_METHODS
 from engine.distributed.parallel_state import get_parallel_rank
 from engine.layers.batch_invariant import make_batch_invariant
 from engine.layers.crossover import plan_crossovers
+from engine.layers.fp8_block_linear import (
+    block_fits_kernel,
+    block_fp8_gemm_kernel,
+    triton_available,
+)
 from engine.layers.fp8_linear import (
-    FP8_COMPUTE_ENV,
     fp8_compute_forced,
     fp8_gemv_kernel,
     fp8_tensor_cores,
@@ -31,6 +35,7 @@ from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
+from engine.loader.block_fp8_weights import install_block_fp8_layers
 from engine.loader.dummy_weights import fill_dummy_weights
 from engine.loader.fp8_weights import Fp8Checkpoint, install_fp8_layers
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
@@ -183,7 +188,7 @@ def _fp8_checkpoint(
         raise ValueError(f"quantization='fp8' needs an FP8 checkpoint; {model_dir} is not one.")
     skipped = model.weights_on_other_stages()
     if found.scheme.weight_strategy == "block":
-        return _block_fp8_checkpoint(found, dtype, device, keep_fp8, skipped)
+        return _block_fp8_checkpoint(model, found, dtype, device, keep_fp8, skipped)
     check_quantizable(model, "fp8")
     if keep_fp8 is None:
         keep_fp8 = fp8_compute_forced()
@@ -211,26 +216,46 @@ def _fp8_checkpoint(
 
 
 def _block_fp8_checkpoint(
-    found: Any, dtype: torch.dtype, device: torch.device, keep_fp8: bool | None, skipped: tuple
+    model: DecoderForCausalLM,
+    found: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_fp8: bool | None,
+    skipped: tuple,
 ) -> Fp8Checkpoint:
-    """Block-scaled FP8 is dequantized at load on every device, any family (mixture-of-
-    experts included: the experts see float weights). No block-scaled FP8 GEMM is built yet
-    (docs/fp8.md): keeping these weights FP8 is refused rather than run through the
-    per-row path, which would need the scales requantized."""
+    """Block-scaled FP8 stays FP8 where Triton runs the block GEMM (kernels/fp8_block_gemm.py,
+    W8A16: the weight dequantized in registers, so no FP8 tensor cores are needed): a CUDA
+    device with Triton installed, or any device with $PAGEDSERVE_FP8_COMPUTE=fp8 (the CPU
+    then runs it in Triton's interpreter: how the tests force this path). Elsewhere, and
+    for the layers that cannot keep it (engine/loader/block_fp8_weights.py: ragged fused
+    shards, tensor-parallel slices, MoE experts), the weights are dequantized at load."""
+    block = list(found.scheme.block_size)
     if keep_fp8 is None:
         keep_fp8 = fp8_compute_forced()
-    if keep_fp8:
-        raise ValueError(
-            f"${FP8_COMPUTE_ENV}=fp8: a block-scaled FP8 checkpoint ({found.quant_method}, "
-            f"blocks {list(found.scheme.block_size)}) has no FP8 GEMM here yet; it runs "
-            "dequantized (unset it, or 'dequantize')."
-        )
+    if keep_fp8 is None:
+        keep_fp8 = device.type == "cuda" and triton_available()
+    if not keep_fp8:
+        logger.info(
+            "Block-scaled FP8 checkpoint (%s, blocks %s): the weights are dequantized to %s at "
+            "load on %s (the block-scaled FP8 GEMM runs on CUDA, through Triton).",
+            found.quant_method, block, dtype, device,
+        )  # fmt: skip
+        return Fp8Checkpoint(found.scheme, dtype, skipped=skipped)
+    kept, dequantized = install_block_fp8_layers(
+        model,
+        found.scheme,
+        model.packed_modules_mapping,
+        block_fp8_gemm_kernel(),
+        kernel_takes_block=block_fits_kernel(found.scheme.block_size),
+    )
     logger.info(
-        "Block-scaled FP8 checkpoint (%s, blocks %s): no block-scaled FP8 GEMM is built, so "
-        "the weights are dequantized to %s at load on %s.",
-        found.quant_method, list(found.scheme.block_size), dtype, device,
+        "Block-scaled FP8 checkpoint (%s, blocks %s): %d projections run in FP8 (the Triton "
+        "block GEMM); %d dequantized to %s at load%s.",
+        found.quant_method, block, len(kept), len(dequantized), dtype,
+        f" ({'; '.join(dequantized[:3])}{', ...' if len(dequantized) > 3 else ''})"
+        if dequantized else "",
     )  # fmt: skip
-    return Fp8Checkpoint(found.scheme, dtype, skipped=skipped)
+    return Fp8Checkpoint(found.scheme, dtype, kept, skipped=skipped)
 
 
 def _set_kv_scales(model: DecoderForCausalLM, kv_scales: dict[str, dict[str, float]]) -> None:

@@ -57,8 +57,12 @@ def _shard_rows(
             for size in module.output_sizes:
                 offsets.append((start, size))
                 start += size
+            # A parameter with one row per block of weight rows (a block-scaled FP8 scale
+            # grid: engine/layers/fp8_block_linear.py) takes its shards at offsets / rows.
+            row_blocks = getattr(module, "shard_row_blocks", {})
             for leaf, _ in module.named_parameters(recurse=False):
-                shards[f"{module_name}.{leaf}"] = offsets
+                rows = row_blocks.get(leaf, 1)
+                shards[f"{module_name}.{leaf}"] = [(o // rows, n // rows) for o, n in offsets]
     return shards
 
 

@@ -1,0 +1,123 @@
+"""Block-scaled FP8 projections kept in FP8: `Fp8BlockLinearMethod`.
+
+A projection of a block-scaled FP8 checkpoint (engine/config/weights/block_fp8_checkpoint.py:
+Qwen3-*-FP8, DeepSeek-V3, compressed-tensors FP8_BLOCK) keeps its E4M3 weight and the
+checkpoint's grid of fp32 scales, one per [rows, cols] block; each call runs the Triton
+W8A16 GEMM (kernels/fp8_block_gemm.py), which dequantizes the weight tiles in registers::
+
+    x [M, K] ──▶ fp8_block_gemm(x, W_q [N, K] fp8, S [ceil(N/rows), ceil(K/cols)] fp32)
+             ──▶ out [M, N] (+ bias)
+
+One route for every row count (decode and prefill alike): the activations are never
+quantized, so there is no crossover to measure. A fused projection (q | k | v, gate | up)
+stacks its shards' rows, and so their scale grids' rows: shard i's weight rows start at
+sum(output_sizes[:i]) and its scale rows at that divided by the block's rows, which is a
+whole number only when every shard's row count is a multiple of the block's rows
+(`fused_rows_fit`). A layer where it is not (ragged shard rows), or whose rows or columns
+are split over tensor-parallel ranks (the grid would need the same cut), or that something
+reads as a float matrix outside its forward (MLA's `kv_b_proj`), stays dequantized.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from engine.layers.linear import Linear
+
+FP8_DTYPE = torch.float8_e4m3fn
+# (x [M, K], weight fp8 [N, K], scale grid fp32, (rows, cols)) -> [M, N]
+BlockGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]], torch.Tensor]
+
+
+class Fp8BlockLinearMethod:
+    """The `LinearMethod` of a block-scaled FP8 projection: reads the layer's `weight`
+    (fp8 [N, K]) and `weight_scale` (fp32 block grid) at each call, so sleep/wake's swaps
+    of `.data` are seen."""
+
+    def __init__(self, layer: Linear, block_size: tuple[int, int], gemm: BlockGemm) -> None:
+        self.layer = layer
+        self.block_size = block_size
+        self.gemm = gemm
+
+    @property
+    def in_features(self) -> int:
+        return self.layer.weight.shape[1]
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        layer = self.layer
+        n, k = layer.weight.shape
+        x2 = x.reshape(-1, k).contiguous()  # [M, K]
+        out = self.gemm(x2, layer.weight, layer.weight_scale, self.block_size)  # [M, N]
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], n)
+
+
+def scale_grid_shape(
+    out_features: int, in_features: int, block: tuple[int, int]
+) -> tuple[int, int]:  # [ceil(N / rows), ceil(K / cols)]
+    rows, cols = block
+    return -(-out_features // rows), -(-in_features // cols)
+
+
+def fused_rows_fit(layer: Linear, block: tuple[int, int]) -> bool:
+    """Whether the shards' scale grids stack: every shard's rows a multiple of the block's
+    (an unfused layer always fits, ragged last block and all)."""
+    sizes = layer.output_sizes
+    return sizes is None or len(sizes) == 1 or all(size % block[0] == 0 for size in sizes)
+
+
+def keep_reason(layer: Linear, block: tuple[int, int]) -> str | None:
+    """None where the layer can keep its block FP8 weight, else why it cannot."""
+    if getattr(layer, "float_weight_only", False):
+        return "its weight is read as a float matrix"
+    if getattr(layer, "checkpoint_slices", None):
+        return "its weight is split over tensor-parallel ranks"
+    if not fused_rows_fit(layer, block):
+        return f"its fused shards' rows {list(layer.output_sizes or ())} are not whole blocks"
+    return None
+
+
+def make_block_fp8(layer: Linear, block: tuple[int, int], gemm: BlockGemm) -> None:
+    """On a meta-built layer: an FP8 `weight` [N, K] and an fp32 `weight_scale` block grid
+    for the loader to fill (shard i's scale rows at its weight rows / block rows:
+    `shard_row_blocks`), and the method that computes with them."""
+    out_features, in_features = layer.weight.shape
+    device = layer.weight.device
+    layer.weight = torch.nn.Parameter(
+        torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+        requires_grad=False,
+    )
+    layer.weight_scale = torch.nn.Parameter(
+        torch.empty(
+            scale_grid_shape(out_features, in_features, block), dtype=torch.float32, device=device
+        ),
+        requires_grad=False,
+    )
+    layer.shard_row_blocks = {"weight_scale": block[0]}
+    layer.packed_weight = None
+    layer.quant_method = Fp8BlockLinearMethod(layer, block, gemm)
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed (a dependency on Linux x86_64; the GEMM needs nothing
+    else: no FP8 tensor cores, any GPU Triton compiles for)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def block_fp8_gemm_kernel() -> BlockGemm:
+    """kernels/fp8_block_gemm.py (Triton: CUDA, or the interpreter in the tests)."""
+    from kernels.fp8_block_gemm import fp8_block_gemm
+
+    return fp8_block_gemm
+
+
+def block_fits_kernel(block: tuple[int, int]) -> bool:
+    """Whether the kernel takes this block shape (columns with a power-of-two divisor of at
+    least 16; the served 128 x 128 does)."""
+    from kernels.fp8_block_gemm import kernel_takes_block
+
+    return kernel_takes_block(block)

@@ -1,0 +1,58 @@
+"""Which projections of a block-scaled FP8 checkpoint keep their FP8 weights (CUDA, or forced
+by $PAGEDSERVE_FP8_COMPUTE=fp8), installed while the model is still on meta.
+
+Every projection `Linear` the config quantizes becomes a block FP8 layer
+(engine/layers/fp8_block_linear.py) unless it cannot be one: a fused layer whose shards' rows
+are not whole blocks, a tensor-parallel slice, a weight read as a float matrix, or a block
+shape the kernel does not take; those are listed (the loader says so once) and stream in
+dequantized, as every weight does elsewhere. Mixture-of-experts experts are stacked
+parameters, not `Linear`s: they always stream in dequantized (the fused MoE kernel has no
+block FP8 path), so an MoE model keeps only its attention and dense MLP projections in FP8.
+The LM head stays float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
+from engine.layers.fp8_block_linear import BlockGemm, keep_reason, make_block_fp8
+from engine.layers.linear import Linear
+from engine.loader.fp8_weights import checkpoint_modules
+
+
+def install_block_fp8_layers(
+    model: nn.Module,
+    scheme: Fp8Scheme,
+    packed: Mapping[str, tuple[str, ...]],
+    gemm: BlockGemm,
+    kernel_takes_block: bool = True,
+) -> tuple[frozenset[str], list[str]]:
+    """Returns (the checkpoint modules now kept in FP8, "<layer>: <why>" for the quantized
+    layers left dequantized)."""
+    block = scheme.block_size
+    assert block is not None, "a block-scaled scheme has a block size"
+    kept: set[str] = set()
+    dequantized: list[str] = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        members = checkpoint_modules(name, layer, packed)
+        ignored = [is_ignored(m, scheme.ignore) for m in members]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise NotImplementedError(
+                f"{name}: the checkpoint quantizes some of {members} and not others."
+            )
+        reason = keep_reason(layer, block)
+        if reason is None and not kernel_takes_block:
+            reason = f"the kernel does not take blocks {list(block)}"
+        if reason is not None:
+            dequantized.append(f"{name}: {reason}")
+            continue
+        make_block_fp8(layer, block, gemm)
+        kept.update(members)
+    return frozenset(kept), dequantized
