@@ -94,3 +94,26 @@ def test_dequantized_on_the_cpu_unless_forced(tmp_path, monkeypatch, caplog, val
     assert caplog.text.count("the weights are dequantized to torch.float32 at load") == 1
     for layer in _layers(llm):
         assert layer.mlp.down_proj.quant_method is None
+
+
+def test_deepseek_v3_keeps_its_projections_and_dequantizes_its_experts(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """MLA's projections and the dense MLP in FP8; `kv_b_proj` (split as a float matrix by
+    the MLA weights) and the experts (stacked, run by the fused MoE kernel) dequantized."""
+    from tests.engine.models.test_block_fp8_checkpoints import _deepseek_block_fp8
+
+    path, _ = _deepseek_block_fp8(tmp_path)
+    prompts = make_prompts(128)[3:5]
+    monkeypatch.setenv(FP8_COMPUTE_ENV, "dequantize")
+    _, dequantized = run(path, prompts)
+    monkeypatch.setenv(FP8_COMPUTE_ENV, "fp8")
+    with caplog.at_level(logging.INFO, logger="engine.loader.model_loader"):
+        llm, kept = run(path, prompts)
+    assert "kv_b_proj: its weight is read as a float matrix" in caplog.text
+    layers = _layers(llm)
+    attn = layers[0].self_attn
+    assert isinstance(attn.o_proj.quant_method, Fp8BlockLinearMethod)
+    assert attn.kv_b_proj.quant_method is None and attn.kv_b_proj.weight.dtype == torch.float32
+    assert isinstance(layers[0].mlp.down_proj.quant_method, Fp8BlockLinearMethod)
+    assert _greedy_ids(kept) == _greedy_ids(dequantized)
