@@ -34,7 +34,10 @@
 #                  benchmarks/gpu/fp8_decode.py: the 8B shape in FP8 (compressed-tensors
 #                  FP8_DYNAMIC, random weights): the engine's measured crossovers, batch-1
 #                  ms/token with the GEMV and with _scaled_mm only, a decode step at batch
-#                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table
+#                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table;
+#                  and (fp8_block) benchmarks/gpu/fp8_block_gemm.py: the block-scaled FP8
+#                  GEMM (128 x 128 blocks) against bf16 at 1, 16, 64, 256 rows on the 8B
+#                  shapes, us, GB/s and share of the copy bandwidth
 #
 #   batch_invariant  benchmarks/gpu/batch_invariant_decode.py: the 8B shape's decode step at
 #                  batch 1 and 200 with batch_invariant off and on, and the probe alone ==
@@ -78,7 +81,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=("$@")
 
-ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 batch_invariant batch_invariant_tests async_scheduling async_scheduling_tests "  # run only when named (or `issues`)
+ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 fp8_block batch_invariant batch_invariant_tests async_scheduling async_scheduling_tests "  # run only when named (or `issues`)
 
 wanted() {  # wanted NAME: NAME was named; or no part was and NAME is in the default check
     local p on_request=0
@@ -161,6 +164,7 @@ INT4_ARGS=(--part all --workloads 128x128x256 2048x128x32 1000x1000x32 --repeats
 INT4_ROUTES=("$PY" benchmarks/gpu/int4_linear.py --output-json "$WORK/int4_routes.json")
 FP8_ROUTES=("$PY" benchmarks/gpu/fp8_gemm.py --part routes --output-json "$WORK/fp8_routes.json")
 STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
+FP8_BLOCK=("$PY" benchmarks/gpu/fp8_block_gemm.py --output-json "$WORK/fp8_block_gemm.json")
 FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200
     --output-json "$WORK/fp8_decode.json")
 INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --decode-tokens 32)
@@ -186,6 +190,7 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     STEP_KERNELS+=(--smoke)  # tiny shapes, the kernels in Triton's interpreter
     INT4_ROUTES+=(--smoke --rows 1 2 4)  # tiny shapes, the kernels in Triton's interpreter
     FP8_ROUTES+=(--smoke --route-rows 1 2 4)
+    FP8_BLOCK+=(--smoke --rows 1 16)  # tiny shapes, the kernel in Triton's interpreter
     FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
         --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8
         --output-json "$WORK/fp8_decode.json")  # the FP8 path on a CPU
@@ -217,6 +222,8 @@ part int4 240 "$PY" benchmarks/gpu/int4_decode.py "${INT4_ARGS[@]}" \
 wanted fp8 && PARTS+=(fp8_routes)  # the layer's two routes: part of the same request
 part fp8_routes 90 "${FP8_ROUTES[@]}"
 part fp8 180 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
+wanted fp8 && PARTS+=(fp8_block)  # the block-scaled GEMM: part of the same request
+part fp8_block 120 "${FP8_BLOCK[@]}"
 part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
 wanted batch_invariant && PARTS+=(batch_invariant_tests)  # its tests: part of the same request
 part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \
