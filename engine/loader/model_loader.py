@@ -26,6 +26,7 @@ from engine.layers.fp8_block_linear import (
     triton_available,
 )
 from engine.layers.fp8_linear import (
+    FP8_COMPUTE_ENV,
     fp8_compute_forced,
     fp8_gemv_kernel,
     fp8_tensor_cores,
@@ -241,6 +242,11 @@ def _block_fp8_checkpoint(
             found.quant_method, block, dtype, device,
         )  # fmt: skip
         return Fp8Checkpoint(found.scheme, dtype, skipped=skipped)
+    if not triton_available():
+        raise ValueError(
+            f"${FP8_COMPUTE_ENV}=fp8: block-scaled FP8 runs through a Triton kernel, and "
+            "Triton is not installed (unset it, or 'dequantize')."
+        )
     kept, dequantized = install_block_fp8_layers(
         model,
         found.scheme,
