@@ -108,6 +108,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def keeps_block_fp8(device: torch.device, forced: bool | None) -> bool:
+    """Whether a block-scaled FP8 checkpoint keeps its weights FP8 on `device`: `forced`
+    ($PAGEDSERVE_FP8_COMPUTE: True "fp8", False "dequantize") where set, else where the
+    Triton kernel runs: CUDA with Triton installed."""
+    if forced is not None:
+        return forced
+    return device.type == "cuda" and triton_available()
+
+
 def block_fp8_gemm_kernel() -> BlockGemm:
     """kernels/fp8_block_gemm.py (Triton: CUDA, or the interpreter in the tests)."""
     from kernels.fp8_block_gemm import fp8_block_gemm

@@ -23,6 +23,7 @@ from engine.layers.crossover import plan_crossovers
 from engine.layers.fp8_block_linear import (
     block_fits_kernel,
     block_fp8_gemm_kernel,
+    keeps_block_fp8,
     triton_available,
 )
 from engine.layers.fp8_linear import (
@@ -232,9 +233,7 @@ def _block_fp8_checkpoint(
     shards, tensor-parallel slices, MoE experts), the weights are dequantized at load."""
     block = list(found.scheme.block_size)
     if keep_fp8 is None:
-        keep_fp8 = fp8_compute_forced()
-    if keep_fp8 is None:
-        keep_fp8 = device.type == "cuda" and triton_available()
+        keep_fp8 = keeps_block_fp8(device, fp8_compute_forced())
     if not keep_fp8:
         logger.info(
             "Block-scaled FP8 checkpoint (%s, blocks %s): the weights are dequantized to %s at "

@@ -16,6 +16,7 @@ from engine.layers.fp8_block_linear import (
     block_fits_kernel,
     block_fp8_gemm_kernel,
     fused_rows_fit,
+    keeps_block_fp8,
 )
 from engine.layers.linear import Linear
 from engine.loader.block_fp8_weights import install_block_fp8_layers
@@ -134,3 +135,13 @@ def test_rules() -> None:
     assert not fused_rows_fit(Linear(8, 40, output_sizes=(32, 8)), (16, 16))
     assert fused_rows_fit(Linear(8, 40), (16, 16))  # unfused: a ragged last block is fine
     assert block_fits_kernel((128, 128)) and not block_fits_kernel((128, 40))
+
+
+def test_which_devices_keep_block_fp8(monkeypatch) -> None:
+    """The auto choice: CUDA with Triton keeps FP8 (no FP8 tensor cores needed), the CPU
+    dequantizes; $PAGEDSERVE_FP8_COMPUTE's choice wins on either."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert keeps_block_fp8(cuda, None) and not keeps_block_fp8(cpu, None)
+    assert keeps_block_fp8(cpu, True) and not keeps_block_fp8(cuda, False)
+    monkeypatch.setattr("engine.layers.fp8_block_linear.triton_available", lambda: False)
+    assert not keeps_block_fp8(cuda, None)

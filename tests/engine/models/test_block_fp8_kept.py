@@ -117,3 +117,12 @@ def test_deepseek_v3_keeps_its_projections_and_dequantizes_its_experts(
     assert attn.kv_b_proj.quant_method is None and attn.kv_b_proj.weight.dtype == torch.float32
     assert isinstance(layers[0].mlp.down_proj.quant_method, Fp8BlockLinearMethod)
     assert _greedy_ids(kept) == _greedy_ids(dequantized)
+
+
+def test_forcing_without_triton_is_refused(tmp_path, monkeypatch) -> None:
+    source = make_tiny_model(tmp_path / "source", "Qwen3ForCausalLM", **QWEN3)
+    path, _ = make_block_fp8(source, tmp_path / "fp8", tmp_path / "ref", (32, 48))
+    monkeypatch.setenv(FP8_COMPUTE_ENV, "fp8")
+    monkeypatch.setattr("engine.loader.model_loader.triton_available", lambda: False)
+    with pytest.raises(ValueError, match=rf"\${FP8_COMPUTE_ENV}=fp8: .*Triton is not installed"):
+        run(path, make_prompts(128)[:1])
