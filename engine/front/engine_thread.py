@@ -143,7 +143,9 @@ class EngineThread:
                 logger.exception("An engine step died; every request fails from now on.")
                 self._die(exc, list(pending))
                 raise_if_dead(self._dead_error)
-            return self.engine.has_unfinished_requests()
+            with self._cond:
+                queued = bool(self._commands)  # an add held back behind an abort
+            return self.engine.has_unfinished_requests() or queued
 
     def submit(self, command: Command) -> None:
         """Queues a command for the engine thread; raises `EngineDeadError` once stopped."""
@@ -205,8 +207,17 @@ class EngineThread:
                 self._close()
 
     def _iterate(self, commands: deque[Command]) -> None:
-        """Applies `commands` (emptying it), runs one step, delivers its outputs."""
+        """Applies `commands` (emptying it), runs one step, delivers its outputs. An add
+        whose request id belongs to a request aborted by an earlier command of the same
+        batch goes back to the queue, with every command after it, for the next iteration:
+        this step delivers the aborted request's final output and frees the id (a caller
+        that aborts and asks again with the same id, e.g. after a client's stop string)."""
         while commands:
+            if self._waits_for_aborted(commands[0]):
+                with self._cond:
+                    self._commands.extendleft(reversed(commands))
+                commands.clear()
+                break
             self._apply(commands.popleft())
         self.step_thread_id = threading.get_native_id()
         self.step_started_at = time.monotonic()
@@ -243,6 +254,12 @@ class EngineThread:
             commands = list(self._commands)
             self._commands.clear()
             return commands
+
+    def _waits_for_aborted(self, command: Command) -> bool:
+        if not isinstance(command, AddCommand) or not self._aborted:
+            return False
+        held = self._streams.get(command.stream.request_id)
+        return held is not None and any(held is stream for stream in self._aborted)
 
     def _apply(self, command: Command) -> None:
         self._num_applied += 1

@@ -391,3 +391,26 @@ def test_encode_yields_one_pooling_output(model_dir) -> None:
             await assert_idle_and_free(engine)
 
     asyncio.run(main())
+
+
+def test_an_aborted_request_id_serves_the_next_request_at_once(model_dir) -> None:
+    """Abort a running request and ask again with its id straight away (a front whose client
+    ended on a stop string): the new request is served, not refused as a live id, and the
+    aborted one's stream ends with finish_reason "abort"; nothing leaks."""
+    reference = LLM(**vars(engine_args(model_dir))).generate(
+        [ids([5, 6, 7])], greedy(5, RequestOutputKind.FINAL_ONLY), use_tqdm=False
+    )
+
+    async def main() -> None:
+        with async_engine(model_dir) as engine:
+            for _ in range(5):
+                held = engine.generate(ids([9, 10]), greedy(240), "reused")
+                await held.__anext__()  # running
+                await engine.abort("reused")
+                again = await collect(engine, ids([5, 6, 7]), greedy(5), "reused")
+                assert joined_tokens(again) == reference[0].outputs[0].token_ids
+                last = [out async for out in held]
+                assert last and last[-1].outputs[0].finish_reason == "abort"
+            await assert_idle_and_free(engine)
+
+    asyncio.run(main())

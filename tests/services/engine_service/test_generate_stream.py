@@ -253,3 +253,23 @@ def test_abort_among_many(stack) -> None:
     stack.wait_until_idle()
     stats = stack.stats()
     assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_an_aborted_request_id_is_free_for_the_next_start_on_the_call(stack) -> None:
+    """A caller that aborts a request (its client's stop string) and starts one with the same
+    request_id right after, on the same call, gets the new request served: the engine
+    service takes the start in only once the aborted request has left (the messages of one
+    call are ordered; the abort frees the id asynchronously)."""
+    call = StreamCall(stack)
+    rounds = 5
+    for i in range(rounds):
+        call.send(start(2 * i, generate_request("mux-reused", PROMPTS[7], **LONG)))
+        wait_for(lambda i=i: call.responses.get(2 * i))
+        call.send(abort(2 * i))
+        call.send(start(2 * i + 1, generate_request("mux-reused", PROMPTS[7], max_tokens=3)))
+        wait_for(lambda i=i: 2 * i + 1 in call.ends)
+        assert call.ends[2 * i + 1].code == 0, call.ends[2 * i + 1].message
+        assert sum(len(r.token_ids) for r in call.responses[2 * i + 1]) == 3
+    call.close()
+    assert call.error is None
+    stack.wait_until_idle()

@@ -259,3 +259,16 @@ def test_engine_without_generate_stream_gets_per_request_calls(stack, caplog) ->
     said = [r for r in caplog.records if "no GenerateStream" in r.getMessage()]
     assert len(said) == 1
     stack.wait_until_idle()
+
+
+def test_a_request_id_is_free_again_right_after_a_stop_string(stack) -> None:
+    """A stop string ends the client's stream at the tokenizer, which aborts the engine's
+    request over the multiplexed call; the client asking again with the same request_id at
+    once is served (the engine takes the start in after the abort), not refused as a live id."""
+    stop = dict(temperature=0, max_tokens=200, stop=["a", "e", "o", "s", "t"])
+    for _ in range(6):
+        req = request(token_ids=PROMPTS[5], request_id="stop-then-again", **stop)
+        (out,) = gather(stack.public.Generate(req, timeout=60)).values()  # raises if refused
+        assert out.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert out.stop_reason.text in stop["stop"]
+    stack.wait_until_idle()
