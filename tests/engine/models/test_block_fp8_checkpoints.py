@@ -22,7 +22,13 @@ from tests.engine.fp8_checkpoints import (
     make_compressed_tensors_fp8,
 )
 from tests.engine.models.test_deepseek_v3 import make_tiny_deepseek
-from tests.engine.models.test_engine_correctness import MAX_TOKENS, REGIMES, make_prompts, run
+from tests.engine.models.test_engine_correctness import (
+    MAX_TOKENS,
+    REGIMES,
+    assert_same_tokens_in_every_regime,
+    make_prompts,
+    run,
+)
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 from tests.model_utils import make_tiny_llama, make_tiny_model
 
@@ -82,12 +88,7 @@ def _matches_transformers_in_every_regime(
     llm, unconstrained = run(path, prompts)
     assert llm.llm_engine.get_model_config().quantization == "fp8"
     assert_close_to_reference(reference, ours_greedy(unconstrained))
-    baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in regimes.items():
-        llm, outputs = run(path, prompts, **kwargs)
-        assert [o.outputs[0].token_ids for o in outputs] == baseline, name
-        if name == "preemption-tiny-cache":
-            assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"
+    assert_same_tokens_in_every_regime(path, prompts, unconstrained, regimes=regimes)
 
 
 def test_dequantized_at_load_matches_transformers_in_every_regime(checkpoint) -> None:

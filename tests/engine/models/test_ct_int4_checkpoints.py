@@ -20,7 +20,11 @@ from engine.layers.linear import Linear
 from engine.loader import int4_weights
 from tests.engine.ct_int4_checkpoints import CT_MISSING, write_ct_int4_checkpoint
 from tests.engine.fp8_checkpoints import compressed_tensors_reference_kwargs
-from tests.engine.models.test_engine_correctness import REGIMES, make_prompts, run
+from tests.engine.models.test_engine_correctness import (
+    assert_same_tokens_in_every_regime,
+    make_prompts,
+    run,
+)
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 from tests.model_utils import make_tiny_model
 from tests.triton_utils import import_triton
@@ -76,12 +80,7 @@ def test_matches_transformers_on_the_dequantized_model(case, sources, tmp_path, 
     assert_close_to_reference(reference, ours_greedy(unconstrained))
     if case not in ALL_REGIMES:
         return
-    baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in REGIMES.items():
-        llm, outputs = run(quant_dir, prompts, **kwargs)
-        assert [o.outputs[0].token_ids for o in outputs] == baseline, name
-        if name == "preemption-tiny-cache":
-            assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"
+    assert_same_tokens_in_every_regime(quant_dir, prompts, unconstrained)
 
 
 def test_matches_transformers_reading_the_checkpoint_itself(sources, tmp_path) -> None:

@@ -189,6 +189,20 @@ def run(model_dir, prompts, *, dtype="float32", **engine_kwargs):
     return llm, outputs
 
 
+def assert_same_tokens_in_every_regime(
+    model_dir, prompts, unconstrained, regimes=REGIMES, **engine_kwargs
+) -> None:
+    """Every regime (`REGIMES`: prefix caching off, a small chunk budget, a cache so small
+    that requests are preempted, no chunking) gives the unconstrained run's tokens, and the
+    preemption regime really preempted."""
+    baseline = [o.outputs[0].token_ids for o in unconstrained]
+    for name, kwargs in regimes.items():
+        llm, outputs = run(model_dir, prompts, **engine_kwargs, **kwargs)
+        assert [o.outputs[0].token_ids for o in outputs] == baseline, name
+        if name == "preemption-tiny-cache":
+            assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"
+
+
 @pytest.fixture(scope="module", params=[*SHAPES, *FAMILY_SHAPES])
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
@@ -208,12 +222,9 @@ def test_matches_transformers_in_every_regime(tiny_model) -> None:
     reference = hf_greedy(tiny_model, prompts, MAX_TOKENS)
     _, unconstrained = run(tiny_model, prompts, **engine_kwargs)
     assert_close_to_reference(reference, ours_greedy(unconstrained))
-    baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in regimes.items():
-        llm, outputs = run(tiny_model, prompts, **engine_kwargs, **kwargs)
-        assert [o.outputs[0].token_ids for o in outputs] == baseline, name
-        if name == "preemption-tiny-cache":
-            assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"
+    assert_same_tokens_in_every_regime(
+        tiny_model, prompts, unconstrained, regimes=regimes, **engine_kwargs
+    )
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(tmp_path) -> None:

@@ -21,7 +21,13 @@ from tests.engine.fp8_checkpoints import (
     make_compressed_tensors_fp8,
     make_modelopt_fp8,
 )
-from tests.engine.models.test_engine_correctness import MAX_TOKENS, REGIMES, make_prompts, run
+from tests.engine.models.test_engine_correctness import (
+    MAX_TOKENS,
+    REGIMES,
+    assert_same_tokens_in_every_regime,
+    make_prompts,
+    run,
+)
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 
 SHAPE = dict(hidden_size=64, num_heads=4, num_kv_heads=2, max_position_embeddings=256)
@@ -47,10 +53,7 @@ def test_dequantized_at_load_matches_transformers_in_every_regime(checkpoint, mo
     llm, unconstrained = run(path, prompts)
     assert llm.llm_engine.get_model_config().quantization == "fp8"
     assert_close_to_reference(reference, ours_greedy(unconstrained))
-    baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in REGIMES.items():
-        llm, outputs = run(path, prompts, **kwargs)
-        assert [o.outputs[0].token_ids for o in outputs] == baseline, name
+    assert_same_tokens_in_every_regime(path, prompts, unconstrained)
 
 
 def test_fp8_compute_matches_compressed_tensors_in_every_regime(tmp_path, monkeypatch):

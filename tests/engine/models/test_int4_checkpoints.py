@@ -12,7 +12,11 @@ import pytest
 
 from engine import LLM
 from tests.engine.int4_checkpoints import write_int4_checkpoint
-from tests.engine.models.test_engine_correctness import REGIMES, make_prompts, run
+from tests.engine.models.test_engine_correctness import (
+    assert_same_tokens_in_every_regime,
+    make_prompts,
+    run,
+)
 from tests.engine.reference import assert_close_to_reference, hf_greedy, ours_greedy
 from tests.model_utils import make_tiny_llama
 
@@ -56,12 +60,7 @@ def test_matches_transformers_on_the_dequantized_model(case, tiny_llama, tmp_pat
     assert_close_to_reference(reference, ours_greedy(unconstrained))
     if case not in ALL_REGIMES:
         return
-    baseline = [o.outputs[0].token_ids for o in unconstrained]
-    for name, kwargs in REGIMES.items():
-        llm, outputs = run(quant_dir, prompts, **kwargs)
-        assert [o.outputs[0].token_ids for o in outputs] == baseline, name
-        if name == "preemption-tiny-cache":
-            assert llm.llm_engine.scheduler.num_preemptions_total > 0, "no preemption happened"
+    assert_same_tokens_in_every_regime(quant_dir, prompts, unconstrained)
 
 
 def test_unserved_checkpoint_is_refused_before_loading(tiny_llama, tmp_path) -> None:
