@@ -17,10 +17,9 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
+from engine.config.weights.fp8_checkpoint import Fp8Scheme
 from engine.layers.fp8_block_linear import BlockGemm, keep_reason, make_block_fp8
-from engine.layers.linear import Linear
-from engine.loader.fp8_weights import checkpoint_modules
+from engine.loader.fp8_weights import quantized_linears
 
 
 def install_block_fp8_layers(
@@ -36,17 +35,7 @@ def install_block_fp8_layers(
     assert block is not None, "a block-scaled scheme has a block size"
     kept: set[str] = set()
     dequantized: list[str] = []
-    for name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
-            continue
-        members = checkpoint_modules(name, layer, packed)
-        ignored = [is_ignored(m, scheme.ignore) for m in members]
-        if all(ignored):
-            continue
-        if any(ignored):
-            raise NotImplementedError(
-                f"{name}: the checkpoint quantizes some of {members} and not others."
-            )
+    for name, layer, members in quantized_linears(model, scheme, packed):
         reason = keep_reason(layer, block)
         if reason is None and not kernel_takes_block:
             reason = f"the kernel does not take blocks {list(block)}"

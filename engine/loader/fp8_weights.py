@@ -34,7 +34,6 @@ through as they are, not dequantized.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ import torch
 from torch import nn
 
 from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
+from engine.layers.fp8_block_linear import scale_grid_shape
 from engine.layers.fp8_linear import FP8_DTYPE, Fp8LinearMethod, Gemv, Quantizer, ScaledMM
 from engine.layers.linear import Linear
 
@@ -88,7 +88,7 @@ def check_block_grid(
     """The scale grid's shape [ceil(N / rows), ceil(K / cols)], or ValueError naming both."""
     rows, cols = block_size
     n, k = weight.shape
-    grid = (math.ceil(n / rows), math.ceil(k / cols))
+    grid = scale_grid_shape(n, k, block_size)
     if tuple(scale.shape) != grid:
         raise ValueError(
             f"a block-scaled FP8 weight [{n}, {k}] with blocks [{rows}, {cols}] needs scales "
@@ -197,6 +197,26 @@ def checkpoint_modules(
     return [name]
 
 
+def quantized_linears(
+    model: nn.Module, scheme: Fp8Scheme, packed: Mapping[str, tuple[str, ...]]
+) -> Iterator[tuple[str, Linear, list[str]]]:
+    """(name, layer, its checkpoint modules) of every projection the config quantizes: the
+    LM head and the modules `scheme.ignore` names are not; a fused layer whose members the
+    config treats differently is refused."""
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        members = checkpoint_modules(name, layer, packed)
+        ignored = [is_ignored(m, scheme.ignore) for m in members]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise NotImplementedError(
+                f"{name}: the checkpoint quantizes some of {members} and not others."
+            )
+        yield name, layer, members
+
+
 def install_fp8_layers(
     model: nn.Module,
     scheme: Fp8Scheme,
@@ -210,17 +230,7 @@ def install_fp8_layers(
     `gemv` where there is one: CUDA); returns the checkpoint modules now kept in FP8. The
     LM head and embedding are dequantized (a `Linear` only)."""
     kept: set[str] = set()
-    for name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
-            continue
-        members = checkpoint_modules(name, layer, packed)
-        ignored = [is_ignored(m, scheme.ignore) for m in members]
-        if all(ignored):
-            continue
-        if any(ignored):
-            raise NotImplementedError(
-                f"{name}: the checkpoint quantizes some of {members} and not others."
-            )
+    for _, layer, members in quantized_linears(model, scheme, packed):
         out_features, in_features = layer.weight.shape
         layer.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=layer.weight.device),
