@@ -94,16 +94,37 @@ def _grouped_gemm_kernel(
     )
 
 
-def _row_tiles(offsets: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(expert, first row, end row) of every BLOCK_M tile of every expert's rows."""
+def row_tiles(
+    offsets: list[int], device: torch.device, block_m: int = BLOCK_M
+) -> tuple[torch.Tensor, ...]:
+    """(expert, first row, end row) of every `block_m` tile of every expert's rows."""
     experts, starts, ends = [], [], []
     for expert in range(len(offsets) - 1):
-        for start in range(offsets[expert], offsets[expert + 1], BLOCK_M):
+        for start in range(offsets[expert], offsets[expert + 1], block_m):
             experts.append(expert)
             starts.append(start)
             ends.append(offsets[expert + 1])
     make = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
     return make(experts), make(starts), make(ends)
+
+
+def check_rows(
+    x: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor, offsets: list[int]
+) -> None:
+    """x's columns are weight's k, `offsets` are E + 1 ascending row offsets, and `rows`
+    (int64, on x's device) has an entry for each output row."""
+    num_experts, _, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, weight expects k={k}.")
+    if len(offsets) != num_experts + 1 or any(b < a for a, b in itertools.pairwise(offsets)):
+        raise ValueError(f"offsets must be {num_experts + 1} ascending row offsets.")
+    if rows is not None:
+        check_dtype("rows", rows, (torch.int64,))
+        check_same_device(x=x, weight=weight, rows=rows)
+        if rows.numel() < offsets[-1]:
+            raise ValueError(f"rows has {rows.numel()} entries for {offsets[-1]} output rows.")
+    else:
+        check_same_device(x=x, weight=weight)
 
 
 def moe_grouped_gemm(
@@ -120,22 +141,12 @@ def moe_grouped_gemm(
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     num_experts, n, k = weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns, weight expects k={k}.")
-    if len(offsets) != num_experts + 1 or any(b < a for a, b in itertools.pairwise(offsets)):
-        raise ValueError(f"offsets must be {num_experts + 1} ascending row offsets.")
+    check_rows(x, rows, weight, offsets)
     num_rows = offsets[-1]
-    if rows is not None:
-        check_dtype("rows", rows, (torch.int64,))
-        check_same_device(x=x, weight=weight, rows=rows)
-        if rows.numel() < num_rows:
-            raise ValueError(f"rows has {rows.numel()} entries for {num_rows} output rows.")
-    else:
-        check_same_device(x=x, weight=weight)
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         return out
-    tile_expert, tile_start, tile_end = _row_tiles(offsets, x.device)
+    tile_expert, tile_start, tile_end = row_tiles(offsets, x.device)
     grid = (tile_expert.numel(), triton.cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](
         x_ptr=x,
