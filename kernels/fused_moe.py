@@ -140,7 +140,7 @@ def moe_grouped_gemm(
     check_dtype("weight", weight, (x.dtype,))
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
-    num_experts, n, k = weight.shape
+    _, n, k = weight.shape
     check_rows(x, rows, weight, offsets)
     num_rows = offsets[-1]
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)

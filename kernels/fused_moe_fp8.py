@@ -32,6 +32,8 @@ takes the first that fits (the tests pass explicit configs).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,7 +61,7 @@ MAX_BLOCK_M = 64
 
 def moe_row_bucket(offsets: list[int]) -> int:
     """BLOCK_M for these experts' rows: 16 (decode), 32, or 64 (the largest count's bucket)."""
-    most = max((b - a for a, b in zip(offsets, offsets[1:], strict=False)), default=1)
+    most = max((b - a for a, b in itertools.pairwise(offsets)), default=1)
     return min(max(16, triton.next_power_of_2(max(most, 1))), MAX_BLOCK_M)
 
 

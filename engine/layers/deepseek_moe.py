@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from engine.layers.decoder_layers import DecoderSpec, GatedMLP
-from engine.layers.moe import MoESpec, grouped_gemm_impl, moe_experts
+from engine.layers.moe import MoESpec, expert_scales, grouped_gemm_impl, moe_experts
 from engine.layers.ops import OpImpl, SiluAndMul
 
 
@@ -131,6 +131,8 @@ class DeepseekMoESpec(MoESpec):
 
 
 class DeepseekMoE(nn.Module):
+    keeps_fp8_experts = True  # its forward passes `expert_scales` (engine/layers/fp8_moe.py)
+
     def __init__(self, hf_config: Any, impl: OpImpl) -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
@@ -160,7 +162,10 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = self.gate(x)
-        out = moe_experts(x, self.w13_weight, self.w2_weight, weights, ids, self._gemm, self.act_fn)
+        out = moe_experts(
+            x, self.w13_weight, self.w2_weight, weights, ids, self._gemm, self.act_fn,
+            scales=expert_scales(self),
+        )  # fmt: skip
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

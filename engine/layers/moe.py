@@ -22,6 +22,10 @@ sorted by expert, and each projection is one grouped GEMM over the sorted rows
     native   one C call per projection (engine/native/moe_kernels.c), no Python loop
     triton   one Triton launch per projection (kernels/fused_moe.py)
 
+An FP8 checkpoint's experts may instead stay FP8 (CUDA, through Triton): the loader swaps
+in FP8 stacks, their scales (`w13_weight_scale`, `w2_weight_scale`) and the grouped FP8
+GEMM (engine/layers/fp8_moe.py); `expert_scales` hands the scales to each call.
+
 The rows' outputs, weighted by their routing weights, are summed back into their tokens.
 """
 
@@ -91,7 +95,8 @@ def sort_rows(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> Exp
     return ExpertRows(order // ids.shape[1], weights.flatten()[order], offsets)
 
 
-GroupedGemm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, list[int]], torch.Tensor]
+# (x, rows, weight, offsets[, scale]) -> out; the scale only for FP8 experts
+GroupedGemm = Callable[..., torch.Tensor]
 
 
 def torch_grouped_gemm(
@@ -129,6 +134,26 @@ def grouped_gemm_impl(impl: OpImpl) -> GroupedGemm:
     return torch_grouped_gemm
 
 
+def expert_scales(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The stacked scales of a layer whose experts stay FP8 (read at each call, so
+    sleep/wake's swaps are seen), or None for float experts."""
+    w13_scale = getattr(module, "w13_weight_scale", None)
+    return None if w13_scale is None else (w13_scale, module.w2_weight_scale)
+
+
+def _project(
+    gemm: GroupedGemm,
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    weight: torch.Tensor,
+    offsets: list[int],
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return (
+        gemm(x, rows, weight, offsets) if scale is None else gemm(x, rows, weight, offsets, scale)
+    )
+
+
 def moe_experts(
     x: torch.Tensor,  # [T, hidden]
     w13: torch.Tensor,  # [E, 2 * inter, hidden]
@@ -140,18 +165,21 @@ def moe_experts(
     *,
     w13_bias: torch.Tensor | None = None,  # [E, 2 * inter]
     w2_bias: torch.Tensor | None = None,  # [E, hidden]
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 experts' (w13, w2)
 ) -> torch.Tensor:  # [T, hidden]
     """sum_k weights[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; each
-    projection plus its expert's bias where given (GPT-OSS)."""
+    projection plus its expert's bias where given (GPT-OSS); `scales` go to the GEMM with
+    their weights (FP8 experts: engine/layers/fp8_moe.py)."""
+    w13_scale, w2_scale = (None, None) if scales is None else scales
     rows = sort_rows(weights, ids, w13.shape[0])
-    h = gemm(x, rows.token, w13, rows.offsets)  # [T * top_k, 2 * inter]
+    h = _project(gemm, x, rows.token, w13, rows.offsets, w13_scale)  # [T * top_k, 2 * inter]
     expert = None
     if w13_bias is not None or w2_bias is not None:  # each sorted row's expert
         counts = torch.tensor(rows.offsets, device=x.device).diff()  # [E]
         expert = torch.repeat_interleave(torch.arange(w13.shape[0], device=x.device), counts)
     if w13_bias is not None:
         h += w13_bias[expert]
-    y = gemm(act_and_mul(h), None, w2, rows.offsets)  # [T * top_k, hidden]
+    y = _project(gemm, act_and_mul(h), None, w2, rows.offsets, w2_scale)  # [T * top_k, hidden]
     if w2_bias is not None:
         y += w2_bias[expert]
     y.mul_(rows.weight[:, None].to(y.dtype))
@@ -159,6 +187,8 @@ def moe_experts(
 
 
 class FusedMoE(nn.Module):
+    keeps_fp8_experts = True  # its forward passes `expert_scales` (engine/layers/fp8_moe.py)
+
     def __init__(self, hf_config: Any, moe: MoESpec, impl: OpImpl) -> None:
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
@@ -183,8 +213,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = select_experts(self.gate(x), self.moe.top_k, self.moe.renormalize)
         return moe_experts(
-            x, self.w13_weight, self.w2_weight, weights, ids, self._gemm, self.act_fn
-        )
+            x, self.w13_weight, self.w2_weight, weights, ids, self._gemm, self.act_fn,
+            scales=expert_scales(self),
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         m = self.moe

@@ -33,12 +33,14 @@ from engine.layers.fp8_linear import (
     fp8_tensor_cores,
     token_quantizer,
 )
+from engine.layers.fp8_moe import fp8_moe_kernel, moe_block_fits_kernel
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
 from engine.loader.block_fp8_weights import install_block_fp8_layers
 from engine.loader.dummy_weights import fill_dummy_weights
+from engine.loader.fp8_expert_weights import install_fp8_experts
 from engine.loader.fp8_weights import Fp8Checkpoint, install_fp8_layers
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
 from engine.loader.int4_weights import Int4Loading
@@ -230,7 +232,8 @@ def _block_fp8_checkpoint(
     device with Triton installed, or any device with $PAGEDSERVE_FP8_COMPUTE=fp8 (the CPU
     then runs it in Triton's interpreter: how the tests force this path). Elsewhere, and
     for the layers that cannot keep it (engine/loader/block_fp8_weights.py: ragged fused
-    shards, tensor-parallel slices, MoE experts), the weights are dequantized at load."""
+    shards, tensor-parallel slices; MoE layers whose gate | up rows are not whole blocks:
+    engine/loader/fp8_expert_weights.py), the weights are dequantized at load."""
     block = list(found.scheme.block_size)
     if keep_fp8 is None:
         keep_fp8 = keeps_block_fp8(device, fp8_compute_forced())
@@ -253,14 +256,25 @@ def _block_fp8_checkpoint(
         block_fp8_gemm_kernel(),
         kernel_takes_block=block_fits_kernel(found.scheme.block_size),
     )
+    experts, num_moe, experts_dequantized = install_fp8_experts(
+        model,
+        found.scheme,
+        model.expert_weights_mapping,
+        model.weight_name_substitutions,
+        fp8_moe_kernel(),
+        kernel_takes_block=moe_block_fits_kernel(found.scheme.block_size),
+    )
+    dequantized += experts_dequantized
     logger.info(
         "Block-scaled FP8 checkpoint (%s, blocks %s): %d projections run in FP8 (the Triton "
-        "block GEMM); %d dequantized to %s at load%s.",
-        found.quant_method, block, len(kept), len(dequantized), dtype,
+        "block GEMM)%s; %d dequantized to %s at load%s.",
+        found.quant_method, block, len(kept),
+        f", and the experts of {num_moe} MoE layers (the Triton grouped GEMM)" if num_moe else "",
+        len(dequantized), dtype,
         f" ({'; '.join(dequantized[:3])}{', ...' if len(dequantized) > 3 else ''})"
         if dequantized else "",
     )  # fmt: skip
-    return Fp8Checkpoint(found.scheme, dtype, kept, skipped=skipped)
+    return Fp8Checkpoint(found.scheme, dtype, kept | experts, skipped=skipped)
 
 
 def _set_kv_scales(model: DecoderForCausalLM, kv_scales: dict[str, dict[str, float]]) -> None:

@@ -10,9 +10,11 @@ A model class declares how the checkpoint's names map onto its parameters:
 - `expert_weights_mapping` (mixture-of-experts families): the per-expert checkpoint module
   -> (stacked parameter, shard), e.g. ``{"w1": ("w13_weight", 0), "w3": ("w13_weight", 1),
   "w2": ("w2_weight", None)}``: ``...experts.{e}.w1.weight`` fills expert e's first shard of
-  ``...w13_weight``. A module holding stacked expert weights declares their shards' row
-  sizes in `expert_param_shards`. `weight_name_substitutions` renames first (Mixtral's
-  ``.block_sparse_moe.`` is our ``.mlp.``).
+  ``...w13_weight`` (and ``...weight_scale`` the ``...w13_weight_scale`` of experts kept in
+  FP8: engine/layers/fp8_moe.py). A module holding stacked expert weights declares their
+  shards' row sizes in `expert_param_shards` (its FP8 scales' in `expert_scale_shards`).
+  `weight_name_substitutions` renames first (Mixtral's ``.block_sparse_moe.`` is our
+  ``.mlp.``).
 
 Under tensor parallelism a module may declare `checkpoint_slices`: per parameter leaf,
 the dimension and the `RowSlice` of each shard that this rank keeps
@@ -76,14 +78,22 @@ def _target_name(ckpt_name: str, packed: Mapping[str, tuple[str, ...]]) -> tuple
     return ckpt_name, None
 
 
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<leaf>\w+)\.weight$")
+_EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.+)\.experts\.(?P<expert>\d+)\.(?P<leaf>\w+)\.weight(?P<scale>_scale)?$"
+)
 
 
 def _expert_shards(model: nn.Module) -> dict[str, list[tuple[int, int] | None]]:
     """Stacked expert parameter -> (row offset, rows) per shard, or [None] if unsharded."""
     shards: dict[str, list[tuple[int, int] | None]] = {}
     for module_name, module in model.named_modules():
-        for leaf, sizes in getattr(module, "expert_param_shards", {}).items():
+        # FP8 experts' stacked scales (engine/layers/fp8_moe.py) shard as their weights do,
+        # a block grid's rows in blocks.
+        params = {
+            **getattr(module, "expert_param_shards", {}),
+            **getattr(module, "expert_scale_shards", {}),
+        }
+        for leaf, sizes in params.items():
             offsets: list[tuple[int, int] | None] = [None]
             if sizes is not None:
                 offsets, start = [], 0
@@ -183,7 +193,7 @@ def load_weights(
         expert = _EXPERT_NAME.match(renamed) if expert_weights_mapping else None
         if expert is not None and expert["leaf"] in expert_weights_mapping:  # type: ignore[operator]
             leaf, index = expert_weights_mapping[expert["leaf"]]  # type: ignore[index]
-            name = f"{expert['prefix']}.{leaf}"
+            name = f"{expert['prefix']}.{leaf}{expert['scale'] or ''}"  # FP8 experts' scales too
             if name not in params or int(expert["expert"]) >= params[name].shape[0]:
                 raise ValueError(f"unexpected weight {ckpt_name!r} for {type(model).__name__}.")
             target = params[name].data[int(expert["expert"])]
