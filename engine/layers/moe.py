@@ -199,6 +199,7 @@ class FusedMoE(nn.Module):
         hidden, inter, num_experts = hf_config.hidden_size, moe.intermediate_size, moe.num_experts
         self.moe = moe
         self.gate = Linear(hidden, num_experts, bias=False)
+        self.gate.is_router = True  # never kept quantized (engine/loader/fp8_weights.py)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self._gemm = grouped_gemm_impl(impl)

@@ -202,9 +202,13 @@ def quantized_linears(
 ) -> Iterator[tuple[str, Linear, list[str]]]:
     """(name, layer, its checkpoint modules) of every projection the config quantizes: the
     LM head and the modules `scheme.ignore` names are not; a fused layer whose members the
-    config treats differently is refused."""
+    config treats differently is refused. An MoE router (`is_router`) is never kept FP8:
+    the releases keep it float, and one that quantizes it has it dequantized at load (a
+    few KB a layer, and the routing decisions are the most sensitive to rounding)."""
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear) or name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        if getattr(layer, "is_router", False):
             continue
         members = checkpoint_modules(name, layer, packed)
         ignored = [is_ignored(m, scheme.ignore) for m in members]

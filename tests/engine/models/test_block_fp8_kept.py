@@ -2,7 +2,8 @@
 `_block_fp8_checkpoint`), forced on the CPU with $PAGEDSERVE_FP8_COMPUTE=fp8 so the block
 GEMM (kernels/fp8_block_gemm.py) runs in Triton's interpreter: the same greedy tokens as
 the same checkpoint dequantized at load, and transformers' on the dequantized weights within
-DESIGN.md's top-5 rule; a checkpoint whose fused shards are not whole blocks keeps only the
+DESIGN.md's top-5 rule (DeepSeek-V3's routed experts too: kernels/fused_moe_fp8.py; Qwen3-MoE's:
+test_fp8_experts_kept.py); a checkpoint whose fused shards are not whole blocks keeps only the
 layers that can, and says which it left dequantized."""
 
 from __future__ import annotations
@@ -96,14 +97,13 @@ def test_dequantized_on_the_cpu_unless_forced(tmp_path, monkeypatch, caplog, val
         assert layer.mlp.down_proj.quant_method is None
 
 
-def test_deepseek_v3_keeps_its_projections_and_dequantizes_its_experts(
-    tmp_path, monkeypatch, caplog
-) -> None:
-    """MLA's projections and the dense MLP in FP8; `kv_b_proj` (split as a float matrix by
-    the MLA weights) and the experts (stacked, run by the fused MoE kernel) dequantized."""
+def test_deepseek_v3_keeps_its_projections_and_experts(tmp_path, monkeypatch, caplog) -> None:
+    """MLA's projections, the dense MLP, the shared experts and the routed experts (stacked,
+    run by the grouped FP8 GEMM: kernels/fused_moe_fp8.py) in FP8; `kv_b_proj` (split as a
+    float matrix by the MLA weights) and the router dequantized."""
     from tests.engine.models.test_block_fp8_checkpoints import _deepseek_block_fp8
 
-    path, _ = _deepseek_block_fp8(tmp_path)
+    path, reference_dir = _deepseek_block_fp8(tmp_path)
     prompts = make_prompts(128)[3:5]
     monkeypatch.setenv(FP8_COMPUTE_ENV, "dequantize")
     _, dequantized = run(path, prompts)
@@ -116,7 +116,15 @@ def test_deepseek_v3_keeps_its_projections_and_dequantizes_its_experts(
     assert isinstance(attn.o_proj.quant_method, Fp8BlockLinearMethod)
     assert attn.kv_b_proj.quant_method is None and attn.kv_b_proj.weight.dtype == torch.float32
     assert isinstance(layers[0].mlp.down_proj.quant_method, Fp8BlockLinearMethod)
+    assert "the experts of 1 MoE layers" in caplog.text
+    moe = layers[1].mlp
+    assert moe.w13_weight.dtype == moe.w2_weight.dtype == torch.float8_e4m3fn
+    assert moe.w13_weight_scale.shape == (4, 2, 2)  # 4 experts: 64 rows, 40 columns in 32 x 32
+    assert isinstance(moe.shared_experts.down_proj.quant_method, Fp8BlockLinearMethod)
+    assert moe.gate.weight.dtype == torch.float32
     assert _greedy_ids(kept) == _greedy_ids(dequantized)
+    reference = hf_greedy(reference_dir, prompts, MAX_TOKENS)
+    assert_close_to_reference(reference, ours_greedy(kept))
 
 
 def test_forcing_without_triton_is_refused(tmp_path, monkeypatch) -> None:
