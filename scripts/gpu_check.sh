@@ -37,7 +37,10 @@
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table;
 #                  and (fp8_block) benchmarks/gpu/fp8_block_gemm.py: the block-scaled FP8
 #                  GEMM (128 x 128 blocks) against bf16 at 1, 16, 64, 256 rows on the 8B
-#                  shapes, us, GB/s and share of the copy bandwidth
+#                  shapes, us, GB/s and share of the copy bandwidth; and (fp8_moe)
+#                  benchmarks/gpu/fp8_moe.py: one MoE layer's grouped GEMMs with FP8 experts
+#                  (128 x 128 blocks) against bf16 experts at 1, 16, 64, 256 tokens on the
+#                  Qwen3-30B-A3B and DeepSeek-V3 expert shapes, us, GB/s, share of copy
 #
 #   batch_invariant  benchmarks/gpu/batch_invariant_decode.py: the 8B shape's decode step at
 #                  batch 1 and 200 with batch_invariant off and on, and the probe alone ==
@@ -81,7 +84,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=("$@")
 
-ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 fp8_block batch_invariant batch_invariant_tests async_scheduling async_scheduling_tests "  # run only when named (or `issues`)
+ON_REQUEST=" step_kernels int4_routes int4 fp8_routes fp8 fp8_block fp8_moe batch_invariant batch_invariant_tests async_scheduling async_scheduling_tests "  # run only when named (or `issues`)
 
 wanted() {  # wanted NAME: NAME was named; or no part was and NAME is in the default check
     local p on_request=0
@@ -165,6 +168,7 @@ INT4_ROUTES=("$PY" benchmarks/gpu/int4_linear.py --output-json "$WORK/int4_route
 FP8_ROUTES=("$PY" benchmarks/gpu/fp8_gemm.py --part routes --output-json "$WORK/fp8_routes.json")
 STEP_KERNELS=("$PY" benchmarks/gpu/step_kernels.py --profile-dir "$WORK/profile")
 FP8_BLOCK=("$PY" benchmarks/gpu/fp8_block_gemm.py --output-json "$WORK/fp8_block_gemm.json")
+FP8_MOE=("$PY" benchmarks/gpu/fp8_moe.py --output-json "$WORK/fp8_moe.json")
 FP8_ARGS=(--repeats 1 --workloads 128x128x256 1000x1000x128 2048x128x64 --batch 200
     --output-json "$WORK/fp8_decode.json")
 INVARIANT=("$PY" benchmarks/gpu/batch_invariant_decode.py --batches 1 200 --decode-tokens 32)
@@ -224,6 +228,8 @@ part fp8_routes 90 "${FP8_ROUTES[@]}"
 part fp8 180 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
 wanted fp8 && PARTS+=(fp8_block)  # the block-scaled GEMM: part of the same request
 part fp8_block 120 "${FP8_BLOCK[@]}"
+wanted fp8 && PARTS+=(fp8_moe)  # the FP8 experts' grouped GEMM: the same request
+part fp8_moe 90 "${FP8_MOE[@]}"
 part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
 wanted batch_invariant && PARTS+=(batch_invariant_tests)  # its tests: part of the same request
 part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \
