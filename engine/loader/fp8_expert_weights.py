@@ -17,11 +17,20 @@ quantized and some not is kept dequantized.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from engine.config.weights.fp8_checkpoint import Fp8Scheme, is_ignored
-from engine.layers.fp8_moe import Fp8MoEKernel, experts_keep_reason, make_fp8_experts
+from engine.layers.fp8_block_linear import keeps_block_fp8, triton_available
+from engine.layers.fp8_moe import (
+    Fp8MoEKernel,
+    experts_keep_reason,
+    fp8_moe_kernel,
+    make_fp8_experts,
+    moe_block_fits_kernel,
+)
 
 
 def _checkpoint_names(name: str, substitutions: tuple[tuple[str, str], ...]) -> set[str]:
@@ -83,3 +92,39 @@ def install_fp8_experts(
         kept.update(expert_modules(name, num_experts, mapping, substitutions))
         num_layers += 1
     return frozenset(kept), num_layers, dequantized
+
+
+@dataclass
+class KeptExperts:
+    """What one load did with an FP8 checkpoint's experts."""
+
+    modules: frozenset[str] = frozenset()  # checkpoint modules passed through as FP8
+    num_layers: int = 0  # MoE layers whose experts stay FP8
+    dequantized: list[str] = field(default_factory=list)  # "<layer> experts: <why>"
+
+    def said(self) -> str:
+        """The load's log line's part about them ("" where no layer keeps them)."""
+        if not self.num_layers:
+            return ""
+        return f", and the experts of {self.num_layers} MoE layers (the Triton grouped GEMM)"
+
+
+def keep_fp8_experts(
+    model: nn.Module, scheme: Fp8Scheme, device: torch.device, forced: bool | None
+) -> KeptExperts:
+    """The block FP8 projections' rule for every FP8 checkpoint's experts (block-scaled,
+    per channel or per tensor: the grouped GEMM is W8A16, so no FP8 tensor cores needed):
+    kept where Triton runs (CUDA with Triton installed), or where `forced`
+    ($PAGEDSERVE_FP8_COMPUTE) says so and Triton is installed; elsewhere dequantized."""
+    if not keeps_block_fp8(device, forced) or not triton_available():
+        return KeptExperts()
+    block = scheme.block_size
+    modules, num_layers, dequantized = install_fp8_experts(
+        model,
+        scheme,
+        getattr(model, "expert_weights_mapping", None),
+        getattr(model, "weight_name_substitutions", ()),
+        fp8_moe_kernel(),
+        kernel_takes_block=block is None or moe_block_fits_kernel(block),
+    )
+    return KeptExperts(modules, num_layers, dequantized)

@@ -33,14 +33,13 @@ from engine.layers.fp8_linear import (
     fp8_tensor_cores,
     token_quantizer,
 )
-from engine.layers.fp8_moe import fp8_moe_kernel, moe_block_fits_kernel
 from engine.layers.ops import OpImpl, select_op_impl
 from engine.layers.parallel_layers import post_load
 from engine.layers.quant_select import plan_quantized_routes
 from engine.layers.quantization import check_quantizable, projection_layers, quantize_on_load
 from engine.loader.block_fp8_weights import install_block_fp8_layers
 from engine.loader.dummy_weights import fill_dummy_weights
-from engine.loader.fp8_expert_weights import install_fp8_experts
+from engine.loader.fp8_expert_weights import keep_fp8_experts
 from engine.loader.fp8_weights import Fp8Checkpoint, install_fp8_layers
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
 from engine.loader.int4_weights import Int4Loading
@@ -193,9 +192,11 @@ def _fp8_checkpoint(
     skipped = model.weights_on_other_stages()
     if found.scheme.weight_strategy == "block":
         return _block_fp8_checkpoint(model, found, dtype, device, keep_fp8, skipped)
-    check_quantizable(model, "fp8")
+    # MoE models pass: their experts stay FP8 where Triton runs (W8A16, any CUDA GPU), else
+    # they are dequantized to the checkpoint's own values, as the dense projections are.
     if keep_fp8 is None:
         keep_fp8 = fp8_compute_forced()
+    experts = keep_fp8_experts(model, found.scheme, device, keep_fp8)
     if keep_fp8 is None:
         keep_fp8 = fp8_tensor_cores(device)
     kept: frozenset[str] = frozenset()
@@ -209,14 +210,24 @@ def _fp8_checkpoint(
             gemv=fp8_gemv_kernel(triton),
         )
         logger.info(
-            "FP8 checkpoint (%s): %d projections run in FP8.", found.quant_method, len(kept)
-        )
+            "FP8 checkpoint (%s): %d projections run in FP8%s%s.",
+            found.quant_method, len(kept), experts.said(), _why(experts.dequantized),
+        )  # fmt: skip
     else:
         logger.info(
             "FP8 checkpoint (%s): %s has no FP8 tensor cores, so the weights are dequantized "
-            "to %s at load.", found.quant_method, device, dtype,
+            "to %s at load%s%s.", found.quant_method, device, dtype,
+            f" (but the Triton W8A16 path runs here{experts.said()})" if experts.num_layers
+            else "", _why(experts.dequantized),
         )  # fmt: skip
-    return Fp8Checkpoint(found.scheme, dtype, kept, skipped=skipped)
+    return Fp8Checkpoint(found.scheme, dtype, kept | experts.modules, skipped=skipped)
+
+
+def _why(dequantized: list[str]) -> str:
+    """ " (<layer>: <why>; ...)" for the layers left dequantized, at most three named."""
+    if not dequantized:
+        return ""
+    return f" ({'; '.join(dequantized[:3])}{', ...' if len(dequantized) > 3 else ''})"
 
 
 def _block_fp8_checkpoint(
@@ -256,25 +267,15 @@ def _block_fp8_checkpoint(
         block_fp8_gemm_kernel(),
         kernel_takes_block=block_fits_kernel(found.scheme.block_size),
     )
-    experts, num_moe, experts_dequantized = install_fp8_experts(
-        model,
-        found.scheme,
-        model.expert_weights_mapping,
-        model.weight_name_substitutions,
-        fp8_moe_kernel(),
-        kernel_takes_block=moe_block_fits_kernel(found.scheme.block_size),
-    )
-    dequantized += experts_dequantized
+    experts = keep_fp8_experts(model, found.scheme, device, True)
+    dequantized += experts.dequantized
     logger.info(
         "Block-scaled FP8 checkpoint (%s, blocks %s): %d projections run in FP8 (the Triton "
         "block GEMM)%s; %d dequantized to %s at load%s.",
-        found.quant_method, block, len(kept),
-        f", and the experts of {num_moe} MoE layers (the Triton grouped GEMM)" if num_moe else "",
-        len(dequantized), dtype,
-        f" ({'; '.join(dequantized[:3])}{', ...' if len(dequantized) > 3 else ''})"
-        if dequantized else "",
+        found.quant_method, block, len(kept), experts.said(), len(dequantized), dtype,
+        _why(dequantized),
     )  # fmt: skip
-    return Fp8Checkpoint(found.scheme, dtype, kept | experts, skipped=skipped)
+    return Fp8Checkpoint(found.scheme, dtype, kept | experts.modules, skipped=skipped)
 
 
 def _set_kv_scales(model: DecoderForCausalLM, kv_scales: dict[str, dict[str, float]]) -> None:

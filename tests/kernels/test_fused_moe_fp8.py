@@ -153,3 +153,16 @@ def test_bad_operands_are_named() -> None:
         fp8_moe_grouped_gemm(
             x, None, weight, scale, offsets, (32, 32), config=BlockGemmConfig(64, 64)
         )
+
+
+def test_the_benchmark_quantizes_each_expert_per_block() -> None:
+    """benchmarks/gpu/fp8_moe.py's setup (its run needs a GPU): every expert's own block
+    scales, the FP8 stacks standing for the float ones within E4M3's rounding."""
+    from benchmarks.gpu.fp8_moe import BLOCK, MoEShape, make_experts
+
+    stacks = make_experts(MoEShape(2, 1, 160, 128), torch.device("cpu"), torch.float32)
+    assert stacks["w13_q"].shape == (2, 256, 160) and stacks["w13_s"].shape == (2, 2, 2)
+    assert stacks["w2_s"].shape == (2, 2, 1)
+    for name in ("w13", "w2"):
+        real = dequantize_experts(stacks[f"{name}_q"], stacks[f"{name}_s"], BLOCK).float()
+        torch.testing.assert_close(real, stacks[name], rtol=2.0**-4, atol=1e-5)
