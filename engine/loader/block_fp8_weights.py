@@ -6,9 +6,8 @@ Every projection `Linear` the config quantizes becomes a block FP8 layer
 are not whole blocks, a tensor-parallel slice, a weight read as a float matrix, or a block
 shape the kernel does not take; those are listed (the loader says so once) and stream in
 dequantized, as every weight does elsewhere. Mixture-of-experts experts are stacked
-parameters, not `Linear`s: they always stream in dequantized (the fused MoE kernel has no
-block FP8 path), so an MoE model keeps only its attention and dense MLP projections in FP8.
-The LM head stays float.
+parameters, not `Linear`s: engine/loader/fp8_expert_weights.py keeps them (the grouped FP8
+GEMM). The LM head and the MoE routers stay float.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ Weights load from safetensors under the Hub's names (per-expert ``mlp.experts.{e
 transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``). The multi-token
 prediction layers some checkpoints carry (``model.layers.{num_hidden_layers}.*`` and on,
 `num_nextn_predict_layers`) are not used and skipped. DeepSeek's own release is block-scaled
-FP8 (every projection, MLA's and the experts', with a ``weight_scale_inv``): it loads
-dequantized to the model's dtype as the checkpoint streams in (engine/loader/fp8_weights.py),
-before the expert names are mapped, so the experts load as from a bf16 checkpoint. Refused,
-with the reason: other quantized checkpoints (per-channel FP8, INT4: the experts have no
-path for them), tensor and pipeline parallelism, and (elsewhere) llama.cpp's ``deepseek2``
-GGUF files.
+FP8 (every projection, MLA's and the experts', with a ``weight_scale_inv``): on CUDA it
+stays FP8, routed experts included (engine/layers/fp8_moe.py); elsewhere it loads
+dequantized to the model's dtype as the checkpoint streams in (engine/loader/fp8_weights.py).
+Refused, with the reason: other quantized checkpoints (per-channel FP8, INT4: not tested
+with MLA), tensor and pipeline parallelism, and (elsewhere) llama.cpp's ``deepseek2`` GGUF
+files.
 """
 
 from __future__ import annotations
@@ -95,6 +95,6 @@ def _check_quantization(quant: Any) -> None:
         raise NotImplementedError(
             f"DeepseekV3ForCausalLM: the checkpoint is quantized (quant_method="
             f"{found.quant_method!r}: {scheme}); of quantized "
-            "checkpoints only block-scaled FP8 loads (dequantized at load: the experts have "
-            "no other quantized path). Dequantize it to bf16 first."
+            "checkpoints only block-scaled FP8 (the release's format, the one tested with "
+            "MLA) loads. Dequantize it to bf16 first."
         )

@@ -196,7 +196,7 @@ def test_stacked_expert_names_and_mtp_layers_load(small_model, tmp_path) -> None
 
 def test_quantized_checkpoint_other_than_block_fp8_is_refused(small_model, tmp_path) -> None:
     """DeepSeek's block FP8 release loads (test_block_fp8_checkpoints.py); per-channel FP8
-    (and INT4) is refused naming the format: the experts have no path for it."""
+    (and INT4) is refused naming the format: untested with MLA."""
     from tests.engine.config.test_checkpoint_quantization import CT_DYNAMIC
 
     quantized = tmp_path / "fp8"
