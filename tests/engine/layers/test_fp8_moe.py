@@ -31,6 +31,7 @@ def _inference():
     with torch.inference_mode():  # as the engine runs its model
         yield
 
+
 HIDDEN, EXPERTS, TOP_K = 80, 4, 2
 QWEN3 = {
     "gate_proj": ("w13_weight", 0),
