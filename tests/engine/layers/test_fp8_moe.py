@@ -17,7 +17,7 @@ from engine.config.weights.fp8_checkpoint import Fp8Scheme
 from engine.layers.fp8_moe import fp8_moe_kernel, moe_block_fits_kernel
 from engine.layers.moe import FusedMoE, MoESpec, moe_experts, select_experts, torch_grouped_gemm
 from engine.layers.ops import silu_and_mul
-from engine.loader.fp8_expert_weights import install_fp8_experts
+from engine.loader.fp8_expert_weights import install_fp8_experts, keep_fp8_experts
 from engine.loader.fp8_weights import Fp8Checkpoint
 from engine.loader.weight_loader import load_weights
 from tests.engine.block_fp8_checkpoints import dequantize_blocks_float64, quantize_blocks
@@ -180,3 +180,29 @@ def test_a_swapped_weight_is_seen() -> None:
     moe.w2_weight.data = moe.w2_weight.data.clone()
     moe.w2_weight_scale.data = moe.w2_weight_scale.data * 2
     torch.testing.assert_close(moe(x), before * 2)
+
+
+def test_which_devices_keep_fp8_experts(monkeypatch) -> None:
+    """The block projections' rule: CUDA with Triton keeps the experts FP8 (whatever the
+    scheme: the GEMM is W8A16), the CPU dequantizes; $PAGEDSERVE_FP8_COMPUTE's choice wins."""
+
+    class Family(TinyModel):
+        expert_weights_mapping = MIXTRAL
+        weight_name_substitutions = MIXTRAL_NAMES
+
+    def kept_layers(device, forced, scheme) -> int:
+        with torch.device("meta"):
+            model = Family(64)
+        return keep_fp8_experts(model, scheme, torch.device(device), forced).num_layers
+
+    block = Fp8Scheme("block", "dynamic", (), False, (32, 32))
+    channel = Fp8Scheme("channel", "dynamic", ())
+    assert kept_layers("cuda", None, block) == kept_layers("cuda", None, channel) == 1
+    assert kept_layers("cpu", None, block) == kept_layers("cuda", False, channel) == 0
+    assert kept_layers("cpu", True, channel) == 1
+    with torch.device("meta"):
+        model = Family(64)
+    said = keep_fp8_experts(model, block, torch.device("cuda"), None).said()
+    assert said == ", and the experts of 1 MoE layers (the Triton grouped GEMM)"
+    monkeypatch.setattr("engine.loader.fp8_expert_weights.triton_available", lambda: False)
+    assert kept_layers("cuda", None, block) == kept_layers("cpu", True, block) == 0
