@@ -41,7 +41,9 @@ import triton.language as tl
 from kernels._common import (
     check_contiguous,
     check_dtype,
+    check_last_dim_contiguous,
     check_ndim,
+    check_same_device,
     dot_precision,
 )
 from kernels.fp8_block_gemm import (
@@ -193,15 +195,13 @@ def fp8_moe_grouped_gemm(
     weight dequantized in registers (see the module doc)."""
     check_ndim("x", x, 2, "[num_x_rows, K]")
     check_dtype("x", x, ACTIVATION_DTYPES)
-    if x.stride(1) != 1:
-        raise ValueError("x must have a contiguous last dimension.")
+    check_last_dim_contiguous("x", x)
     check_ndim("weight", weight, 3, "[num_experts, N, K]")
     check_dtype("weight", weight, (FP8_DTYPE,))
     check_contiguous("weight", weight)
     _check_scale(weight, weight_scale, block_size)
     check_rows(x, rows, weight, offsets)
-    if weight_scale.device != weight.device:
-        raise ValueError(f"weight_scale is on {weight_scale.device}, weight on {weight.device}.")
+    check_same_device(weight=weight, weight_scale=weight_scale)
     _, n, k = weight.shape
     num_rows = offsets[-1]
     out = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
