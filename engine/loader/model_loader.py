@@ -217,8 +217,9 @@ def _fp8_checkpoint(
         logger.info(
             "FP8 checkpoint (%s): %s has no FP8 tensor cores, so the weights are dequantized "
             "to %s at load%s%s.", found.quant_method, device, dtype,
-            f" (but the Triton W8A16 path runs here{experts.said()})" if experts.num_layers
-            else "", _why(experts.dequantized),
+            f" except the experts of {experts.num_layers} MoE layers (kept in FP8: the Triton "
+            "grouped GEMM needs no FP8 tensor cores)" if experts.num_layers else "",
+            _why(experts.dequantized),
         )  # fmt: skip
     return Fp8Checkpoint(found.scheme, dtype, kept | experts.modules, skipped=skipped)
 
