@@ -1,9 +1,9 @@
 """Mixture-of-experts experts kept in FP8 (engine/layers/fp8_moe.py, installed by
 engine/loader/fp8_expert_weights.py): a Qwen3-MoE-shaped layer (and Mixtral's checkpoint
-spelling) filled expert by expert from an FP8 checkpoint stream, block-scaled and per
-channel, against the float64 experts of the dequantized weights; the layers that cannot
-keep FP8 left dequantized with the reason; a weight swapped under the layer (sleep/wake)
-seen at the next call. The grouped GEMM runs in Triton's interpreter."""
+spelling) filled expert by expert from an FP8 checkpoint stream, block-scaled, per channel
+and per tensor, against the float64 experts of the dequantized weights; the layers that
+cannot keep FP8 left dequantized with the reason; which devices keep them; a weight swapped
+under the layer (sleep/wake) seen at the next call. The grouped GEMM runs in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ class TinyModel(nn.Module):
 
 
 def _quantize(weight, block):
-    if block is None:  # per channel: amax / 448 per row
-        scale = weight.abs().amax(dim=1, keepdim=True) / 448  # [N, 1]
+    if block in ("channel", "tensor"):  # amax / 448 per row ([N, 1]) or of the whole ([])
+        amax = weight.abs().amax(dim=1, keepdim=True) if block == "channel" else weight.abs().max()
+        scale = amax / 448
         q = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         return q, scale, q.double() * scale.double()
     q, scale = quantize_blocks(weight, block)
@@ -84,8 +85,8 @@ def _checkpoint(inter, block, mapping=QWEN3, prefix="model.mlp", seed=0):
 
 
 def _load(inter, block, mapping=QWEN3, substitutions=(), prefix="model.mlp", ignore=()):
-    strategy = "channel" if block is None else "block"
-    scheme = Fp8Scheme(strategy, "dynamic", ignore, False, block)
+    strategy = block if isinstance(block, str) else "block"
+    scheme = Fp8Scheme(strategy, "dynamic", ignore, False, None if strategy != "block" else block)
     with torch.device("meta"):
         model = TinyModel(inter)
     kept, num_layers, dequantized = install_fp8_experts(
@@ -106,18 +107,22 @@ def _expected(model, x, w13, w2):
 
 
 @pytest.mark.parametrize(
-    "inter, block", [(64, (32, 32)), (48, (16, 32)), (40, None)], ids=["32x32", "16x32", "channel"]
+    "inter, block",
+    [(64, (32, 32)), (48, (16, 32)), (40, "channel"), (24, "tensor")],
+    ids=["32x32", "16x32", "channel", "tensor"],
 )
 def test_kept_experts_match_the_float64_experts(inter, block) -> None:
-    """Blocks of 32 x 32 (hidden 80: ragged columns of w13 and rows of w2), 16 x 32, and
-    per-channel scales; 7 tokens over 4 experts, top-2."""
+    """Blocks of 32 x 32 (hidden 80: ragged columns of w13 and rows of w2), 16 x 32,
+    per-channel scales and per-tensor ones (spread over their rows: gate and up each keep
+    their own); 7 tokens over 4 experts, top-2."""
     model, (kept, num_layers, dequantized), w13, w2 = _load(inter, block)
     assert num_layers == 1 and dequantized == []
     assert "model.mlp.experts.3.down_proj" in kept and len(kept) == 3 * EXPERTS
     moe = model.model.mlp
     assert moe.w13_weight.dtype == moe.w2_weight.dtype == torch.float8_e4m3fn
-    if block is None:
+    if isinstance(block, str):
         assert moe.w13_weight_scale.shape == (EXPERTS, 2 * inter)
+        assert moe._gemm.block is None
     else:
         grid = (EXPERTS, 2 * inter // block[0], -(-HIDDEN // block[1]))
         assert moe.w13_weight_scale.shape == grid
