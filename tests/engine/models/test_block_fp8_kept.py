@@ -104,7 +104,7 @@ def test_deepseek_v3_keeps_its_projections_and_experts(tmp_path, monkeypatch, ca
     from tests.engine.models.test_block_fp8_checkpoints import _deepseek_block_fp8
 
     path, reference_dir = _deepseek_block_fp8(tmp_path)
-    prompts = make_prompts(128)[3:5]
+    prompts = make_prompts(128)[4:5]  # one prompt: the routed experts run in the interpreter
     monkeypatch.setenv(FP8_COMPUTE_ENV, "dequantize")
     _, dequantized = run(path, prompts)
     monkeypatch.setenv(FP8_COMPUTE_ENV, "fp8")
