@@ -8,8 +8,10 @@ new one may reach the engine service before the cancellation of the old one, whi
 still held there (replicas/cancelled_ids.py). On loopback the cancellation nearly always
 wins, so `SlowToFreeServicer` makes the other order happen every time: it keeps a cancelled
 call's id until a later call of the same id has been refused once, as an engine service to
-which the cancellation arrives late. Real servers, the public API; the engine is the
-session's.
+which the cancellation arrives late. Real servers, the public API; every engine service
+here (the session's ordinary one, two slow ones) serves the session's engine. Also: the
+replica pool (affinity sends the id back to the replica holding it; another replica never
+waits), and an id in use by a running request is still refused at once.
 """
 
 from __future__ import annotations
@@ -71,11 +73,10 @@ class SlowToFreeServicer(EngineServicer):
         self._refused.clear()
 
 
-def start_engine_server(stack, slow: bool) -> EngineServer:
+def start_slow_engine_server(stack) -> EngineServer:
     async def start() -> EngineServer:
         with pytest.MonkeyPatch.context() as patch:
-            if slow:
-                patch.setattr(engine_server_module, "EngineServicer", SlowToFreeServicer)
+            patch.setattr(engine_server_module, "EngineServicer", SlowToFreeServicer)
             server = EngineServer(EngineServerConfig(address="127.0.0.1:0", shutdown_grace_s=0))
         await server.start()
         await server.attach_engine(stack.engine)  # the session's engine, shared
@@ -85,9 +86,10 @@ def start_engine_server(stack, slow: bool) -> EngineServer:
 
 
 @pytest.fixture(scope="module")
-def engines(stack):
-    """A slow-to-free engine service and an ordinary one, on the session's engine."""
-    servers = start_engine_server(stack, slow=True), start_engine_server(stack, slow=False)
+def slow_engines(stack):
+    """Two slow-to-free engine services on the session's engine (whose own engine service
+    is an ordinary one)."""
+    servers = start_slow_engine_server(stack), start_slow_engine_server(stack)
     yield servers
     for server in servers:
         stack.loop.run(server.stop(0))
@@ -151,8 +153,10 @@ def test_same_id_after_a_stop_string_over_per_request_calls(stack, tokenizer) ->
     wait_until_idle(stack, stack.engine_server)
 
 
-def test_same_id_waits_for_a_cancelled_call_still_holding_it(stack, engines, tokenizer) -> None:
-    slow, _ = engines
+def test_same_id_waits_for_a_cancelled_call_still_holding_it(
+    stack, slow_engines, tokenizer
+) -> None:
+    slow, _ = slow_engines
     server, public = tokenizer([slow])
     held, refused = slow.servicer.num_held, num_refused(slow)
     stop_then_again(public, "held-again")
@@ -160,15 +164,29 @@ def test_same_id_waits_for_a_cancelled_call_still_holding_it(stack, engines, tok
     # refused, and was made again once the engine let go of the id.
     assert slow.servicer.num_held - held == ROUNDS
     assert num_refused(slow) - refused == num_retries(server) >= ROUNDS - 1
-    assert len(server.backend.replicas[f"127.0.0.1:{slow.port}"].cancelled_ids) == 1
+    assert "held-again" in server.backend.replicas[f"127.0.0.1:{slow.port}"].cancelled_ids
     wait_until_idle(stack, slow)
 
 
-def test_the_same_id_on_another_replica_meets_no_conflict(stack, engines, tokenizer) -> None:
-    """Round robin: the id goes to the other engine service each time. The ordinary one
+def test_affinity_sends_the_same_id_back_to_the_replica_holding_it(
+    stack, slow_engines, tokenizer
+) -> None:
+    """Two replicas, routing by prefix affinity: the same prompt goes to the same replica
+    each round, and waits there for the id its last call still holds."""
+    server, public = tokenizer(list(slow_engines))
+    refused = [num_refused(s) for s in slow_engines]
+    stop_then_again(public, "affinity-again")
+    new_refusals = [num_refused(s) - r for s, r in zip(slow_engines, refused, strict=True)]
+    assert sorted(new_refusals)[0] == 0  # the other replica never saw the id
+    assert sum(new_refusals) == num_retries(server) >= ROUNDS - 1
+    wait_until_idle(stack, *slow_engines)
+
+
+def test_the_same_id_on_another_replica_meets_no_conflict(stack, slow_engines, tokenizer) -> None:
+    """Round robin: the id goes to the other replica each time. The ordinary engine service
     never refuses it; the slow one still holds it from two rounds before (its own last
     call), and the new call waits for it there only."""
-    slow, ordinary = engines
+    slow, ordinary = slow_engines[0], stack.engine_server
     server, public = tokenizer([slow, ordinary], route_policy="round_robin")
     refused_slow, refused_ordinary = num_refused(slow), num_refused(ordinary)
     stop_then_again(public, "round-robin-again")
