@@ -137,12 +137,17 @@ def stop_then_again(public, request_id: str, rounds: int = ROUNDS) -> None:
 
 
 def wait_until_idle(stack, *engine_servers: EngineServer) -> None:
-    """No request left in the engine or any engine service's registry, every block free
-    (a slow engine service first lets go of the ids its last cancelled calls still hold)."""
-    for server in engine_servers:
-        if isinstance(server.servicer, SlowToFreeServicer):
-            stack.loop.run(server.servicer.release_all())
-    wait_for(lambda: all(len(s.servicer.requests) == 0 for s in engine_servers))
+    """No request left in the engine or any engine service's registry, every block free.
+    A slow engine service lets go of the ids its cancelled calls still hold (the last
+    cancellation may reach it only after the client's stream has ended)."""
+
+    def released() -> bool:
+        for server in engine_servers:
+            if isinstance(server.servicer, SlowToFreeServicer):
+                stack.loop.run(server.servicer.release_all())
+        return all(len(s.servicer.requests) == 0 for s in engine_servers)
+
+    wait_for(released)
     stack.wait_until_idle()
 
 
@@ -162,8 +167,8 @@ def test_same_id_waits_for_a_cancelled_call_still_holding_it(
     stop_then_again(public, "held-again")
     # Each round after the first found the id held by the last one's cancelled call, was
     # refused, and was made again once the engine let go of the id.
-    assert slow.servicer.num_held - held == ROUNDS
     assert num_refused(slow) - refused == num_retries(server) >= ROUNDS - 1
+    wait_for(lambda: slow.servicer.num_held - held == ROUNDS)  # the last one's: maybe later
     assert "held-again" in server.backend.replicas[f"127.0.0.1:{slow.port}"].cancelled_ids
     wait_until_idle(stack, slow)
 
@@ -211,6 +216,30 @@ def test_an_id_in_use_by_a_running_request_is_refused_at_once(stack, tokenizer) 
         assert "live-id" in info.value.details()
     assert num_refused(stack.engine_server) == refused + 1  # the other's; ours: not sent
     assert num_retries(other_server) == num_retries(first_server) == 0
+    assert next(running).token_ids  # still streaming
+    running.cancel()
+    wait_until_idle(stack, stack.engine_server)
+
+
+def test_a_cancelled_id_taken_by_a_running_request_is_refused_after_the_grace(
+    stack, tokenizer
+) -> None:
+    """The id this tokenizer service cancelled is now in use by a request that really runs
+    (from another tokenizer service): the refusal is tried again only within the grace,
+    then reaches the client as ALREADY_EXISTS."""
+    first_server, first = tokenizer([stack.engine_server])
+    _, other = tokenizer([stack.engine_server])
+    (replica,) = first_server.backend.replicas.values()
+    replica.cancelled_ids.grace_s = 0.5  # short: the test waits it out
+    stop_then_again(first, "taken-id", rounds=1)
+    assert "taken-id" in replica.cancelled_ids
+    stack.wait_until_idle()
+    running = other.Generate(request(token_ids=PROMPT, request_id="taken-id", **LONG), timeout=120)
+    next(running)
+    with pytest.raises(grpc.RpcError) as info:
+        gather(first.Generate(request(token_ids=PROMPT, request_id="taken-id", **STOP)))
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert num_retries(first_server) >= 1
     assert next(running).token_ids  # still streaming
     running.cancel()
     wait_until_idle(stack, stack.engine_server)
