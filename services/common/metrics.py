@@ -5,6 +5,7 @@
                        pagedserve:engine_replica_{up,num_requests_waiting,
                        num_requests_running,kv_cache_usage_perc,num_inflight_requests}
                        {engine_address}, pagedserve:engine_failovers_total,
+                       pagedserve:engine_id_retries_total,
                        pagedserve:request_migrations_total{reason},
                        pagedserve:num_inflight_requests, pagedserve:streamed_tokens_total,
                        pagedserve:streamed_text_chars_total
@@ -91,6 +92,12 @@ class TokenizerMetrics(RpcMetrics):
         self.engine_failovers = Counter(
             "pagedserve:engine_failovers",
             "Generate calls retried on another replica after failing before the first token.",
+            registry=r,
+        )
+        self.engine_id_retries = Counter(
+            "pagedserve:engine_id_retries",
+            "Generate calls made again after the replica refused their request id while a "
+            "call of it cancelled here was still letting go of it.",
             registry=r,
         )
         # reason: killed (the call broke), stalled (silence or a stalled step), drained

@@ -100,14 +100,13 @@ class ServiceStack:
         self.engine_server = None
 
     def start_tokenizer_server(self, **config: Any) -> TokenizerServer:
+        """A tokenizer service in front of the stack's engine service (unless `config`
+        names other `engine_address`es)."""
+        defaults = dict(engine_address=f"127.0.0.1:{self.engine_port}", engine_poll_interval_s=0.2)
+
         async def start() -> TokenizerServer:
             server = TokenizerServer(
-                TokenizerServerConfig(
-                    address="127.0.0.1:0",
-                    engine_address=f"127.0.0.1:{self.engine_port}",
-                    engine_poll_interval_s=0.2,
-                    **config,
-                ),
+                TokenizerServerConfig(address="127.0.0.1:0", **{**defaults, **config}),
                 self.files,
             )
             await server.start()

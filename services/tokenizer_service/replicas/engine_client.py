@@ -43,6 +43,7 @@ from services.common.migration import (
     REASON_STALLED,
     migrate_reason,
 )
+from services.tokenizer_service.replicas.cancelled_ids import CancelledIds
 from services.tokenizer_service.replicas.migration import DEFAULT_STALL_TIMEOUT_S, StreamWatch
 from services.tokenizer_service.replicas.stream_mux import EngineStreamMux
 
@@ -111,6 +112,7 @@ class EngineBackend:
         self._channel_options = channel_options
         self._max_message_bytes = max_message_bytes
         self.watch = StreamWatch(stall_timeout_s)  # the Generate streams it holds
+        self.cancelled_ids = CancelledIds()  # ids whose calls we cancelled: maybe still held
         self._open(credentials)
         self.model_info: common_pb2.ModelInfo | None = None
         self.available = False
@@ -182,6 +184,14 @@ class EngineBackend:
         if mux is not None and await mux.available() and mux.accepting:
             return mux.generate(request, timeout)
         return self.stub.Generate(request, timeout=timeout, metadata=metadata)
+
+    def end_generate(self, request_id: str, call: Any) -> None:
+        """Cancels the Generate `call` if it is still open (the engine aborts the request
+        and frees its blocks). A call cancelled, now or before (an abort, a migration),
+        leaves its id in `cancelled_ids`: the engine may hold it a little longer
+        (replicas/cancelled_ids.py)."""
+        if call.cancel() or call.cancelled():
+            self.cancelled_ids.add(request_id)
 
     @property
     def num_waiting(self) -> int:

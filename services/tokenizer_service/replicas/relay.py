@@ -10,7 +10,9 @@ relay of engine messages to the client through the request's `TextStream`.
                          ├─▶ Generate: one stream per replica (on the replica's multiplexed
                          │   call, replicas/stream_mux.py, or a call of its own), read ahead
                          │   and relayed into the request's one TextStream (what waited while
-                         │   the client was behind goes as one message: merging_reader.py)
+                         │   the client was behind goes as one message: merging_reader.py);
+                         │   an id refused as in use while a call of it that we cancelled may
+                         │   still hold it there: tried again (replicas/cancelled_ids.py)
                          └─▶ Encode: one call per input, all on the same replica
 """
 
@@ -229,6 +231,31 @@ class EngineRelay:
         stream: TextStream,
         context: grpc.aio.ServicerContext,
     ) -> None:
+        """The request's stream on `replica`. A call of its id that we cancelled there
+        lately may still hold the id on the engine: a refusal of it is then tried again,
+        within a grace (replicas/cancelled_ids.py)."""
+        request_id = engine_request.request_id
+        release = replica.cancelled_ids.take(request_id)
+        while True:
+            try:
+                await self._call_replica_once(
+                    replica, engine_request, headers, live, stream, context
+                )
+                return
+            except IdStillHeld as refused:
+                if release is None or not await release.before_retry():
+                    raise await replica.translate(refused.error) from None
+                self.metrics.engine_id_retries.inc()
+
+    async def _call_replica_once(
+        self,
+        replica: EngineBackend,
+        engine_request: engine_pb2.EngineGenerateRequest,
+        headers: dict[str, str],
+        live: LiveRequest,
+        stream: TextStream,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         with tracked(replica) as tracking, replica.watch.hold() as held:
             call = held.call = await replica.open_generate(
                 engine_request, context.time_remaining(), trace_metadata(headers)
@@ -241,7 +268,7 @@ class EngineRelay:
             finally:
                 # A no-op once the call is done; else the engine aborts the request and
                 # frees its blocks (a stalled replica: once it runs again).
-                call.cancel()
+                replica.end_generate(engine_request.request_id, call)
 
     async def _relay(
         self,
@@ -287,6 +314,8 @@ class EngineRelay:
             if held.lost is not None and not live.aborted:
                 raise Moved(held.lost, exc) from None
             if not live.aborted:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS and tracking.pending:
+                    raise IdStillHeld(exc) from None  # refused before anything came back
                 reason = migration.reason_for_error(exc)
                 if reason is not None and tracking.pending and not stream.started:
                     raise FailedBeforeFirstToken(exc) from None  # nothing to resume yet
@@ -302,6 +331,14 @@ class EngineRelay:
 
 class FailedBeforeFirstToken(Exception):
     """The replica became unreachable before it sent anything back: safe to retry."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class IdStillHeld(Exception):
+    """The replica refused the request's id as in use, before it sent anything back."""
 
     def __init__(self, error: grpc.aio.AioRpcError) -> None:
         super().__init__(str(error))

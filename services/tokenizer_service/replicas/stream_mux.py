@@ -150,6 +150,9 @@ class MuxedGenerateCall:
     def done(self) -> bool:
         return self._done
 
+    def cancelled(self) -> bool:
+        return isinstance(self._error, asyncio.CancelledError)
+
     def __aiter__(self) -> MuxedGenerateCall:
         return self
 
