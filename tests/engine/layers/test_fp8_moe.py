@@ -3,7 +3,8 @@ engine/loader/fp8_expert_weights.py): a Qwen3-MoE-shaped layer (and Mixtral's ch
 spelling) filled expert by expert from an FP8 checkpoint stream, block-scaled, per channel
 and per tensor, against the float64 experts of the dequantized weights; the layers that
 cannot keep FP8 left dequantized with the reason; which devices keep them; a weight swapped
-under the layer (sleep/wake) seen at the next call. The grouped GEMM runs in Triton's interpreter."""
+under the layer (sleep/wake) seen at the next call. The grouped GEMM runs in Triton's
+interpreter."""
 
 from __future__ import annotations
 
