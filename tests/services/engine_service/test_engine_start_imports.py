@@ -1,8 +1,9 @@
-"""An engine service starts without importing transformers: its modules, and the engine it
-loads for a Llama model saved by transformers 5 (the default model's conversion, the tests'
-models), read the config from config.json (engine/config/hf_config.py). Importing
-transformers' config machinery cost 2-3 s of each start on a 2-core machine
-(docs/benchmarks.md, "Engine start-up"); this guards the gain without timing it."""
+"""An engine service starts without importing transformers or sympy: its modules, and the
+engine it loads for a Llama model saved by transformers 5 (the default model's conversion,
+the tests' models), read the config from config.json (engine/config/hf_config.py) and give
+the meta-built model its storage without `nn.Module.to_empty` (engine/loader/materialize.py).
+The two imports cost 2-4 s of each start on a 2-core machine (docs/benchmarks.md, "Engine
+start-up"); this guards the gain without timing it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ argv = ["engine", "--model", sys.argv[1], "--kv-cache-memory-bytes", sys.argv[2]
 engine = AsyncLLMEngine.from_engine_args(engine_args_from(build_parser("engine").parse_args(argv)))
 try:
     config = engine.engine.get_model_config()
-    loaded = sorted(m for m in sys.modules if m.split(".")[0] == "transformers")
+    # sympy: torch imports it for nn.Module.to_empty on meta tensors (engine/loader/materialize.py)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "sympy"))
     assert not loaded, loaded[:5]
     print(type(config.hf_config).__name__, config.hf_config.vocab_size)
 finally:
