@@ -5,8 +5,8 @@ Why: `AutoConfig.from_pretrained` imports transformers' lazy import structure an
 every config class's module, `transformers.activations` -> `integrations.hub_kernels` ->
 `core_model_loading` -> `torch.distributed.tensor` and sympy: 2-3 s of an engine's start on a
 2-core machine, longer than torch itself, for a few dozen numbers (docs/benchmarks.md,
-"Engine start-up"). The engine never uses transformers' modelling code, so nothing else on
-its start path imports the package.
+"Engine start-up"). The engine's modelling code is its own and the engine service loads no
+tokenizer, so nothing else on that service's start path imports the package.
 
 What is read here, and what is handed to transformers as before:
 

@@ -64,11 +64,11 @@ def _load_in_daemon_thread(load: Callable[[], Any]) -> asyncio.Future[Any]:
 async def run_engine(ns: argparse.Namespace) -> int:
     """The engine service until a signal or the engine's death. The collector stays off
     while the service starts: torch's and the engine's imports and the model's load make
-    ~200,000 long-lived objects, and the collections they triggered (four full ones among
-    ~550) took 10-15 % of the start on a 2-core machine while freeing next to nothing
-    (docs/benchmarks.md, "Engine start-up"). Once the engine serves, what start-up made is
-    frozen out of the collector's reach (a full collection over it paused the event loop and
-    the engine's steps for 0.1-0.3 s; 0.0 ms frozen), and the collector runs again."""
+    ~190,000 long-lived objects, and the collections they set off (3-5 full ones among
+    400-800) took 0.4-1.3 s of a start on a loaded 2-core machine while freeing next to
+    nothing (docs/benchmarks.md, "Engine start-up"). Once the engine serves, what start-up
+    made is frozen out of the collector's reach (a full collection over it paused the event
+    loop and the engine's steps for 0.2 s; 0.0 ms frozen), and the collector runs again."""
     gc.disable()
     try:
         return await _serve_engine(ns)
