@@ -30,6 +30,7 @@ field, on the configs the fast paths take, and checks that the others fall back.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 from pathlib import Path
@@ -85,6 +86,24 @@ _DTYPES = ("float32", "float16", "bfloat16")
 _GENERATION_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _GENERATION_FLAGS = ("_from_model_config", "use_cache", "output_attentions", "output_hidden_states")
 _GENERATION_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The order `to_diff_dict()` gives them in (the vLLM protocol's GetModelInfo sends the dict
+# as JSON, so the order shows), ending with the installed transformers' version.
+_GENERATION_ORDER = (
+    "max_new_tokens",
+    "do_sample",
+    "use_cache",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "output_attentions",
+    "output_hidden_states",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "_from_model_config",
+)
 
 
 class LightHFConfig:
@@ -252,7 +271,10 @@ def load_generation_dict(model_dir: Path) -> dict[str, Any]:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     if isinstance(data, dict) and _plain_generation_config(data):
-        return {key: value for key, value in data.items() if value is not None}
+        values = {key: data[key] for key in _GENERATION_ORDER if data.get(key) is not None}
+        # to_diff_dict() writes the version of the transformers that reads the file
+        values["transformers_version"] = importlib.metadata.version("transformers")
+        return values
     generation = load_generation_config(model_dir)
     return generation.to_diff_dict() if generation is not None else {}
 
