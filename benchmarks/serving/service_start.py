@@ -1,18 +1,25 @@
 """How long an engine service process takes to start, from the spawn of `pagedserve engine`
-until standard health says SERVING (wall and the process's CPU seconds), and to stop.
+until standard health says SERVING (wall and the process's CPU seconds) and until its first
+Generate has answered, its peak memory, and how long it takes to stop.
 
-    python benchmarks/serving/service_start.py [--model DIR_OR_GGUF] [--repeats 3]
-                                               [--compare OTHER_CHECKOUT]
+    python benchmarks/serving/service_start.py [--model DIR_OR_GGUF | --model default]
+                                               [--repeats 3] [--compare OTHER_CHECKOUT]
 
 Without --model, the model is the shape the service tests start (a random Llama: hidden 64,
-2 layers, the default model's vocabulary of 49,152 tokens), written to a temporary folder.
-Each run is a fresh process (`--log-level WARNING`, a 16 MiB KV cache as the tests give
-it); the script prints per run `listening_s` (the port accepts connections), `serving_s`,
-`cpu_s` (user + system CPU of the process when SERVING is seen) and `stop_s` (from SIGTERM,
-sent at once, until the idle process has exited with status 0), then the median and spread
-of each. With --compare, the same runs start the engine of another checkout too (its
-root on PYTHONPATH and as the working directory), the two alternating, and the script prints
-this checkout / the other for each median.
+2 layers, the default model's vocabulary of 49,152 tokens), written to a temporary folder;
+`--model default` starts the default model (SmolLM2-135M, its converted cache entry made
+once before the runs). Each run is a fresh process (`--log-level WARNING`, a 16 MiB KV cache
+as the tests give it); the script prints per run `listening_s` (the port accepts
+connections), `serving_s`, `cpu_s` (user + system CPU of the process when SERVING is seen),
+`generate_s` (spawn until a first Generate of 8 prompt tokens and 4 greedy output tokens,
+sent once SERVING is seen, has finished), `peak_rss_mib` (VmHWM after it) and `stop_s`
+(from SIGTERM, sent at once, until the idle process has exited with status 0), then the
+median and spread of each. With --compare, the same runs start the engine of another
+checkout too (its root on PYTHONPATH and as the working directory), the two alternating, and
+the script prints this checkout / the other for each median.
+
+Where one start's time goes: `python -X importtime -m services engine ...` (the imports) and
+cProfile of `AsyncLLMEngine.from_engine_args` (docs/benchmarks.md, "Engine start-up").
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ if __name__ == "__main__":
 from benchmarks.serving.proc_cpu import free_port, process_cpu_s
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = ("listening_s", "serving_s", "cpu_s", "stop_s")
+KEYS = ("listening_s", "serving_s", "cpu_s", "generate_s", "peak_rss_mib", "stop_s")
 
 
 def _listening(port: int) -> bool:
@@ -49,6 +56,37 @@ def write_test_model(path: Path) -> Path:
     from tests.model_utils import TOKENIZER_VOCAB_SIZE, make_tiny_llama
 
     return make_tiny_llama(path, vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=4096)
+
+
+def first_generate(address: str) -> None:
+    """One greedy Generate on the engine API, read to its end."""
+    import grpc
+
+    from pagedserve.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    request = engine_pb2.EngineGenerateRequest(
+        request_id="first",
+        prompt_token_ids=list(range(1, 9)),
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    )
+    with grpc.insecure_channel(address) as channel:
+        responses = list(engine_pb2_grpc.EngineServiceStub(channel).Generate(request, timeout=600))
+    if not responses:
+        raise RuntimeError("the first Generate answered nothing")
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError("no VmHWM in /proc status")
+
+
+def default_model_dir() -> str:
+    """The default model's converted directory (converted once, here, if it is not yet)."""
+    from engine.loader.model_dir import resolve_model
+
+    return str(resolve_model(None))
 
 
 def one_start(root: Path, model: str) -> dict[str, float]:
@@ -76,6 +114,9 @@ def one_start(root: Path, model: str) -> dict[str, float]:
             raise RuntimeError("the engine service did not reach SERVING")
         serving = time.perf_counter() - start
         cpu = process_cpu_s(proc.pid)
+        first_generate(address)
+        generate = time.perf_counter() - start
+        peak_rss = _peak_rss_mib(proc.pid)
         stopping = time.perf_counter()
         proc.terminate()
         if proc.wait(120) != 0:
@@ -89,6 +130,8 @@ def one_start(root: Path, model: str) -> dict[str, float]:
         "listening_s": round(listening, 3),
         "serving_s": round(serving, 3),
         "cpu_s": cpu,
+        "generate_s": round(generate, 3),
+        "peak_rss_mib": peak_rss,
         "stop_s": round(stop, 3),
     }
 
@@ -107,7 +150,9 @@ def _summary(name: str, runs: list[dict[str, float]]) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a model directory or .gguf file")
+    parser.add_argument(
+        "--model", default=None, help="a model directory or .gguf file, or 'default'"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--compare", default=None, help="another checkout whose engine to start too"
@@ -122,7 +167,10 @@ def main() -> int:
             parser.error(f"--compare: {other} is not a pagedserve checkout")
         checkouts["other"] = other
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(write_test_model(Path(tmp) / "tiny"))
+        if args.model == "default":
+            model = default_model_dir()
+        else:
+            model = args.model or str(write_test_model(Path(tmp) / "tiny"))
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
         for _ in range(args.repeats):
             for name, root in checkouts.items():

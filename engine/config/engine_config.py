@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.api.model_files import load_generation_config, load_hf_config
 from engine.config.batch_invariant import check_batch_invariant
 from engine.config.cuda_graph import resolve_cuda_graph_config
 from engine.config.device_dtype import resolve_device
+from engine.config.hf_config import load_generation_dict, load_model_hf_config
 from engine.config.kv_cache_dtype import check_fp8_kv_cache, resolve_kv_cache_dtype
 from engine.config.lora import LoRAConfig
 from engine.config.parallel import ExecutorBackend, ParallelConfig
@@ -153,7 +153,7 @@ class EngineArgs:
         pooler_config = PoolerConfig.from_value(self.pooler_config)
         device = resolve_device(self.device)
         model_dir = resolve_model(self.model)
-        hf_config = load_hf_config(model_dir)
+        hf_config = load_model_hf_config(model_dir)
         if parallel_config.world_size > 1:
             # below config: a check made here only (.importlinter, contract `config`)
             from engine.distributed.sharding import verify_parallel_config
@@ -179,8 +179,7 @@ class EngineArgs:
             )
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
-        generation = load_generation_config(model_dir)
-        gen_config = generation.to_diff_dict() if generation is not None else {}
+        gen_config = load_generation_dict(model_dir)
         model_config = ModelConfig(
             model=self.model,
             model_dir=model_dir,

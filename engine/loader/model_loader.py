@@ -43,6 +43,7 @@ from engine.loader.fp8_expert_weights import keep_fp8_experts
 from engine.loader.fp8_weights import Fp8Checkpoint, install_fp8_layers
 from engine.loader.gguf_weights import check_gguf_blocks, install_gguf_blocks
 from engine.loader.int4_weights import Int4Loading
+from engine.loader.materialize import to_empty
 from engine.loader.safetensors_reader import read_safetensors
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.registry import get_model_class
@@ -115,7 +116,7 @@ def load_model(
     fp8 = None
     if quantization == "fp8":
         fp8 = _fp8_checkpoint(model, model_dir, hf_config, dtype, device, keep_fp8)
-    model = model.to_empty(device=device)
+    model = to_empty(model, device)  # as model.to_empty, without importing sympy
     if load_format == "dummy":  # EngineArgs allows it only without quantization
         fill_dummy_weights(model, seed)
         post_load(model)
