@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -37,7 +38,7 @@ def _health(channel: grpc.Channel) -> int:
 
 
 def test_sigterm_drains_and_hands_streams_back_for_migration(tiny_model_dir) -> None:
-    engine = EngineProcess(tiny_model_dir, None, "--shutdown-grace", "3").start()
+    engine = EngineProcess(tiny_model_dir, None, "--shutdown-grace", "3", forked=True).start()
     try:
         engine.wait_serving()
         with grpc.insecure_channel(engine.address) as channel:
@@ -78,38 +79,47 @@ def test_sigterm_drains_and_hands_streams_back_for_migration(tiny_model_dir) -> 
         engine.kill()
 
 
-def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
-    argv = [sys.executable, "-m", "services", "engine", "--log-level", "WARNING"]
-    bad_model = subprocess.run(
-        [
-            *argv,
-            "--model",
-            str(tmp_path / "no-such-model"),
-            "--engine-addr",
-            f"127.0.0.1:{free_port()}",
-        ],
+def _start_forked(commands: list[list[str]]) -> list[tuple[int, str]]:
+    """`python -m services ARGS...` for each ARGS, side by side, each in a child forked from
+    one interpreter that has imported torch (tests/forked_starts.py): the start-up paths
+    below run as the command runs them, without one torch import each. (returncode,
+    stdout and stderr) each."""
+    run_main = "import runpy; runpy.run_module('services', run_name='__main__', alter_sys=True)"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "forked_starts.py")],
+        input=json.dumps([["-c", run_main, *args] for args in commands]),
         env=child_env(),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert bad_model.returncode != 0
-    assert "no-such-model" in bad_model.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(rc, output) for rc, output in json.loads(done.stdout)]
+
+
+def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
+    args = ["engine", "--log-level", "WARNING"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        in_use = subprocess.run(
-            [*argv, "--engine-addr", f"127.0.0.1:{port}"],
-            env=child_env(),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        bad_model, in_use = _start_forked(
+            [
+                [
+                    *args,
+                    "--model",
+                    str(tmp_path / "no-such-model"),
+                    "--engine-addr",
+                    f"127.0.0.1:{free_port()}",
+                ],
+                [*args, "--engine-addr", f"127.0.0.1:{port}"],
+            ]
         )
-    assert in_use.returncode != 0
-    assert f"cannot listen on 127.0.0.1:{port}" in in_use.stderr
+    assert bad_model[0] != 0
+    assert "no-such-model" in bad_model[1]
+    assert in_use[0] != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in in_use[1]
 
 
 @contextlib.contextmanager
