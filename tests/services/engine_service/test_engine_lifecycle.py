@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -122,15 +123,26 @@ def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in in_use[1]
 
 
-@contextlib.contextmanager
-def _watched_engine(tiny_model_dir, processor, max_tokens: int):
-    """An in-process engine service with a 0.5 s stall timeout, and a request whose steps
-    run `processor` (a logits processor): yields (server, channel, the request's future,
-    resolving to its number of tokens)."""
+@pytest.fixture(scope="module")
+def in_process(tiny_model_dir) -> Iterator[tuple[LoopThread, AsyncLLMEngine]]:
+    """One in-process engine and its event loop for the watchdog tests: each test serves it
+    from its own engine service (a fresh watchdog), and each test's request has ended
+    before the next begins."""
     loop = LoopThread()
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(model=str(tiny_model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
     )
+    yield loop, engine
+    engine.shutdown()
+    loop.close()
+
+
+@contextlib.contextmanager
+def _watched_engine(in_process, processor, max_tokens: int):
+    """An in-process engine service with a 0.5 s stall timeout, and a request whose steps
+    run `processor` (a logits processor): yields (server, channel, the request's future,
+    resolving to its number of tokens)."""
+    loop, engine = in_process
 
     async def start() -> EngineServer:
         server = EngineServer(EngineServerConfig(address="127.0.0.1:0", engine_stall_timeout_s=0.5))
@@ -150,11 +162,9 @@ def _watched_engine(tiny_model_dir, processor, max_tokens: int):
             yield server, channel, asyncio.run_coroutine_threadsafe(generate(), loop.loop)
     finally:
         loop.run(server.stop(0))
-        engine.shutdown()
-        loop.close()
 
 
-def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) -> None:
+def test_a_stuck_step_turns_health_not_serving_until_it_returns(in_process) -> None:
     """A logits processor that blocks holds one step without using the CPU; the watchdog
     thread (0.5 s without progress) reports it while the event loop still answers, and
     SERVING comes back once the step returns."""
@@ -166,7 +176,7 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
 
     serving = health_pb2.HealthCheckResponse.SERVING
     try:
-        with _watched_engine(tiny_model_dir, block, max_tokens=2) as (_, channel, done):
+        with _watched_engine(in_process, block, max_tokens=2) as (_, channel, done):
             assert wait_for(lambda: _health(channel) != serving, timeout=60)
             details = engine_pb2_grpc.EngineServiceStub(channel).Health(
                 common_pb2.HealthRequest(), timeout=10
@@ -179,7 +189,7 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
         release.set()
 
 
-def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
+def test_a_slow_busy_step_is_not_a_stall(in_process) -> None:
     """A step that computes for 6 s (a logits processor holding the CPU, as a long prefill
     on a loaded machine does) makes progress: with a 0.5 s stall timeout, health stays
     SERVING throughout and no stall is reported; the request completes."""
@@ -190,7 +200,7 @@ def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
         StepDelay("busy", 6.0).apply()  # the engine's own busy-step hook: 6 s on the CPU
         return logits
 
-    with _watched_engine(tiny_model_dir, busy, max_tokens=1) as (server, channel, done):
+    with _watched_engine(in_process, busy, max_tokens=1) as (server, channel, done):
         assert in_step.wait(120)
         statuses = []
         while not done.done():
