@@ -2,7 +2,9 @@
 side of their streams: what the fleet tests (test_migration.py, test_rolling_restart.py)
 share.
 
-    Fleet ── engines: [EngineProcess] (loopback ports; `--shutdown-grace` short)
+    Fleet ── engines: [EngineProcess] (loopback ports; `--shutdown-grace` short; forked
+      │               from the engine zygote, tests/services/engine_zygote.py, so a
+      │               restart costs seconds, not an interpreter's imports)
       │      server:  TokenizerServer on a LoopThread, routing by prefix affinity
       └───── public:  a TextGenerationService stub, the client's view
 

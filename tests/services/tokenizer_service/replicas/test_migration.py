@@ -30,7 +30,10 @@ from tests.services.tokenizer_service.replicas.fleet import (
     run_undisturbed,
 )
 
-MAX_TOKENS = 600  # long enough to be midway when the fault comes
+# Midway when the fault comes: it comes after 8 tokens, and a drain (`SHORT_GRACE`, 0.2 s)
+# runs the streams on for tens of tokens, not hundreds (test_migration_batch_invariant.py
+# drains 200-token streams). Each stream runs twice, undisturbed and faulted.
+MAX_TOKENS = 300
 STALL_TIMEOUT_S = 2.0  # the test's --engine-stall-timeout: a SIGSTOP is noticed quickly
 # Greedy, seeded sampling, and two seeded samples (seed + i each). The seeded ones sample
 # among the top 5: this random model's distribution over its whole vocabulary is nearly
