@@ -12,6 +12,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.supervisor import wait_until_serving
+from tests.services import engine_zygote
+from tests.services.engine_zygote import ForkedProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_BYTES = 16 << 20  # ~2k blocks of the tiny model: plenty, and cheap
@@ -41,14 +43,18 @@ class EngineProcess:
         host: str = "127.0.0.1",
         metrics_port: int | None = None,
         env: dict[str, str] | None = None,
+        forked: bool = False,
     ) -> None:
+        """`forked`: started from the session's engine zygote (tests/services/
+        engine_zygote.py), without the ~7 s of imports a fresh interpreter pays."""
         self.model_dir = model_dir
         self.env = env or {}  # added to the process's environment
         self.host = host
         self.port = port or free_port()
         self.extra_args = extra_args
         self.metrics_port = metrics_port
-        self.proc: subprocess.Popen | None = None
+        self.forked = forked
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     @property
     def address(self) -> str:
@@ -68,12 +74,17 @@ class EngineProcess:
         return samples
 
     def start(self) -> EngineProcess:
-        argv = [sys.executable, "-m", "services", "engine", "--model", str(self.model_dir)]
-        argv += ["--engine-addr", self.address, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
-        argv += ["--log-level", "WARNING", *self.extra_args]
+        args = ["engine", "--model", str(self.model_dir), "--engine-addr", self.address]
+        args += ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+        args += ["--log-level", "WARNING", *self.extra_args]
         if self.metrics_port is not None:
-            argv += ["--metrics-port", str(self.metrics_port)]
-        self.proc = subprocess.Popen(argv, env=child_env(**self.env), cwd=ROOT)
+            args += ["--metrics-port", str(self.metrics_port)]
+        if self.forked:
+            env = child_env(**self.env)
+            self.proc = engine_zygote.start(args, env, str(ROOT), base_env=child_env())
+        else:
+            argv = [sys.executable, "-m", "services", *args]
+            self.proc = subprocess.Popen(argv, env=child_env(**self.env), cwd=ROOT)
         return self
 
     def wait_serving(self, timeout: float = 120.0) -> None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -37,7 +39,7 @@ def _health(channel: grpc.Channel) -> int:
 
 
 def test_sigterm_drains_and_hands_streams_back_for_migration(tiny_model_dir) -> None:
-    engine = EngineProcess(tiny_model_dir, None, "--shutdown-grace", "3").start()
+    engine = EngineProcess(tiny_model_dir, None, "--shutdown-grace", "3", forked=True).start()
     try:
         engine.wait_serving()
         with grpc.insecure_channel(engine.address) as channel:
@@ -78,49 +80,69 @@ def test_sigterm_drains_and_hands_streams_back_for_migration(tiny_model_dir) -> 
         engine.kill()
 
 
-def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
-    argv = [sys.executable, "-m", "services", "engine", "--log-level", "WARNING"]
-    bad_model = subprocess.run(
-        [
-            *argv,
-            "--model",
-            str(tmp_path / "no-such-model"),
-            "--engine-addr",
-            f"127.0.0.1:{free_port()}",
-        ],
+def _start_forked(commands: list[list[str]]) -> list[tuple[int, str]]:
+    """`python -m services ARGS...` for each ARGS, side by side, each in a child forked from
+    one interpreter that has imported torch (tests/forked_starts.py): the start-up paths
+    below run as the command runs them, without one torch import each. (returncode,
+    stdout and stderr) each."""
+    run_main = "import runpy; runpy.run_module('services', run_name='__main__', alter_sys=True)"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "forked_starts.py")],
+        input=json.dumps([["-c", run_main, *args] for args in commands]),
         env=child_env(),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert bad_model.returncode != 0
-    assert "no-such-model" in bad_model.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(rc, output) for rc, output in json.loads(done.stdout)]
+
+
+def test_an_engine_service_that_cannot_start_exits_non_zero(tmp_path) -> None:
+    args = ["engine", "--log-level", "WARNING"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        in_use = subprocess.run(
-            [*argv, "--engine-addr", f"127.0.0.1:{port}"],
-            env=child_env(),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        bad_model, in_use = _start_forked(
+            [
+                [
+                    *args,
+                    "--model",
+                    str(tmp_path / "no-such-model"),
+                    "--engine-addr",
+                    f"127.0.0.1:{free_port()}",
+                ],
+                [*args, "--engine-addr", f"127.0.0.1:{port}"],
+            ]
         )
-    assert in_use.returncode != 0
-    assert f"cannot listen on 127.0.0.1:{port}" in in_use.stderr
+    assert bad_model[0] != 0
+    assert "no-such-model" in bad_model[1]
+    assert in_use[0] != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in in_use[1]
 
 
-@contextlib.contextmanager
-def _watched_engine(tiny_model_dir, processor, max_tokens: int):
-    """An in-process engine service with a 0.5 s stall timeout, and a request whose steps
-    run `processor` (a logits processor): yields (server, channel, the request's future,
-    resolving to its number of tokens)."""
+@pytest.fixture(scope="module")
+def in_process(tiny_model_dir) -> Iterator[tuple[LoopThread, AsyncLLMEngine]]:
+    """One in-process engine and its event loop for the watchdog tests: each test serves it
+    from its own engine service (a fresh watchdog), and each test's request has ended
+    before the next begins."""
     loop = LoopThread()
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(model=str(tiny_model_dir), skip_tokenizer_init=True, **ENGINE_KWARGS)
     )
+    yield loop, engine
+    engine.shutdown()
+    loop.close()
+
+
+@contextlib.contextmanager
+def _watched_engine(in_process, processor, max_tokens: int):
+    """An in-process engine service with a 0.5 s stall timeout, and a request whose steps
+    run `processor` (a logits processor): yields (server, channel, the request's future,
+    resolving to its number of tokens)."""
+    loop, engine = in_process
 
     async def start() -> EngineServer:
         server = EngineServer(EngineServerConfig(address="127.0.0.1:0", engine_stall_timeout_s=0.5))
@@ -140,11 +162,9 @@ def _watched_engine(tiny_model_dir, processor, max_tokens: int):
             yield server, channel, asyncio.run_coroutine_threadsafe(generate(), loop.loop)
     finally:
         loop.run(server.stop(0))
-        engine.shutdown()
-        loop.close()
 
 
-def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) -> None:
+def test_a_stuck_step_turns_health_not_serving_until_it_returns(in_process) -> None:
     """A logits processor that blocks holds one step without using the CPU; the watchdog
     thread (0.5 s without progress) reports it while the event loop still answers, and
     SERVING comes back once the step returns."""
@@ -156,7 +176,7 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
 
     serving = health_pb2.HealthCheckResponse.SERVING
     try:
-        with _watched_engine(tiny_model_dir, block, max_tokens=2) as (_, channel, done):
+        with _watched_engine(in_process, block, max_tokens=2) as (_, channel, done):
             assert wait_for(lambda: _health(channel) != serving, timeout=60)
             details = engine_pb2_grpc.EngineServiceStub(channel).Health(
                 common_pb2.HealthRequest(), timeout=10
@@ -169,7 +189,7 @@ def test_a_stuck_step_turns_health_not_serving_until_it_returns(tiny_model_dir) 
         release.set()
 
 
-def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
+def test_a_slow_busy_step_is_not_a_stall(in_process) -> None:
     """A step that computes for 6 s (a logits processor holding the CPU, as a long prefill
     on a loaded machine does) makes progress: with a 0.5 s stall timeout, health stays
     SERVING throughout and no stall is reported; the request completes."""
@@ -180,7 +200,7 @@ def test_a_slow_busy_step_is_not_a_stall(tiny_model_dir) -> None:
         StepDelay("busy", 6.0).apply()  # the engine's own busy-step hook: 6 s on the CPU
         return logits
 
-    with _watched_engine(tiny_model_dir, busy, max_tokens=1) as (server, channel, done):
+    with _watched_engine(in_process, busy, max_tokens=1) as (server, channel, done):
         assert in_step.wait(120)
         statuses = []
         while not done.done():

@@ -2,7 +2,9 @@
 side of their streams: what the fleet tests (test_migration.py, test_rolling_restart.py)
 share.
 
-    Fleet ── engines: [EngineProcess] (loopback ports; `--shutdown-grace` short)
+    Fleet ── engines: [EngineProcess] (loopback ports; `--shutdown-grace` short; forked
+      │               from the engine zygote, tests/services/engine_zygote.py, so a
+      │               restart costs seconds, not an interpreter's imports)
       │      server:  TokenizerServer on a LoopThread, routing by prefix affinity
       └───── public:  a TextGenerationService stub, the client's view
 
@@ -46,7 +48,9 @@ class Fleet:
         engine_envs: list[dict[str, str]] | None = None,
     ) -> None:
         envs = engine_envs or [{}] * num_engines
-        self.engines = [EngineProcess(model_dir, None, *engine_args, env=env) for env in envs]
+        self.engines = [
+            EngineProcess(model_dir, None, *engine_args, env=env, forked=True) for env in envs
+        ]
         for engine in self.engines:
             engine.start()
         for engine in self.engines:
@@ -76,6 +80,18 @@ class Fleet:
 
     def wait_all_up(self) -> None:
         wait_for(lambda: all(self.replica(e).available for e in self.engines), timeout=120)
+
+    def revive(self) -> None:
+        """Starts again, side by side, every engine that is not running (killed, or exited
+        after a drain) and waits until all are routed to. A test that needs the whole fleet
+        calls it first, rather than each test restarting its victim last: the last victim of
+        a module is not restarted for nothing, and two victims start together."""
+        down = [e for e in self.engines if e.proc is None or e.proc.poll() is not None]
+        for engine in down:
+            engine.start()
+        for engine in down:
+            engine.wait_serving()
+        self.wait_all_up()
 
     def holder(self, request_id: str) -> EngineProcess | None:
         """The engine holding request `request_id` now (None: not in flight)."""

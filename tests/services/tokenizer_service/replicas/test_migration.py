@@ -30,7 +30,10 @@ from tests.services.tokenizer_service.replicas.fleet import (
     run_undisturbed,
 )
 
-MAX_TOKENS = 600  # long enough to be midway when the fault comes
+# Midway when the fault comes: it comes after 8 tokens, and a drain (`SHORT_GRACE`, 0.2 s)
+# runs the streams on for tens of tokens, not hundreds (test_migration_batch_invariant.py
+# drains 200-token streams). Each stream runs twice, undisturbed and faulted.
+MAX_TOKENS = 300
 STALL_TIMEOUT_S = 2.0  # the test's --engine-stall-timeout: a SIGSTOP is noticed quickly
 # Greedy, seeded sampling, and two seeded samples (seed + i each). The seeded ones sample
 # among the top 5: this random model's distribution over its whole vocabulary is nearly
@@ -41,6 +44,7 @@ STREAMS = (
     {"temperature": 1.0, "seed": 1234, "top_k": 5},
     {"temperature": 0.8, "seed": 99, "n": 2, "top_k": 5},
 )
+FAULT_SEEDS = (1, 2, 3)  # SIGKILL, SIGSTOP, SIGTERM: holders engines[1], [2] and [0]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,13 @@ def fleet(tiny_model_dir) -> Iterator[Fleet]:
     fleet = Fleet(tiny_model_dir, stall_timeout_s=STALL_TIMEOUT_S)
     yield fleet
     fleet.close()
+
+
+@pytest.fixture
+def all_up(fleet: Fleet) -> Fleet:
+    """The three replicas running, an earlier test's victim started again."""
+    fleet.revive()
+    return fleet
 
 
 def _requests(fleet: Fleet, holder: EngineProcess, seed: int):
@@ -58,11 +69,20 @@ def _requests(fleet: Fleet, holder: EngineProcess, seed: int):
     ]
 
 
-def _run_with_fault(fleet: Fleet, fault, seed: int):
-    """The streams undisturbed, then again with `fault(holder)` midway: both results."""
+@pytest.fixture(scope="module")
+def undisturbed(fleet: Fleet) -> dict[int, tuple[list, list]]:
+    """Each fault test's requests (by seed) and their outputs run undisturbed. The three
+    tests' streams have three different holders, so they run in one go, side by side, each
+    batch on its own replica as it would run alone: one stream's time, not three."""
+    reqs = {seed: _requests(fleet, fleet.engines[seed % 3], seed) for seed in FAULT_SEEDS}
+    outputs = iter(run_undisturbed(fleet, [r for seed in FAULT_SEEDS for r in reqs[seed]]))
+    return {seed: (reqs[seed], [next(outputs) for _ in reqs[seed]]) for seed in FAULT_SEEDS}
+
+
+def _run_with_fault(fleet: Fleet, undisturbed, fault, seed: int):
+    """The streams again with `fault(holder)` midway: the undisturbed and faulted results."""
     holder = fleet.engines[seed % 3]
-    reqs = _requests(fleet, holder, seed)
-    expected = run_undisturbed(fleet, reqs)
+    reqs, expected = undisturbed[seed]
     readers = [Reader(fleet.public.Generate(r, timeout=300)) for r in reqs]
     # Midway: every stream has tokens, and the holder is the one producing them.
     wait_for(lambda: all(r.num_tokens() >= 8 for r in readers), timeout=120, interval=0.001)
@@ -88,25 +108,22 @@ def _assert_complete_and_equal(fleet: Fleet, expected, results) -> None:
             assert_text_is_the_tokens(fleet, out)
 
 
-def test_sigkill_moves_the_streams_and_they_complete_unchanged(fleet):
+def test_sigkill_moves_the_streams_and_they_complete_unchanged(all_up, undisturbed):
+    fleet = all_up
     before = fleet.migrations("killed")
-    holder, expected, results = _run_with_fault(fleet, lambda e: e.kill(), seed=1)
-    try:
-        _assert_complete_and_equal(fleet, expected, results)
-        assert fleet.migrations("killed") >= before + len(STREAMS)
-        survivors = [e for e in fleet.engines if e is not holder]
-        for engine in survivors:
-            wait_for(lambda engine=engine: fleet.idle(engine), timeout=60)
-    finally:
-        holder.start()  # back for the next test, whatever this one found
-        holder.wait_serving()
-        fleet.wait_all_up()
+    holder, expected, results = _run_with_fault(fleet, undisturbed, lambda e: e.kill(), seed=1)
+    _assert_complete_and_equal(fleet, expected, results)
+    assert fleet.migrations("killed") >= before + len(STREAMS)
+    survivors = [e for e in fleet.engines if e is not holder]
+    for engine in survivors:
+        wait_for(lambda engine=engine: fleet.idle(engine), timeout=60)
 
 
-def test_sigstop_is_a_stall_and_the_continued_replica_frees_the_moved_requests(fleet):
+def test_sigstop_is_a_stall_and_the_continued_replica_frees_the_moved_requests(all_up, undisturbed):
+    fleet = all_up
     before = fleet.migrations("stalled")
     holder, expected, results = _run_with_fault(
-        fleet, lambda e: os.kill(e.proc.pid, signal.SIGSTOP), seed=2
+        fleet, undisturbed, lambda e: os.kill(e.proc.pid, signal.SIGSTOP), seed=2
     )
     try:
         _assert_complete_and_equal(fleet, expected, results)
@@ -122,9 +139,12 @@ def test_sigstop_is_a_stall_and_the_continued_replica_frees_the_moved_requests(f
     fleet.wait_all_up()
 
 
-def test_sigterm_drains_and_hands_the_streams_back(fleet):
+def test_sigterm_drains_and_hands_the_streams_back(all_up, undisturbed):
+    fleet = all_up
     before = fleet.migrations("drained")
-    holder, expected, results = _run_with_fault(fleet, lambda e: e.proc.terminate(), seed=3)
+    holder, expected, results = _run_with_fault(
+        fleet, undisturbed, lambda e: e.proc.terminate(), seed=3
+    )
     try:
         _assert_complete_and_equal(fleet, expected, results)
         assert fleet.migrations("drained") >= before + len(STREAMS)
@@ -133,10 +153,7 @@ def test_sigterm_drains_and_hands_the_streams_back(fleet):
             if engine is not holder:
                 wait_for(lambda engine=engine: fleet.idle(engine), timeout=60)
     finally:
-        holder.stop()  # (a no-op once it has exited)
-        holder.start()
-        holder.wait_serving()
-        fleet.wait_all_up()
+        holder.stop()  # (a no-op once it has exited; started again by `all_up`)
 
 
 def test_a_replica_restarted_with_a_smaller_cache_is_reread_and_limits_follow_it(fleet):
@@ -145,11 +162,9 @@ def test_a_replica_restarted_with_a_smaller_cache_is_reread_and_limits_follow_it
     old = fleet.engines[1]
     old.kill()
     small = fleet.engines[1] = EngineProcess(
-        old.model_dir, old.port, "--kv-cache-memory-bytes", str(1 << 20)
+        old.model_dir, old.port, "--kv-cache-memory-bytes", str(1 << 20), forked=True
     )
-    small.start()
-    small.wait_serving()
-    fleet.wait_all_up()
+    fleet.revive()  # the small one, beside any replica an earlier test left down
     own = fleet.replica(small).model_info
     assert own.num_kv_blocks < info.num_kv_blocks
 
@@ -162,7 +177,8 @@ def test_a_replica_restarted_with_a_smaller_cache_is_reread_and_limits_follow_it
     assert f"num_kv_blocks={own.num_kv_blocks}" in details[f"replica.{small.address}"]
 
 
-def test_every_replica_killed_ends_the_streams_unavailable(fleet):
+def test_every_replica_killed_ends_the_streams_unavailable(all_up):
+    fleet = all_up
     holder = fleet.engines[0]
     readers = [Reader(fleet.public.Generate(r, timeout=300)) for r in _requests(fleet, holder, 4)]
     wait_for(lambda: all(r.num_tokens() >= 8 for r in readers), timeout=120, interval=0.001)

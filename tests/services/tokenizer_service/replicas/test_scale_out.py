@@ -32,7 +32,7 @@ class Cluster:
     def __init__(self, model_dir) -> None:
         self.port = free_port()  # the same port on both loopback addresses
         self.engines = [
-            EngineProcess(model_dir, self.port, host=host, metrics_port=free_port())
+            EngineProcess(model_dir, self.port, host=host, metrics_port=free_port(), forked=True)
             for host in ("127.0.0.1", "::1")
         ]
         for engine in self.engines:
