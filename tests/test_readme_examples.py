@@ -240,14 +240,15 @@ def test_the_readme_bench_at_concurrency_256_on_a_loaded_machine_loses_nothing(
     with a busy process per core beside it (issue 45: one step of a large batch took ~11 s
     there, the watchdog called it a stall and 187 of 256 requests ended UNAVAILABLE). Short
     prompts and answers: every step is still a full batch of the 256 streams (the CPU step
-    budget is 256 tokens), there are only fewer of them."""
+    budget is 256 tokens: prefill steps of 256 prompt tokens, then decode steps of 256
+    rows, the largest steps there are), there are only fewer of them."""
     burn = "x = 1.0\nwhile True:\n    x = x * 1.0000001 + 1e-9\n"
     cores = os.cpu_count() or 2
     neighbours = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(cores)]
     try:
         command = (
             "pagedserve bench serve --num-prompts 256 --max-concurrency 256 "
-            "--random-input-len 16 --random-output-len 8"
+            "--random-input-len 8 --random-output-len 4"
         )
         done = subprocess.run(
             ["bash", "-c", command],
