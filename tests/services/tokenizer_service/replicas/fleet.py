@@ -46,10 +46,11 @@ class Fleet:
         engine_args: tuple[str, ...] = SHORT_GRACE,
         stall_timeout_s: float = 2.0,
         engine_envs: list[dict[str, str]] | None = None,
+        forked: bool = True,
     ) -> None:
         envs = engine_envs or [{}] * num_engines
         self.engines = [
-            EngineProcess(model_dir, None, *engine_args, env=env, forked=True) for env in envs
+            EngineProcess(model_dir, None, *engine_args, env=env, forked=forked) for env in envs
         ]
         for engine in self.engines:
             engine.start()

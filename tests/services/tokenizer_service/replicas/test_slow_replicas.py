@@ -26,6 +26,10 @@ ENGINE_ARGS = (*SHORT_GRACE, "--engine-stall-timeout", str(STALL_TIMEOUT_S))
 BUSY = {"PAGEDSERVE_TEST_STEP_DELAY": "busy:2.5"}  # every step with work: 2.5 s computing
 WEDGED_ONCE = {"PAGEDSERVE_TEST_STEP_DELAY": "idle:6:1"}  # its first step: 6 s, no progress
 MAX_TOKENS = 3
+# FRESH: these engines start as `pagedserve engine` processes of their own, not forked from
+# the test session's engine zygote (tests/services/engine_zygote.py): the stall rules they
+# test read each process's CPU progress, and the busy test failed once in four runs while
+# forked on a loaded machine, a cause not found; fresh starts cost ~50 s here.
 
 
 def _streams(fleet: Fleet, holder, num: int, seed: int) -> list[Reader]:
@@ -56,6 +60,7 @@ def busy_fleet(tiny_model_dir) -> Iterator[Fleet]:
         engine_args=ENGINE_ARGS,
         stall_timeout_s=STALL_TIMEOUT_S,
         engine_envs=[BUSY, {}],
+        forked=False,  # fresh interpreters, as users start them: see FRESH below
     )
     yield fleet
     fleet.close()
@@ -90,6 +95,7 @@ def test_a_wedged_replica_keeps_its_streams_with_nowhere_to_go_and_moves_them_el
         engine_args=ENGINE_ARGS,
         stall_timeout_s=STALL_TIMEOUT_S,
         engine_envs=[WEDGED_ONCE, {}],
+        forked=False,
     )
     try:
         wedged, other = fleet.engines
