@@ -8,6 +8,8 @@ or stride is a `ValueError` that names the argument.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -114,3 +116,20 @@ def kv_scale_args(
     if k_is_ptr != v_is_ptr:
         raise ValueError("k_scale and v_scale must both be floats or both tensors.")
     return k_arg, v_arg, k_is_ptr
+
+
+def launch_tuned(
+    autotuned: Any, kernel: Any, grid: Callable[[dict], tuple], args: dict, config: Any
+) -> Any:
+    """Runs a GEMM kernel: `autotuned` (the GPU times its candidates and keeps the best per
+    key) when `config` is None, else `kernel` with `config` (a dataclass with `triton()`,
+    `num_warps`, `num_stages`: the tests' and benchmarks' explicit tile). Returns the
+    `triton.Config` that ran."""
+    if config is None:
+        autotuned[grid](**args)
+        return autotuned.best_config
+    tc = config.triton()
+    kernel[grid(tc.kwargs)](
+        **args, **tc.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
+    )
+    return tc

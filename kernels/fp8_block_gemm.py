@@ -49,6 +49,7 @@ from kernels._common import (
     check_same_device,
     dot_precision,
     is_interpreter,
+    launch_tuned,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -256,13 +257,7 @@ def fp8_block_gemm(
     def grid(meta: dict) -> tuple[int, int]:
         return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, bucket)
 
-    if config is None:
-        _fp8_block_gemm_autotuned[grid](**args)
-    else:
-        tc = config.triton()
-        _fp8_block_gemm[grid(tc.kwargs)](
-            **args, **tc.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-        )
+    launch_tuned(_fp8_block_gemm_autotuned, _fp8_block_gemm, grid, args, config)
     return out
 
 

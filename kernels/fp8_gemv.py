@@ -54,6 +54,7 @@ from kernels._common import (
     check_same_device,
     dot_precision,
     is_interpreter,
+    launch_tuned,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -350,15 +351,7 @@ def fp8_gemv(
         "PER_CHANNEL": per_channel,
         "DOT_PRECISION": dot_precision(x.dtype),
     }  # fmt: skip
-    if config is None:
-        _fp8_gemv_autotuned[grid](**args)
-        split = _fp8_gemv_autotuned.best_config.kwargs["SPLIT_K"]
-    else:
-        tc = config.triton()
-        _fp8_gemv[grid(tc.kwargs)](
-            **args, **tc.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-        )
-        split = config.split_k
+    split = launch_tuned(_fp8_gemv_autotuned, _fp8_gemv, grid, args, config).kwargs["SPLIT_K"]
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](

@@ -38,6 +38,24 @@ BLOCK_K = 32
 
 
 @triton.jit
+def tile_rows(tile_expert_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, HAS_ROWS, BLOCK_M):
+    """The program's row tile (grid axis 0) of the sorted rows: its expert, the rows'
+    positions in the sorted order and their mask, and the activation rows they read
+    (`rows` gathers; without it row i reads x[i]). Shared by the FP8 experts' kernel."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    if HAS_ROWS:
+        src = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
+    else:
+        src = offs_m.to(tl.int64)
+    return expert, offs_m, mask_m, src
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     x_ptr,  # [num_x_rows, k]
     rows_ptr,  # [M] int64 (read when HAS_ROWS)
@@ -58,16 +76,9 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # str | None
 ):
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    if HAS_ROWS:
-        src = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
-    else:
-        src = offs_m.to(tl.int64)
+    expert, offs_m, mask_m, src = tile_rows(
+        tile_expert_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, HAS_ROWS, BLOCK_M
+    )
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     offs_k = tl.arange(0, BLOCK_K)

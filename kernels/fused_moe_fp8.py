@@ -45,6 +45,7 @@ from kernels._common import (
     check_ndim,
     check_same_device,
     dot_precision,
+    launch_tuned,
 )
 from kernels.fp8_block_gemm import (
     _CACHE_RESULTS,
@@ -56,7 +57,7 @@ from kernels.fp8_block_gemm import (
     candidate_configs,
     kernel_takes_block,
 )
-from kernels.fused_moe import check_rows, row_tiles
+from kernels.fused_moe import check_rows, row_tiles, tile_rows
 
 MAX_BLOCK_M = 64
 
@@ -103,16 +104,9 @@ def _fp8_moe_gemm_kernel(
     BLOCK_K: tl.constexpr,  # int, divides BLOCK_COLS in block mode
     EVEN_K: tl.constexpr,  # bool: K a multiple of BLOCK_K (no K mask)
 ):
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    if HAS_ROWS:
-        src = tl.load(rows_ptr + offs_m, mask=mask_m, other=0)
-    else:
-        src = offs_m.to(tl.int64)
+    expert, offs_m, mask_m, src = tile_rows(
+        tile_expert_ptr, tile_start_ptr, tile_end_ptr, rows_ptr, HAS_ROWS, BLOCK_M
+    )
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -231,13 +225,7 @@ def fp8_moe_grouped_gemm(
     def grid(meta: dict) -> tuple[int, int]:
         return tile_expert.numel(), triton.cdiv(n, meta["BLOCK_N"])
 
-    if config is None:
-        _fp8_moe_gemm_autotuned[grid](**args)
-    else:
-        tc = config.triton()
-        _fp8_moe_gemm[grid(tc.kwargs)](
-            **args, **tc.kwargs, num_warps=config.num_warps, num_stages=config.num_stages
-        )
+    launch_tuned(_fp8_moe_gemm_autotuned, _fp8_moe_gemm, grid, args, config)
     return out
 
 

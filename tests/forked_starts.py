@@ -22,6 +22,7 @@ import runpy
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from typing import IO
 
 
@@ -36,10 +37,11 @@ def _run(command: list[str]) -> None:
         runpy.run_path(command[0], run_name="__main__")
 
 
-def _child(command: list[str]) -> int:
-    """The exit status `python` would give `command` (the SystemExit rules of Py_Exit)."""
+def exit_status(run: Callable[[], object]) -> int:
+    """The exit status `python` gives a program that is `run()` (the SystemExit rules of
+    Py_Exit; an uncaught exception is 1, with its traceback)."""
     try:
-        _run(command)
+        run()
     except SystemExit as exc:
         if exc.code is None:
             return 0
@@ -51,6 +53,11 @@ def _child(command: list[str]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def _child(command: list[str]) -> int:
+    """The exit status `python` would give `command`."""
+    return exit_status(lambda: _run(command))
 
 
 def start_all(commands: list[list[str]], jobs: int) -> list[tuple[int, str]]:

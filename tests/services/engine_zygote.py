@@ -35,6 +35,8 @@ import sys
 import threading
 from typing import IO
 
+from tests.forked_starts import exit_status
+
 _RUN_SERVICES = "import runpy; runpy.run_module('services', run_name='__main__', alter_sys=True)"
 
 
@@ -51,21 +53,9 @@ def _child(request: dict) -> int:
     os.dup2(2, 1)  # not the zygote's answers: the child's stdout joins its stderr
     sys.argv = ["-m", *request["args"]]
     sys.path.insert(0, os.getcwd())  # where `python -m` looks first
-    try:
-        exec(compile(_RUN_SERVICES, "<zygote>", "exec"), {"__name__": "__main__"})
-    except SystemExit as exc:
-        if exc.code is None:
-            return 0
-        if isinstance(exc.code, int):
-            return exc.code
-        print(exc.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        return 1
-    return 0
+    return exit_status(
+        lambda: exec(compile(_RUN_SERVICES, "<zygote>", "exec"), {"__name__": "__main__"})
+    )
 
 
 def _serve() -> None:
