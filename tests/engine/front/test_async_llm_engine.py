@@ -97,9 +97,12 @@ def test_generate_streams_deltas_equal_to_llm_generate(model_dir) -> None:
     async def main() -> None:
         with async_engine(model_dir) as engine:
             outputs = await collect(engine, ids(prompt), greedy(16), "r0")
-            assert len(outputs) == 16  # one delta per token
-            assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)
-            assert [o.finished for o in outputs] == [False] * 15 + [True]
+            # One delta per step while the consumer keeps up; a consumer behind (a loaded
+            # machine) gets what queued merged into one (output_merge.py): never an empty
+            # delta, never more outputs than tokens.
+            assert 1 <= len(outputs) <= 16
+            assert all(len(o.outputs[0].token_ids) >= 1 for o in outputs)
+            assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
             assert outputs[-1].outputs[0].finish_reason == "length"
             assert joined_tokens(outputs) == reference.outputs[0].token_ids
             # A finished request's id can be used again.
