@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ if "--smoke" in sys.argv:  # before any kernel module is imported: Triton's inte
 import torch
 
 from benchmarks.gpu.fp8_block_gemm import quantize_blocks
-from benchmarks.gpu.roofline import copy_bandwidth_gbps
+from benchmarks.gpu.roofline import copy_bandwidth_gbps, mean_ms
 
 BLOCK = (128, 128)
 
@@ -74,24 +73,6 @@ def make_experts(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> d
             stacks[f"{name}_q"][expert], stacks[f"{name}_s"][expert] = quantize_blocks(w, BLOCK)
             stacks[name][expert] = w.to(dtype)
     return stacks
-
-
-def timed_us(fn, iters: int, device: torch.device) -> float:
-    """Microseconds per call: CUDA events over `iters` eager calls (wall clock on a CPU)."""
-    fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters * 1e6
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters * 1e3
 
 
 def _error(x, rows, stacks, offsets) -> float:
@@ -134,7 +115,7 @@ def measure(name: str, shape: MoEShape, tokens: int, stacks: dict, args, device,
         fp8_moe_grouped_gemm(h, None, stacks["w2_q"], stacks["w2_s"], offsets, BLOCK)
 
     error = _error(x, rows, stacks, offsets)
-    bf16_us, fp8_us = timed_us(bf16, args.iters, device), timed_us(fp8, args.iters, device)
+    bf16_us, fp8_us = (mean_ms(f, args.iters, device) * 1e3 for f in (bf16, fp8))
     active = sum(b > a for a, b in itertools.pairwise(offsets))
     per_expert = 3 * shape.hidden * shape.inter  # gate, up, down weights
     scales = 4 * (stacks["w13_s"][0].numel() + stacks["w2_s"][0].numel())

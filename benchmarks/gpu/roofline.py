@@ -36,6 +36,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def mean_ms(fn, iters: int, device: torch.device) -> float:
+    """Mean milliseconds per call of `iters` calls after one warm-up call: CUDA events on a
+    GPU, the host clock elsewhere (smoke runs: the figure only says the wiring runs)."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters * 1e3
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return begin.elapsed_time(end) / iters
+
+
 def _best_of(fn, device: torch.device, repeats: int = 10) -> float:
     fn()
     best = float("inf")

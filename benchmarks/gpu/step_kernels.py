@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ import torch
 
 if not torch.cuda.is_available():  # before any kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.gpu.roofline import mean_ms
 
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, num_layers=32)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2)
@@ -54,20 +55,7 @@ LLAMA3_ROPE = {
 
 def time_ms(fn: Callable[[], object], iters: int) -> float:
     """Mean milliseconds per call after one warm-up call (CUDA events on a GPU)."""
-    fn()
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) / iters * 1e3
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters
+    return mean_ms(fn, iters, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def part_prefill(smoke: bool, device: torch.device) -> dict[str, Any]:
