@@ -131,3 +131,25 @@ def test_the_gpu_check_names_scripts_and_tests_that_exist() -> None:
     assert {"benchmarks/gpu/serving_sweep.py", "benchmarks/gpu/gpu_decode.py"} <= paths
     assert sorted(p for p in paths if not (ROOT / p).is_file()) == []
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def test_tier_at_rate_runs_a_tiny_burst(tmp_path: Path) -> None:
+    """`benchmarks/serving/tier_at_rate.py` end to end, tiny: the stand-in, the real
+    tokenizer service and a client process; every figure of the run is there and sane."""
+    out = tmp_path / "runs.json"
+    done = _run(
+        [
+            "benchmarks/serving/tier_at_rate.py",
+            *("--streams", "4", "--output-len", "12", "--rates", "1000"),
+            *("--repeats", "1", "--client-procs", "1", "--json", str(out)),
+        ],
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["1000"]
+    assert run["target_tokens_per_s"] == 1000
+    assert run["tokens_per_s"] > 0 and run["kept_pace"] > 0
+    assert 0 < run["client_msgs_per_token"] <= 1.0
+    assert run["engine_msgs_per_token"] > 0 and run["tokenizer_cpu_us_per_token"] > 0
+    assert run["standin_cpu_us_per_token"] > 0 and run["gap_p50_ms"] <= run["gap_p99_ms"]
+    assert "rate 1000 tokenizer_cpu_us_per_token: median" in done.stdout

@@ -260,7 +260,9 @@ def main() -> int:
                     figures, _ = run_burst(
                         tier, prompts_file, args.streams, args.output_len, client_procs
                     )
-                    print(json.dumps({k: round(v, 3) for k, v in figures.items()}), flush=True)
+                    print(
+                        json.dumps({k: float(f"{v:.4g}") for k, v in figures.items()}), flush=True
+                    )
                     runs.append(figures)
             rate = args.streams / step_s
             results[f"{rate:.0f}"] = runs
