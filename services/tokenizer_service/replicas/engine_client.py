@@ -65,13 +65,23 @@ def open_engine_channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> grpc.aio.Channel:
     """The one place a channel to an engine replica is opened: insecure unless
-    `credentials` are given; `options` are added to (and override) the defaults."""
+    `credentials` are given; `options` are added to (and override) the defaults.
+
+    The receive window stays at gRPC's initial one (no BDP probing): when this service is
+    behind the engine's stream, the engine's messages then wait on the engine's side, where
+    the next batch takes in every step since the last (stream_servicer.py), instead of in
+    this channel's buffers, from which the relay would read them one engine step per turn
+    of its event loop and write one token per client message, never catching up. With
+    probing the window grows to megabytes: at 20k tokens/s over 256 streams the relay fell
+    ~10 s behind the engine, at one client message per token (docs/benchmarks.md, "The
+    tokenizer service at a GPU's token rate")."""
     merged: dict[str, int | str] = {
         "grpc.max_send_message_length": max_message_bytes,
         "grpc.max_receive_message_length": max_message_bytes,
         "grpc.initial_reconnect_backoff_ms": 100,
         "grpc.min_reconnect_backoff_ms": 100,
         "grpc.max_reconnect_backoff_ms": 1000,
+        "grpc.http2.bdp_probe": 0,
     }
     merged.update(dict(options))
     if credentials is None:
