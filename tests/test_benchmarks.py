@@ -150,6 +150,7 @@ def test_tier_at_rate_runs_a_tiny_burst(tmp_path: Path) -> None:
     assert run["target_tokens_per_s"] == 1000
     assert run["tokens_per_s"] > 0 and run["kept_pace"] > 0
     assert 0 < run["client_msgs_per_token"] <= 1.0
-    assert run["engine_msgs_per_token"] > 0 and run["tokenizer_cpu_us_per_token"] > 0
-    assert run["standin_cpu_us_per_token"] > 0 and run["gap_p50_ms"] <= run["gap_p99_ms"]
+    assert run["engine_msgs_per_token"] > 0 and run["gap_p50_ms"] <= run["gap_p99_ms"]
+    # /proc counts CPU in clock ticks (10 ms): a tiny burst may cost a process none.
+    assert run["tokenizer_cpu_us_per_token"] >= 0 and run["standin_cpu_us_per_token"] >= 0
     assert "rate 1000 tokenizer_cpu_us_per_token: median" in done.stdout
