@@ -59,6 +59,6 @@ def test_the_stand_in_relayed_by_the_tokenizer_service_gives_the_decoded_text(
     assert texts == expected  # (run_burst also checked every finish reason and usage)
     assert len(set(texts)) == NUM_STREAMS
     assert figures["target_tokens_per_s"] == pytest.approx(NUM_STREAMS / 0.004)
-    assert figures["tokens_per_s"] > 0 and figures["tokenizer_cpu_us_per_token"] > 0
+    assert figures["tokens_per_s"] > 0 and figures["tokenizer_cpu_us_per_token"] >= 0
     assert 0 < figures["client_msgs_per_token"] <= 1.0
     assert figures["engine_msgs_per_token"] > 0
