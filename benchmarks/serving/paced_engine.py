@@ -19,7 +19,9 @@ token only, logprob -1), and cancellation (the caller's abort).
 The steps run on the server's event loop at a fixed period (absolute deadlines; a step
 that comes late is not made up for: like an engine whose host fell behind, it just runs
 later). The real engine steps on its own thread and hands each step's outputs to the loop
-in one callback; here the loop calls the same callbacks itself, once per step.
+in one callback; here the loop calls the same callbacks itself, once per step. A burst's
+first step waits until `--batch-size` requests are live (at most 10 s), so a benchmark's
+burst runs at its full rate from the start.
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ class PacedEngine:
                     self.num_late_steps += 1
                 deadline = loop.time()  # late: no catching up
             self._step()
+        self._filled.clear()  # the next burst waits for its own batch
 
     def _step(self) -> None:
         """One token for every live output, each request's output handed over."""

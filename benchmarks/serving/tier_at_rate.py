@@ -12,7 +12,10 @@ text in the default model's tokenizer, so detokenization costs what it does in u
 rate: the stand-in and `pagedserve tokenizer` (the default model's tokenizer, `--engine-addr`
 at the stand-in, as a user starts it) are started once, then `--repeats` bursts of
 `--streams` requests x `--output-len` tokens, all at once, spread over `--client-procs`
-client processes (`rate_client.py`). Per burst:
+client processes (`rate_client.py`); the stand-in's first step waits until all the
+burst's requests are live (grpc.aio takes new calls in one per turn of the tokenizer's
+event loop, so 256 calls at once start over seconds while others already stream). Per
+burst:
 
 - `target_tokens_per_s` and `tokens_per_s` (output tokens over the burst's wall time, from
   the clients' common start to the last one's end), and `kept_pace` = their ratio (the
