@@ -29,8 +29,9 @@ thread hands a step's outputs to the event loop in one callback, in which each r
 messages are built into the batch (`AsyncLLMEngine.generate_into`, no per-request async
 generator, queue or copy), so a step's messages leave together; the request's task wakes
 once, when the request has ended, and appends its end entry. While a write waits on flow
-control, later steps' messages join the next batch (a request may then have several entries
-in one batch, in order).
+control, later steps' messages join the next batch: each appended to its output's entry
+there (one entry per output carries every step since the last batch; a request with several
+outputs, or one handed back, may have several entries, in order).
 
 Mixed into `EngineServicer`, which provides `generate_one` and `rpc_metrics`.
 """
@@ -61,16 +62,29 @@ class StreamBatchWriter:
     def __init__(self, context: Any) -> None:
         self._context = context
         self._batch = engine_pb2.EngineStreamBatch()
+        # Each stream's last entry in the pending batch, while it is an open response.
+        self._last: dict[int, engine_pb2.EngineGenerateResponse] = {}
         self._ready = asyncio.Event()
         self._closing = False
         self.num_batches = 0
 
     def add_fields(self, stream_id: int, fields: dict[str, Any]) -> None:
-        """A message of `stream_id` built at the end of the batch from its field values."""
-        self._batch.outputs.add(stream_id=stream_id, response=fields)
+        """A message of `stream_id` from its field values: appended to the stream's last
+        entry of the pending batch when that one is of the same output and not its last
+        (the batch waited on flow control over several steps: the reader is behind), else
+        built at the end of the batch. One entry then carries every step since the last
+        batch, as one Generate message merges what waited (output_merge.py): the reader
+        routes one entry per request per batch, not one per step."""
+        last = self._last.get(stream_id)
+        if last is not None and last.index == fields["index"] and not last.finish_reason:
+            _append_fields(last, fields)
+        else:
+            entry = self._batch.outputs.add(stream_id=stream_id, response=fields)
+            self._last[stream_id] = entry.response
         self._ready.set()
 
     def add(self, stream_id: int, response: engine_pb2.EngineGenerateResponse) -> None:
+        self._last.pop(stream_id, None)
         self._batch.outputs.add(stream_id=stream_id).response.CopyFrom(response)
         self._ready.set()
 
@@ -81,6 +95,7 @@ class StreamBatchWriter:
         message: str,
         trailing_metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        self._last.pop(stream_id, None)
         entry = self._batch.outputs.add(stream_id=stream_id)
         entry.end.code = code.value[0]
         entry.end.message = message
@@ -99,12 +114,40 @@ class StreamBatchWriter:
                 self._ready.clear()
                 continue
             batch, self._batch = self._batch, engine_pb2.EngineStreamBatch()
+            self._last = {}
             self.num_batches += 1
             await self._context.write(batch)
 
     def close(self) -> None:
         self._closing = True
         self._ready.set()
+
+
+def _append_fields(response: engine_pb2.EngineGenerateResponse, fields: dict[str, Any]) -> None:
+    """A later message of the same output (`EngineResponseBuilder.fields`) appended to
+    `response`, as the reader would merge the two (tokenizer side:
+    `merging_reader.merge_engine_messages`): tokens and logprobs concatenated; the usage
+    (a running count), finish, stop reason and cumulative logprob of the later one."""
+    response.token_ids.extend(fields["token_ids"])
+    logprobs = fields.get("logprobs")
+    if logprobs:
+        response.logprobs.extend(logprobs)
+    prompt_logprobs = fields.get("prompt_logprobs")
+    if prompt_logprobs:
+        response.prompt_logprobs.extend(prompt_logprobs)
+    usage = fields["usage"]
+    response.usage.prompt_tokens = usage["prompt_tokens"]
+    response.usage.completion_tokens = usage["completion_tokens"]
+    response.usage.cached_tokens = usage["cached_tokens"]
+    finish_reason = fields.get("finish_reason")
+    if finish_reason is not None:
+        response.finish_reason = finish_reason
+    stop_reason = fields.get("stop_reason")
+    if stop_reason is not None:
+        response.stop_reason.CopyFrom(stop_reason)
+    cumulative_logprob = fields.get("cumulative_logprob")
+    if cumulative_logprob is not None:
+        response.cumulative_logprob = cumulative_logprob
 
 
 class EngineStreamRpcs:

@@ -99,3 +99,88 @@ def test_writer_ends_when_closed_during_a_write() -> None:
         assert writer.num_batches == 2
 
     asyncio.run(main())
+
+
+def _merged(messages: list[engine_pb2.EngineGenerateResponse]) -> dict[int, bytes]:
+    """Each output's messages as the tokenizer service merges them (merging_reader.py)."""
+    from services.tokenizer_service.replicas.merging_reader import merge_engine_messages
+
+    merged: dict[int, engine_pb2.EngineGenerateResponse] = {}
+    for message in messages:
+        if message.index in merged:
+            merge_engine_messages(merged[message.index], message)
+        else:
+            merged[message.index] = engine_pb2.EngineGenerateResponse()
+            merged[message.index].CopyFrom(message)
+    return {i: m.SerializeToString(deterministic=True) for i, m in merged.items()}
+
+
+def _single(step: int, finished: bool) -> RequestOutput:
+    """A step of an n = 1 request with logprobs, prompt logprobs on the first."""
+    output = _output(step, finished)
+    output.outputs = output.outputs[:1]
+    return output
+
+
+def test_steps_that_wait_for_a_write_join_their_output_entry() -> None:
+    """Several steps added before a write (the reader behind): an n = 1 request has one
+    entry carrying them all, equal to its Generate messages merged; with n = 2 the entries
+    stay in order and merge to the same; a later end or write starts a new entry."""
+    writer = StreamBatchWriter(None)
+    params = SamplingParams(n=1, logprobs=1, prompt_logprobs=1, max_tokens=8)
+    standalone = EngineResponseBuilder("req-7", params, {0: [1, 2]})
+    batched = EngineResponseBuilder("req-7", params, {0: [1, 2]})
+    expected: list[engine_pb2.EngineGenerateResponse] = []
+    for step in range(4):
+        output = _single(step, finished=step == 3)
+        expected += standalone.build(output)
+        for fields in batched.fields(output):
+            writer.add_fields(3, fields)
+    writer.add_fields(9, {"index": 0, "token_ids": [5], "usage": {}})  # another stream
+    writer.end(3, grpc.StatusCode.OK, "")
+    entries = list(writer._batch.outputs)
+    assert [(e.stream_id, e.WhichOneof("kind")) for e in entries] == [
+        (3, "response"),
+        (9, "response"),
+        (3, "end"),
+    ]
+    first = entries[0].response
+    assert list(first.token_ids) == [0, 10, 20, 30] and len(first.logprobs) == 4
+    assert first.usage.completion_tokens == 2 + 4 and first.finish_reason != 0
+    assert _merged([first]) == _merged(expected)
+
+    # n = 2: the outputs' entries interleave, so none is appended to; each output's
+    # entries merge to what Generate's messages merge to.
+    writer = StreamBatchWriter(None)
+    params = SamplingParams(n=2, logprobs=1, prompt_logprobs=1, max_tokens=8)
+    standalone = EngineResponseBuilder("req-7", params)
+    batched = EngineResponseBuilder("req-7", params)
+    expected = []
+    for step in range(4):
+        output = _output(step, finished=step == 3)
+        expected += standalone.build(output)
+        for fields in batched.fields(output):
+            writer.add_fields(3, fields)
+    responses = [e.response for e in writer._batch.outputs]
+    assert [r.index for r in responses] == [m.index for m in expected][: len(responses)]
+    assert _merged(responses) == _merged(expected)
+
+
+def test_an_entry_written_is_not_appended_to() -> None:
+    async def main() -> None:
+        call = _FlowControlledCall()
+        writer = StreamBatchWriter(call)
+        running = asyncio.ensure_future(writer.run())
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}
+        writer.add_fields(1, {"index": 0, "token_ids": [3], "usage": usage})
+        await asyncio.wait_for(call.writing.wait(), 30)
+        # While the first batch is being written: two steps, one entry in the next batch.
+        writer.add_fields(1, {"index": 0, "token_ids": [4], "usage": usage})
+        writer.add_fields(1, {"index": 0, "token_ids": [5], "usage": usage})
+        writer.close()
+        call.go.set()
+        await asyncio.wait_for(running, 30)
+        tokens = [[list(e.response.token_ids) for e in b.outputs] for b in call.batches]
+        assert tokens == [[[3]], [[4, 5]]]
+
+    asyncio.run(main())
