@@ -36,8 +36,9 @@
 #                  ms/token with the GEMV and with _scaled_mm only, a decode step at batch
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table;
 #                  and (fp8_block) benchmarks/gpu/fp8_block_gemm.py: the block-scaled FP8
-#                  GEMM (128 x 128 blocks) against bf16 at 1, 16, 64, 256 rows on the 8B
-#                  shapes, us, GB/s and share of the copy bandwidth; and (fp8_moe)
+#                  GEMMs (128 x 128 blocks, W8A16 and on sm_89+ W8A8) against bf16 at 1 ..
+#                  4096 rows on the 8B shapes, us, GB/s, share of the copy bandwidth,
+#                  TFLOP/s, the first row count W8A8 wins per shape; and (fp8_moe)
 #                  benchmarks/gpu/fp8_moe.py: one MoE layer's grouped GEMMs with FP8 experts
 #                  (128 x 128 blocks) against bf16 experts at 1, 16, 64, 256 tokens on the
 #                  Qwen3-30B-A3B and DeepSeek-V3 expert shapes, us, GB/s, share of copy
@@ -227,7 +228,7 @@ wanted fp8 && PARTS+=(fp8_routes)  # the layer's two routes: part of the same re
 part fp8_routes 90 "${FP8_ROUTES[@]}"
 part fp8 180 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
 wanted fp8 && PARTS+=(fp8_block)  # the block-scaled GEMM: part of the same request
-part fp8_block 120 "${FP8_BLOCK[@]}"
+part fp8_block 240 "${FP8_BLOCK[@]}"
 wanted fp8 && PARTS+=(fp8_moe)  # the FP8 experts' grouped GEMM: the same request
 part fp8_moe 90 "${FP8_MOE[@]}"
 part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
