@@ -14,8 +14,9 @@ checkpoint's grid of fp32 scales, one per [rows, cols] block; each call runs a T
 
 Decode rows read the weight once and are bound by its bytes: the W8A16 GEMM reads it at one
 byte a value and needs no quantization of the activations. Prefill rows are bound by the
-tensor cores: there FP8 ones (twice bf16's peak on Hopper) pay for the activations' extra
-quantization kernel and its error (half an E4M3 step per value, per 1 x cols group). The
+tensor cores: there the FP8 ones (twice bf16's peak on Hopper) are worth the activations'
+extra quantization kernel and its error (half an E4M3 step per value, scaled per 1 x cols
+group). The
 row count where they cross is measured per shape on the GPU at load: the method is a
 `TwoRoutes` one (engine/layers/crossover.py; `BLOCK_FP8_W8A16_MAX_ROWS` until then, with
 $PAGEDSERVE_KERNEL_ROWS=off, or a fixed count with $PAGEDSERVE_KERNEL_ROWS=<rows>). Blocks
