@@ -36,11 +36,13 @@
 #                  ms/token with the GEMV and with _scaled_mm only, a decode step at batch
 #                  200, offline 128/128, 1000/1000, 2048/128 beside TensorRT-LLM's FP8 table;
 #                  and (fp8_block) benchmarks/gpu/fp8_block_gemm.py: the block-scaled FP8
-#                  GEMM (128 x 128 blocks) against bf16 at 1, 16, 64, 256 rows on the 8B
-#                  shapes, us, GB/s and share of the copy bandwidth; and (fp8_moe)
+#                  GEMMs (128 x 128 blocks, W8A16 and on sm_89+ W8A8) against bf16 at 1 ..
+#                  4096 rows on the 8B shapes, us, GB/s, share of the copy bandwidth,
+#                  TFLOP/s, the first row count W8A8 wins per shape; and (fp8_moe)
 #                  benchmarks/gpu/fp8_moe.py: one MoE layer's grouped GEMMs with FP8 experts
-#                  (128 x 128 blocks) against bf16 experts at 1, 16, 64, 256 tokens on the
-#                  Qwen3-30B-A3B and DeepSeek-V3 expert shapes, us, GB/s, share of copy
+#                  (128 x 128 blocks, W8A16 and on sm_89+ W8A8) against bf16 experts at 1,
+#                  16, 64, 256, 1024 tokens on the Qwen3-30B-A3B and DeepSeek-V3 expert
+#                  shapes, us, GB/s, share of copy
 #
 #   batch_invariant  benchmarks/gpu/batch_invariant_decode.py: the 8B shape's decode step at
 #                  batch 1 and 200 with batch_invariant off and on, and the probe alone ==
@@ -195,6 +197,7 @@ if [ "$SMOKE" = 1 ]; then  # a tiny model and counts: the wiring, on any machine
     INT4_ROUTES+=(--smoke --rows 1 2 4)  # tiny shapes, the kernels in Triton's interpreter
     FP8_ROUTES+=(--smoke --route-rows 1 2 4)
     FP8_BLOCK+=(--smoke --rows 1 16)  # tiny shapes, the kernel in Triton's interpreter
+    FP8_MOE+=(--smoke)  # tiny experts, the kernels in Triton's interpreter
     FP8_ARGS=(--shape tiny --max-model-len 256 --kv-cache-gib 0.05 --repeats 1 --decode-tokens 4
         --prompt-len 16 --workloads 16x4x4 --batch 4 --fp8-compute fp8
         --output-json "$WORK/fp8_decode.json")  # the FP8 path on a CPU
@@ -227,9 +230,9 @@ wanted fp8 && PARTS+=(fp8_routes)  # the layer's two routes: part of the same re
 part fp8_routes 90 "${FP8_ROUTES[@]}"
 part fp8 180 "$PY" benchmarks/gpu/fp8_decode.py "${FP8_ARGS[@]}"
 wanted fp8 && PARTS+=(fp8_block)  # the block-scaled GEMM: part of the same request
-part fp8_block 120 "${FP8_BLOCK[@]}"
+part fp8_block 240 "${FP8_BLOCK[@]}"
 wanted fp8 && PARTS+=(fp8_moe)  # the FP8 experts' grouped GEMM: the same request
-part fp8_moe 90 "${FP8_MOE[@]}"
+part fp8_moe 180 "${FP8_MOE[@]}"
 part batch_invariant 240 "${INVARIANT[@]}" --output-json "$WORK/batch_invariant_decode.json"
 wanted batch_invariant && PARTS+=(batch_invariant_tests)  # its tests: part of the same request
 part batch_invariant_tests 150 "${PYTEST[@]}" --junitxml="$WORK/tests_invariant.xml" \

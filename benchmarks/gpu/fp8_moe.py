@@ -1,6 +1,6 @@
 """FP8 experts (block-scaled 128 x 128) against bf16 experts: the grouped GEMMs of one MoE layer.
 
-    python benchmarks/gpu/fp8_moe.py                          # tokens 1 16 64 256, both models
+    python benchmarks/gpu/fp8_moe.py                  # tokens 1 16 64 256 1024, both models
     python benchmarks/gpu/fp8_moe.py --models qwen3-30b-a3b --tokens 1 64 --output-json m.json
     python benchmarks/gpu/fp8_moe.py --smoke                  # the wiring, on a CPU
 
@@ -14,8 +14,11 @@ runs its MoE layers (their row offsets are host values, so they are not graphed)
 seconds, GB/s of the bytes each must read (the routed experts' weights and scales, the
 activations, the outputs) and their share of the copy bandwidth; the FP8 gate|up's largest
 error against the float64 product on its first routed experts, relative to its largest
-value; and the layer's expert bytes each way. `--smoke` runs tiny shapes through Triton's
-interpreter on the CPU with wall-clock timing.
+value; and the layer's expert bytes each way. On FP8 tensor cores (sm_89+) the W8A8
+grouped GEMM (kernels/fused_moe_fp8_w8a8.py, activations quantized per token and block
+column) too, with the busiest expert's rows (what picks it in the engine:
+`FP8_MOE_W8A16_MAX_EXPERT_ROWS`) and its error. `--smoke` runs tiny shapes through
+Triton's interpreter on the CPU with wall-clock timing.
 """
 
 from __future__ import annotations
@@ -75,11 +78,13 @@ def make_experts(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> d
     return stacks
 
 
-def _error(x, rows, stacks, offsets) -> float:
-    """The FP8 gate|up's largest error on the first routed experts' rows, relative."""
+def _error(x, rows, stacks, offsets, kernel=None) -> float:
+    """The FP8 gate|up's largest error on the first routed experts' rows, relative (the
+    W8A16 kernel's, or `kernel`'s), against the float64 product of x as given."""
     from kernels.fused_moe_fp8 import fp8_moe_grouped_gemm, ref_fp8_moe_grouped_gemm
 
-    out = fp8_moe_grouped_gemm(x, rows, stacks["w13_q"], stacks["w13_s"], offsets, BLOCK)
+    kernel = kernel or fp8_moe_grouped_gemm
+    out = kernel(x, rows, stacks["w13_q"], stacks["w13_s"], offsets, BLOCK)
     active = [e for e in range(len(offsets) - 1) if offsets[e + 1] > offsets[e]][:4]
     worst, largest = 0.0, 0.0
     for e in active:
@@ -116,6 +121,16 @@ def measure(name: str, shape: MoEShape, tokens: int, stacks: dict, args, device,
 
     error = _error(x, rows, stacks, offsets)
     bf16_us, fp8_us = (mean_ms(f, args.iters, device) * 1e3 for f in (bf16, fp8))
+    w8a8_us = w8a8_error = None
+    if args.w8a8:
+        from kernels.fused_moe_fp8_w8a8 import fp8_moe_w8a8
+
+        def w8a8() -> None:
+            fp8_moe_w8a8(x, rows, stacks["w13_q"], stacks["w13_s"], offsets, BLOCK)
+            fp8_moe_w8a8(h, None, stacks["w2_q"], stacks["w2_s"], offsets, BLOCK)
+
+        w8a8_error = _error(x, rows, stacks, offsets, fp8_moe_w8a8)
+        w8a8_us = mean_ms(w8a8, args.iters, device) * 1e3
     active = sum(b > a for a, b in itertools.pairwise(offsets))
     per_expert = 3 * shape.hidden * shape.inter  # gate, up, down weights
     scales = 4 * (stacks["w13_s"][0].numel() + stacks["w2_s"][0].numel())
@@ -125,7 +140,10 @@ def measure(name: str, shape: MoEShape, tokens: int, stacks: dict, args, device,
     result = {
         "model": name, "tokens": tokens, "active_experts": active, "bf16_us": bf16_us,
         "fp8_us": fp8_us, "bf16_gbps": bytes_bf16 / bf16_us / 1e3,
-        "fp8_gbps": bytes_fp8 / fp8_us / 1e3, "error": error,
+        "fp8_gbps": bytes_fp8 / fp8_us / 1e3, "error": error, "w8a8_us": w8a8_us,
+        "w8a8_error": w8a8_error, "busiest_expert_rows": max(
+            b - a for a, b in itertools.pairwise(offsets)
+        ),
     }  # fmt: skip
     result["bf16_share"] = result["bf16_gbps"] / copy_gbps
     result["fp8_share"] = result["fp8_gbps"] / copy_gbps
@@ -133,16 +151,21 @@ def measure(name: str, shape: MoEShape, tokens: int, stacks: dict, args, device,
         f"{name} {tokens:4d} tokens ({active:3d} experts): bf16 {bf16_us:8.1f} us "
         f"({result['bf16_share']:4.0%} of copy), fp8 {fp8_us:8.1f} us "
         f"({result['fp8_gbps']:6.0f} GB/s, {result['fp8_share']:4.0%} of copy, "
-        f"{bf16_us / fp8_us:.2f}x bf16); error {error:.1e}",
+        f"{bf16_us / fp8_us:.2f}x bf16); error {error:.1e}"
+        + (
+            f"; W8A8 {w8a8_us:8.1f} us ({fp8_us / w8a8_us:.2f}x W8A16, busiest expert "
+            f"{result['busiest_expert_rows']} rows, error {w8a8_error:.1e})"
+            if w8a8_us is not None else ""
+        ),
         flush=True,
-    )
+    )  # fmt: skip
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--output-json", default=None)
@@ -157,6 +180,8 @@ def main() -> int:
     models = SMOKE_MODELS if args.smoke else {m: MODELS[m] for m in args.models}
     if args.smoke:
         args.iters, args.tokens = min(args.iters, 1), args.tokens[:2]
+    # The W8A8 grouped GEMM needs FP8 tensor cores (the interpreter runs it anywhere).
+    args.w8a8 = args.smoke or torch.cuda.get_device_capability(device) >= (8, 9)
     print(torch.__version__, torch.cuda.get_device_name(device) if not args.smoke else "CPU")
     copy_gbps = copy_bandwidth_gbps(device, (2 << 30) if device.type == "cuda" else 64 << 20)
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s; blocks {list(BLOCK)}")

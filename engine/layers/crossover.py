@@ -7,6 +7,9 @@ Two quantized layers compute one product two ways (a `TwoRoutes` method):
                                          GEMM:   per-token quantization + `torch._scaled_mm`
     INT4 (engine/layers/int4_linear.py)  kernel: the dequantize-GEMM (kernels/int4_gemm.py)
                                          GEMM:   `int4_dequantize` then cuBLAS
+    block FP8                            kernel: the W8A16 block GEMM (kernels/fp8_block_gemm.py)
+    (engine/layers/fp8_block_linear.py)  GEMM:   the W8A8 one on FP8 tensor cores
+                                                 (kernels/fp8_block_w8a8.py; sm_89+ only)
 
     rows <= method.max_kernel_rows  ──▶ kernel        (decode: reads the weight once, narrow)
     more rows                       ──▶ GEMM          (prefill: compute-bound, a library wins)
@@ -28,7 +31,8 @@ inside a capture, and a shape timed once keeps its crossover for the life of the
 wake-up's recapture sees the same choice per row count).
 
 ``$PAGEDSERVE_KERNEL_ROWS``: ``auto`` (unset: measure on CUDA), ``off`` (no measurement: the
-layers' defaults, FP8 `FP8_GEMV_MAX_ROWS` and INT4 `INT4_GEMM_MAX_ROWS`), or a row count (every
+layers' defaults, FP8 `FP8_GEMV_MAX_ROWS`, INT4 `INT4_GEMM_MAX_ROWS`, block FP8
+`BLOCK_FP8_W8A16_MAX_ROWS`), or a row count (every
 two-route layer takes its kernel up to it; 0: never). On the CPU nothing is measured and
 nothing changes (no Triton routes there).
 """

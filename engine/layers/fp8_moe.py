@@ -21,10 +21,18 @@ blocks of 128; DeepSeek-V3: 2048). A layer where it is not, or whose experts are
 tensor-parallel ranks (the grid would need the same cut), keeps its experts dequantized
 (`experts_keep_reason`). The layer reads its weights and scales at each call, so sleep/wake's
 swaps of `.data` are seen.
+
+Prefill on FP8 tensor cores: block-scaled experts get a second kernel where the device has
+them (sm_89+), the W8A8 grouped GEMM of kernels/fused_moe_fp8_w8a8.py (activations
+quantized per token and block column, fp8 x fp8 dots). A step takes it when some expert has
+more than `max_expert_rows` rows (`FP8_MOE_W8A16_MAX_EXPERT_ROWS`): an expert's weight is
+read once for all its rows, so its rows, not the step's, decide whether the weight's bytes
+or the tensor cores bound the work (engine/layers/fp8_block_linear.py's reasoning).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -34,15 +42,28 @@ FP8_DTYPE = torch.float8_e4m3fn
 # (x, rows, weight fp8 [E, N, K], scale, offsets, block | None) -> [M, N]
 Fp8MoEKernel = Callable[..., torch.Tensor]
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+# Rows of the busiest expert up to which a step runs the W8A16 grouped GEMM where the W8A8
+# one is there too. Not measured (benchmarks/gpu/fp8_moe.py does not time W8A8 yet): the
+# dense layers' roofline guess, `BLOCK_FP8_W8A16_MAX_ROWS`.
+FP8_MOE_W8A16_MAX_EXPERT_ROWS = 64
 
 
 class Fp8ExpertGemm:
     """The grouped GEMM of a layer with FP8 experts: moe.py's `GroupedGemm` with the
-    projection's stacked scales (block grids where `block` is set, else per row)."""
+    projection's stacked scales (block grids where `block` is set, else per row), and with
+    a `prefill_kernel` (W8A8) for steps whose busiest expert has more than
+    `max_expert_rows` rows."""
 
-    def __init__(self, block: tuple[int, int] | None, kernel: Fp8MoEKernel) -> None:
+    def __init__(
+        self,
+        block: tuple[int, int] | None,
+        kernel: Fp8MoEKernel,
+        prefill_kernel: Fp8MoEKernel | None = None,
+    ) -> None:
         self.block = block
         self.kernel = kernel
+        self.prefill_kernel = prefill_kernel
+        self.max_expert_rows = FP8_MOE_W8A16_MAX_EXPERT_ROWS  # read at build: tests move it
 
     def __call__(
         self,
@@ -52,7 +73,15 @@ class Fp8ExpertGemm:
         offsets: list[int],  # E + 1
         scale: torch.Tensor,  # fp32 stacked scales
     ) -> torch.Tensor:  # [M, N]
-        return self.kernel(x, rows, weight, scale, offsets, self.block)
+        kernel = self.kernel
+        if self.prefill_kernel is not None and busiest(offsets) > self.max_expert_rows:
+            kernel = self.prefill_kernel
+        return kernel(x, rows, weight, scale, offsets, self.block)
+
+
+def busiest(offsets: list[int]) -> int:
+    """The most rows any expert has in a step."""
+    return max((b - a for a, b in itertools.pairwise(offsets)), default=0)
 
 
 def expert_scale_shape(
@@ -74,7 +103,10 @@ def experts_keep_reason(module: nn.Module, block: tuple[int, int] | None) -> str
 
 
 def make_fp8_experts(
-    module: nn.Module, block: tuple[int, int] | None, kernel: Fp8MoEKernel
+    module: nn.Module,
+    block: tuple[int, int] | None,
+    kernel: Fp8MoEKernel,
+    prefill_kernel: Fp8MoEKernel | None = None,
 ) -> None:
     """On a meta-built MoE layer: FP8 `w13_weight` / `w2_weight` and fp32 `*_scale` stacks
     for the loader to fill (w13's scale shards at its weight shards' rows / block rows:
@@ -100,7 +132,7 @@ def make_fp8_experts(
         "w13_weight_scale": None if shards is None else tuple(s // rows for s in shards),
         "w2_weight_scale": None,
     }
-    module._gemm = Fp8ExpertGemm(block, kernel)
+    module._gemm = Fp8ExpertGemm(block, kernel, prefill_kernel)
 
 
 def fp8_moe_kernel() -> Fp8MoEKernel:
@@ -115,3 +147,17 @@ def moe_block_fits_kernel(block: tuple[int, int]) -> bool:
     from kernels.fp8_block_gemm import kernel_takes_block
 
     return kernel_takes_block(block)
+
+
+def fp8_moe_w8a8_kernel(device: torch.device, block: tuple[int, int] | None) -> Fp8MoEKernel | None:
+    """The prefill kernel, kernels/fused_moe_fp8_w8a8.py (W8A8), where it runs: block-scaled
+    experts whose blocks' columns are a multiple of 32, on FP8 tensor cores (CUDA sm_89+);
+    None elsewhere (per-channel experts, older GPUs, the CPU's interpreter)."""
+    from engine.layers.fp8_linear import fp8_tensor_cores
+    from kernels.fp8_block_w8a8 import w8a8_takes_block
+
+    if block is None or not w8a8_takes_block(block) or not fp8_tensor_cores(device):
+        return None
+    from kernels.fused_moe_fp8_w8a8 import fp8_moe_w8a8
+
+    return fp8_moe_w8a8

@@ -27,9 +27,11 @@ def install_block_fp8_layers(
     packed: Mapping[str, tuple[str, ...]],
     gemm: BlockGemm,
     kernel_takes_block: bool = True,
+    prefill_gemm: BlockGemm | None = None,
 ) -> tuple[frozenset[str], list[str]]:
     """Returns (the checkpoint modules now kept in FP8, "<layer>: <why>" for the quantized
-    layers left dequantized)."""
+    layers left dequantized). `prefill_gemm`: the W8A8 GEMM for many rows, where the device
+    runs it (engine/layers/fp8_block_linear.py)."""
     block = scheme.block_size
     assert block is not None, "a block-scaled scheme has a block size"
     kept: set[str] = set()
@@ -41,6 +43,6 @@ def install_block_fp8_layers(
         if reason is not None:
             dequantized.append(f"{name}: {reason}")
             continue
-        make_block_fp8(layer, block, gemm)
+        make_block_fp8(layer, block, gemm, prefill_gemm)
         kept.update(members)
     return frozenset(kept), dequantized

@@ -28,6 +28,7 @@ from engine.layers.fp8_moe import (
     Fp8MoEKernel,
     experts_keep_reason,
     fp8_moe_kernel,
+    fp8_moe_w8a8_kernel,
     make_fp8_experts,
     moe_block_fits_kernel,
 )
@@ -60,9 +61,11 @@ def install_fp8_experts(
     substitutions: tuple[tuple[str, str], ...],
     kernel: Fp8MoEKernel,
     kernel_takes_block: bool = True,
+    prefill_kernel: Fp8MoEKernel | None = None,
 ) -> tuple[frozenset[str], int, list[str]]:
     """Returns (the checkpoint modules now kept in FP8, how many layers keep their experts,
-    "<layer> experts: <why>" for the quantized ones left dequantized)."""
+    "<layer> experts: <why>" for the quantized ones left dequantized). `prefill_kernel`:
+    the W8A8 grouped GEMM for busy steps, where the device runs it."""
     if not mapping:
         return frozenset(), 0, []
     block = scheme.block_size
@@ -88,7 +91,7 @@ def install_fp8_experts(
         if reason is not None:
             dequantized.append(f"{name} experts: {reason}")
             continue
-        make_fp8_experts(module, block, kernel)
+        make_fp8_experts(module, block, kernel, prefill_kernel)
         kept.update(expert_modules(name, num_experts, mapping, substitutions))
         num_layers += 1
     return frozenset(kept), num_layers, dequantized
@@ -126,5 +129,6 @@ def keep_fp8_experts(
         getattr(model, "weight_name_substitutions", ()),
         fp8_moe_kernel(),
         kernel_takes_block=block is None or moe_block_fits_kernel(block),
+        prefill_kernel=fp8_moe_w8a8_kernel(device, block),
     )
     return KeptExperts(modules, num_layers, dequantized)

@@ -23,6 +23,7 @@ from engine.layers.crossover import plan_crossovers
 from engine.layers.fp8_block_linear import (
     block_fits_kernel,
     block_fp8_gemm_kernel,
+    block_fp8_w8a8_kernel,
     keeps_block_fp8,
     triton_available,
 )
@@ -243,7 +244,9 @@ def _block_fp8_checkpoint(
     """Block-scaled FP8 stays FP8 where Triton runs the block GEMM (kernels/fp8_block_gemm.py,
     W8A16: the weight dequantized in registers, so no FP8 tensor cores are needed): a CUDA
     device with Triton installed, or any device with $PAGEDSERVE_FP8_COMPUTE=fp8 (the CPU
-    then runs it in Triton's interpreter: how the tests force this path). Elsewhere, and
+    then runs it in Triton's interpreter: how the tests force this path). With FP8 tensor
+    cores prefill rows take the W8A8 GEMM (kernels/fp8_block_w8a8.py; the crossover
+    measured at load: engine/layers/fp8_block_linear.py). Elsewhere, and
     for the layers that cannot keep it (engine/loader/block_fp8_weights.py: ragged fused
     shards, tensor-parallel slices; MoE layers whose gate | up rows are not whole blocks:
     engine/loader/fp8_expert_weights.py), the weights are dequantized at load."""
@@ -262,19 +265,22 @@ def _block_fp8_checkpoint(
             f"${FP8_COMPUTE_ENV}=fp8: block-scaled FP8 runs through a Triton kernel, and "
             "Triton is not installed (unset it, or 'dequantize')."
         )
+    prefill_gemm = block_fp8_w8a8_kernel(device, found.scheme.block_size)
     kept, dequantized = install_block_fp8_layers(
         model,
         found.scheme,
         model.packed_modules_mapping,
         block_fp8_gemm_kernel(),
         kernel_takes_block=block_fits_kernel(found.scheme.block_size),
+        prefill_gemm=prefill_gemm,
     )
     experts = keep_fp8_experts(model, found.scheme, device, True)
     dequantized += experts.dequantized
+    routes = "W8A16, and W8A8 on FP8 tensor cores for prefill" if prefill_gemm else "W8A16"
     logger.info(
         "Block-scaled FP8 checkpoint (%s, blocks %s): %d projections run in FP8 (the Triton "
-        "block GEMM)%s; %d dequantized to %s at load%s.",
-        found.quant_method, block, len(kept), experts.said(), len(dequantized), dtype,
+        "block GEMM: %s)%s; %d dequantized to %s at load%s.",
+        found.quant_method, block, len(kept), routes, experts.said(), len(dequantized), dtype,
         _why(dequantized),
     )  # fmt: skip
     return Fp8Checkpoint(found.scheme, dtype, kept | experts.modules, skipped=skipped)

@@ -32,6 +32,8 @@ from tests.kernels.sm90_compile_cases import (
 )
 from tests.kernels.sm90_compile_fp8_block import fp8_block_gemm_cases
 from tests.kernels.sm90_compile_fp8_moe import fp8_moe_gemm_cases
+from tests.kernels.sm90_compile_fp8_moe_w8a8 import fp8_moe_w8a8_cases
+from tests.kernels.sm90_compile_fp8_w8a8 import fp8_w8a8_cases
 
 # Integer arguments that are not multiples of 16 in real launches (no divisibility hint).
 UNALIGNED_INTS = {"num_reqs", "stride_bt_req", "eps", "scale_log2", "K", "M", "MN"}
@@ -116,7 +118,7 @@ def main(argv: list[str]) -> int:
     failures = 0
     cases = [*attention_cases(), *flash_prefill_cases(), *other_cases()]
     cases += [*fp8_cache_cases(cases), *fp8_gemv_cases(), *fp8_block_gemm_cases()]
-    cases += fp8_moe_gemm_cases()
+    cases += [*fp8_moe_gemm_cases(), *fp8_w8a8_cases(), *fp8_moe_w8a8_cases()]
     for case in cases[:limit]:
         label = case.label
         if only not in label:

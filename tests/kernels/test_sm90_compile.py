@@ -51,8 +51,11 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     # per-tensor variant, two with a K tail, its split reduction; the block-scaled FP8 GEMM:
     # 6 + 6 + 6 + 5 configurations by row bucket in 128 x 128 blocks and one with a K tail;
     # the FP8 experts' grouped GEMM: 6 + 6 configurations at row buckets 16 and 64, rows not
-    # gathered, a K tail, per channel
-    assert report.count("ok ") == 103, report
+    # gathered, a K tail, per channel; the W8A8 block GEMM: 7 configurations at row buckets
+    # 16, 64 and 256 in 128 x 128 blocks and 2 + 2 with a K tail, its per-token-group
+    # quantization at 2 row tiles; the W8A8 grouped GEMM of FP8 experts: 7 + 7 configurations
+    # at row buckets 16 and 64, one ungathered, one with a K tail
+    assert report.count("ok ") == 146, report
 
 
 def test_a_ptxas_error_fails_the_check_rather_than_skipping_it(tmp_path) -> None:

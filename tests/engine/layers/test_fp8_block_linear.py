@@ -11,10 +11,13 @@ import torch
 from torch import nn
 
 from engine.config.weights.fp8_checkpoint import Fp8Scheme
+from engine.layers.crossover import KERNEL_ROWS_ENV, plan_crossovers
 from engine.layers.fp8_block_linear import (
+    BLOCK_FP8_W8A16_MAX_ROWS,
     Fp8BlockLinearMethod,
     block_fits_kernel,
     block_fp8_gemm_kernel,
+    block_fp8_w8a8_kernel,
     fused_rows_fit,
     keeps_block_fp8,
 )
@@ -58,11 +61,13 @@ def _checkpoint(qkv, inter, block, seed=0):
     return tensors, reference
 
 
-def _load(qkv, inter, block):
+def _load(qkv, inter, block, prefill_gemm=None):
     scheme = Fp8Scheme("block", "dynamic", (), False, block)
     with torch.device("meta"):
         model = TinyBlock(qkv, inter)
-    kept, dequantized = install_block_fp8_layers(model, scheme, PACKED, block_fp8_gemm_kernel())
+    kept, dequantized = install_block_fp8_layers(
+        model, scheme, PACKED, block_fp8_gemm_kernel(), prefill_gemm=prefill_gemm
+    )
     model = model.to_empty(device="cpu")
     tensors, reference = _checkpoint(qkv, inter, block)
     stream = Fp8Checkpoint(scheme, torch.float32, kept).weights(tensors.items())
@@ -145,3 +150,71 @@ def test_which_devices_keep_block_fp8(monkeypatch) -> None:
     assert keeps_block_fp8(cpu, True) and not keeps_block_fp8(cuda, False)
     monkeypatch.setattr("engine.layers.fp8_block_linear.triton_available", lambda: False)
     assert not keeps_block_fp8(cuda, None)
+
+
+def _w8a8():
+    from kernels.fp8_block_w8a8 import fp8_block_w8a8
+
+    return fp8_block_w8a8
+
+
+def test_rows_beyond_the_threshold_take_w8a8() -> None:
+    """Up to `max_kernel_rows` rows the W8A16 GEMM's exact values, beyond them the W8A8
+    GEMM's (activations quantized per token and block column): each route's output bit for
+    bit, both within FP8's activation error of the float64 product."""
+    from kernels.fp8_block_gemm import fp8_block_gemm
+
+    block = (16, 32)
+    model, _, _, tensors, reference = _load((32, 16, 16), 32, block, prefill_gemm=_w8a8())
+    layer = model.gate_up_proj
+    method = layer.quant_method
+    assert method.max_kernel_rows == BLOCK_FP8_W8A16_MAX_ROWS
+    method.max_kernel_rows = 4
+    assert method.crossover_key() == "fp8-block 64x48 16x32"
+    for rows, gemm in [(4, fp8_block_gemm), (5, _w8a8())]:
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+        out = layer(x)
+        assert torch.equal(out, gemm(x, layer.weight, layer.weight_scale, block))
+        expected = _expected(x, reference, tensors, ("gate_proj", "up_proj"))
+        torch.testing.assert_close(out.double(), expected, atol=0.05, rtol=0.07)
+    assert not torch.equal(layer(x), fp8_block_gemm(x, layer.weight, layer.weight_scale, block))
+
+
+def test_without_w8a8_every_row_count_takes_w8a16() -> None:
+    model, *_ = _load((32, 16, 16), 32, (16, 32))
+    method = model.down_proj.quant_method
+    assert method.prefill_gemm is None and method.crossover_key() is None
+    x = torch.randn(80, 32)
+    torch.testing.assert_close(method.route(x, kernel=False), method.route(x, kernel=True))
+
+
+def test_the_crossover_is_measured_and_overridable(monkeypatch) -> None:
+    """engine/layers/crossover.py sets the threshold of every W8A8-capable layer: measured
+    (here by a timer in which the W8A16 route loses from 32 rows on) or
+    $PAGEDSERVE_KERNEL_ROWS."""
+    model, *_ = _load((32, 16, 16), 32, (16, 32), prefill_gemm=_w8a8())
+
+    def timer(trial) -> float:
+        return (2.0 if trial.rows >= 32 else 0.5) if trial.route == "kernel" else 1.0
+
+    monkeypatch.delenv(KERNEL_ROWS_ENV, raising=False)
+    chosen = plan_crossovers(model, torch.float32, torch.device("cpu"), timer, rows=(1, 16, 32))
+    assert chosen == {"fp8-block 64x48 16x32": 16, "fp8-block 48x32 16x32": 16}
+    assert model.down_proj.quant_method.max_kernel_rows == 16
+    monkeypatch.setenv(KERNEL_ROWS_ENV, "100")
+    plan_crossovers(model, torch.float32, torch.device("cpu"), timer, rows=(1, 16, 32))
+    assert model.qkv_proj.quant_method.max_kernel_rows == 100
+
+
+def test_which_devices_run_w8a8(monkeypatch) -> None:
+    """FP8 tensor cores (sm_89+) and a block whose columns are a multiple of 32; the CPU
+    (even forced to keep block FP8) and older GPUs: W8A16 only."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["value"])
+    assert block_fp8_w8a8_kernel(cuda, (128, 128)) is _w8a8()
+    assert block_fp8_w8a8_kernel(cuda, (128, 64)) is _w8a8()
+    assert block_fp8_w8a8_kernel(cuda, (32, 48)) is None  # K steps of 16 only
+    capability["value"] = (8, 0)  # A100: no FP8 tensor cores
+    assert block_fp8_w8a8_kernel(cuda, (128, 128)) is None
+    assert block_fp8_w8a8_kernel(cpu, (128, 128)) is None

@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from engine.config.weights.fp8_checkpoint import Fp8Scheme
-from engine.layers.fp8_moe import fp8_moe_kernel, moe_block_fits_kernel
+from engine.layers.fp8_moe import (
+    FP8_MOE_W8A16_MAX_EXPERT_ROWS,
+    fp8_moe_kernel,
+    fp8_moe_w8a8_kernel,
+    moe_block_fits_kernel,
+)
 from engine.layers.moe import FusedMoE, MoESpec, moe_experts, select_experts, torch_grouped_gemm
 from engine.layers.ops import silu_and_mul
 from engine.loader.fp8_expert_weights import install_fp8_experts, keep_fp8_experts
@@ -85,13 +90,15 @@ def _checkpoint(inter, block, mapping=QWEN3, prefix="model.mlp", seed=0):
     return tensors, torch.stack(w13), torch.stack(w2)
 
 
-def _load(inter, block, mapping=QWEN3, substitutions=(), prefix="model.mlp", ignore=()):
+def _load(
+    inter, block, mapping=QWEN3, substitutions=(), prefix="model.mlp", ignore=(), prefill=None
+):
     strategy = block if isinstance(block, str) else "block"
     scheme = Fp8Scheme(strategy, "dynamic", ignore, False, None if strategy != "block" else block)
     with torch.device("meta"):
         model = TinyModel(inter)
     kept, num_layers, dequantized = install_fp8_experts(
-        model, scheme, mapping, substitutions, fp8_moe_kernel()
+        model, scheme, mapping, substitutions, fp8_moe_kernel(), prefill_kernel=prefill
     )
     model = model.to_empty(device="cpu")
     tensors, w13, w2 = _checkpoint(inter, block, mapping, prefix)
@@ -190,7 +197,9 @@ def test_a_swapped_weight_is_seen() -> None:
 
 def test_which_devices_keep_fp8_experts(monkeypatch) -> None:
     """The block projections' rule: CUDA with Triton keeps the experts FP8 (whatever the
-    scheme: the GEMM is W8A16), the CPU dequantizes; $PAGEDSERVE_FP8_COMPUTE's choice wins."""
+    scheme: the GEMM is W8A16), the CPU dequantizes; $PAGEDSERVE_FP8_COMPUTE's choice wins.
+    (The "GPU" is an sm_90: block-scaled experts get the W8A8 kernel there too.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
 
     class Family(TinyModel):
         expert_weights_mapping = MIXTRAL
@@ -212,3 +221,44 @@ def test_which_devices_keep_fp8_experts(monkeypatch) -> None:
     assert said == ", and the experts of 1 MoE layers (the Triton grouped GEMM)"
     monkeypatch.setattr("engine.loader.fp8_expert_weights.triton_available", lambda: False)
     assert kept_layers("cuda", None, block) == kept_layers("cpu", True, block) == 0
+
+
+def _w8a8():
+    from kernels.fused_moe_fp8_w8a8 import fp8_moe_w8a8
+
+    return fp8_moe_w8a8
+
+
+def test_busy_steps_take_w8a8(monkeypatch) -> None:
+    """Up to `max_expert_rows` rows in the busiest expert the W8A16 kernel runs, beyond them
+    the W8A8 one (activations quantized per token and block column: a looser match to the
+    float64 experts); which ran is recorded around the real kernels."""
+    from kernels.fused_moe_fp8 import fp8_moe_grouped_gemm
+
+    model, _, w13, w2 = _load(64, (32, 32), prefill=_w8a8())
+    moe = model.model.mlp
+    assert moe._gemm.max_expert_rows == FP8_MOE_W8A16_MAX_EXPERT_ROWS
+    moe._gemm.max_expert_rows = 3
+    chosen = []
+    for name, kernel in (("w8a16", fp8_moe_grouped_gemm), ("w8a8", _w8a8())):
+        monkeypatch.setattr(moe._gemm, "kernel" if name == "w8a16" else "prefill_kernel",
+                            lambda *a, k=kernel, n=name: chosen.append(n) or k(*a))  # fmt: skip
+    for tokens in (1, 12):  # top-2 of 4 experts: 1 row each, then some expert gets > 3
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+        chosen.clear()
+        out = moe(x).double()
+        assert chosen == (["w8a16"] * 2 if tokens == 1 else ["w8a8"] * 2)  # w13, then w2
+        tolerance = {"atol": 1e-5, "rtol": 1e-4} if tokens == 1 else {"atol": 0.05, "rtol": 0.1}
+        torch.testing.assert_close(out, _expected(model, x, w13, w2), **tolerance)
+
+
+def test_which_devices_and_blocks_run_w8a8(monkeypatch) -> None:
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["value"])
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert fp8_moe_w8a8_kernel(cuda, (128, 128)) is _w8a8()
+    assert fp8_moe_w8a8_kernel(cuda, None) is None  # per-channel experts
+    assert fp8_moe_w8a8_kernel(cuda, (32, 48)) is None
+    assert fp8_moe_w8a8_kernel(cpu, (128, 128)) is None
+    capability["value"] = (8, 0)
+    assert fp8_moe_w8a8_kernel(cuda, (128, 128)) is None
