@@ -95,7 +95,8 @@ def import_key() -> tuple[Any, ...]:
     used."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_TIME_PREFIXES)))
     relative = any(not os.path.isabs(p or ".") for p in sys.path)
-    return (spawn.get_executable(), tuple(sys.path), os.getcwd() if relative else None, env)
+    cwd = os.getcwd() if relative else None
+    return (spawn.get_executable(), tuple(sys.path), cwd, PRELOAD, env)
 
 
 class _ForkServer(forkserver.ForkServer):
@@ -145,7 +146,7 @@ class _Server:
         self.key = key
         self.environ = dict(os.environ)
         self.forkserver = _ForkServer()
-        self.forkserver.start(PRELOAD)
+        self.forkserver.start(key[3])
         self.popens: weakref.WeakSet[_ServerPopen] = weakref.WeakSet()
 
     @property
