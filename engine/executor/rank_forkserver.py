@@ -36,6 +36,7 @@ in a process that forks); each rank imports it as a spawned one does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import logging
@@ -213,7 +214,16 @@ def _forget_after_fork() -> None:
     _server = None
 
 
+def _stop_at_exit() -> None:
+    """Reaps an idle server at exit rather than leaving it to exit on its own, orphaned (one
+    with ranks left exits after them: they end with their driver)."""
+    with _lock:
+        if _server is not None and not _server.busy():
+            _server.stop()
+
+
 os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(_stop_at_exit)
 
 
 def forkserver_context() -> ForkServerRankContext | None:
