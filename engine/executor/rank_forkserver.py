@@ -155,20 +155,24 @@ class _Server:
         return self.forkserver._forkserver_pid
 
     def alive(self) -> bool:
+        """Whether the server runs; one found exited is reaped here (and never signalled)."""
         pid = self.pid
         if pid is None:
             return False
         try:
-            return os.waitpid(pid, os.WNOHANG)[0] == 0
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                return True
         except ChildProcessError:
-            return False
+            pass
+        self.forkserver._forkserver_pid = None
+        return False
 
     def busy(self) -> bool:
         return any(popen.poll() is None for popen in list(self.popens))
 
     def stop(self) -> None:
-        """Closes the driver's end of the alive pipe (the server then exits) and reaps it; a
-        server that does not exit in time is killed."""
+        """Ends an idle server (SIGTERM: an exit through the interpreter's teardown of torch took
+        ~0.5 s, which an engine service's exit waited for) and reaps it."""
         server = self.forkserver
         with server._lock:
             pid, alive_fd = server._forkserver_pid, server._forkserver_alive_fd
@@ -176,6 +180,8 @@ class _Server:
         if alive_fd is not None:
             os.close(alive_fd)
         if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
             _reap(pid, _STOP_WAIT_S)
 
     def forget(self) -> None:

@@ -8,8 +8,10 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 
+import psutil
 import pytest
 
 from engine import EngineArgs, LLMEngine
@@ -57,6 +59,15 @@ def test_the_start_method_defaults_by_platform_and_takes_either_name(monkeypatch
     assert worker_multiproc_method() == default_start_method() == expected
     monkeypatch.setenv(WORKER_MULTIPROC_METHOD_ENV, " Spawn ")
     assert worker_multiproc_method() == "spawn"
+
+
+def _wait_exited(pid: int) -> None:
+    """Until `pid`, a child of this process, has exited (not reaped: the code under test
+    reaps it)."""
+    deadline = time.monotonic() + 60
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"{pid} did not exit"
+        time.sleep(0.01)
 
 
 def _start(ctx, names: list[str], exit_code: int = 0):
@@ -111,7 +122,8 @@ def test_a_server_with_live_children_is_kept_and_a_new_environment_spawns(
     light_server, monkeypatch
 ) -> None:
     """A change of an import-time variable restarts the server, unless its children still run:
-    then ranks are spawned, and the children keep their server (a SIGKILL still reads as one)."""
+    then ranks are spawned, and the children keep their server (a SIGKILL still reads as one).
+    A server that died is replaced by the next start."""
     ctx, method = rank_context("forkserver")
     assert method == "forkserver"
     started = server_pid()
@@ -124,7 +136,15 @@ def test_a_server_with_live_children_is_kept_and_a_new_environment_spawns(
     proc.join(60)
     assert proc.exitcode == -signal.SIGKILL
     assert rank_context("forkserver")[1] == "forkserver"  # idle now: restarted
-    assert server_pid() not in (None, started)
+    restarted = server_pid()
+    assert restarted not in (None, started)
+    os.kill(restarted, signal.SIGKILL)  # a server that died is replaced
+    _wait_exited(restarted)
+    ctx, method = rank_context("forkserver")
+    assert method == "forkserver" and server_pid() not in (None, restarted)
+    proc, conn = _start(ctx, [], exit_code=0)
+    proc.join(60)
+    assert proc.exitcode == 0
 
 
 @forkserver_only
