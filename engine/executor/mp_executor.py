@@ -115,7 +115,7 @@ class MultiprocExecutor:
             )
             try:
                 proc.start()
-            except (OSError, EOFError) as exc:  # the forkserver died (its error on stderr)
+            except (OSError, EOFError, RuntimeError) as exc:  # the forkserver died or stopped
                 child_conn.close()
                 stop_ranks(self._procs, self._conns)
                 raise RankFailedError(
