@@ -4,6 +4,9 @@ Generate has answered, its peak memory, and how long it takes to stop.
 
     python benchmarks/serving/service_start.py [--model DIR_OR_GGUF | --model default]
                                                [--repeats 3] [--compare OTHER_CHECKOUT]
+                                               [--tensor-parallel-size N]
+                                               [--pipeline-parallel-size N]
+                                               [--start-methods forkserver,spawn]
 
 Without --model, the model is the shape the service tests start (a random Llama: hidden 64,
 2 layers, the default model's vocabulary of 49,152 tokens), written to a temporary folder;
@@ -16,7 +19,10 @@ sent once SERVING is seen, has finished), `peak_rss_mib` (VmHWM after it) and `s
 (from SIGTERM, sent at once, until the idle process has exited with status 0), then the
 median and spread of each. With --compare, the same runs start the engine of another
 checkout too (its root on PYTHONPATH and as the working directory), the two alternating, and
-the script prints this checkout / the other for each median.
+the script prints this checkout / the other for each median. With a tensor/pipeline-parallel
+size the engine runs its ranks in processes of their own, and `cpu_s` counts the whole tree
+(service, rank forkserver, ranks); --start-methods starts them each way in turn
+(`PAGEDSERVE_WORKER_MULTIPROC_METHOD`) and prints the first method / the second.
 
 Where one start's time goes: `python -X importtime -m services engine ...` (the imports) and
 cProfile of `AsyncLLMEngine.from_engine_args` (docs/benchmarks.md, "Engine start-up").
@@ -38,7 +44,7 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from benchmarks.serving.proc_cpu import free_port, process_cpu_s
+from benchmarks.serving.proc_cpu import free_port, process_tree_cpu_s
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("listening_s", "serving_s", "cpu_s", "generate_s", "peak_rss_mib", "stop_s")
@@ -89,7 +95,9 @@ def default_model_dir() -> str:
     return str(resolve_model(None))
 
 
-def one_start(root: Path, model: str) -> dict[str, float]:
+def one_start(
+    root: Path, model: str, extra_args: list[str], extra_env: dict[str, str]
+) -> dict[str, float]:
     """Starts `root`'s `pagedserve engine` on `model` once; stops it (SIGTERM) when SERVING."""
     from services.cli.supervisor import wait_until_serving
 
@@ -97,8 +105,9 @@ def one_start(root: Path, model: str) -> dict[str, float]:
     address = f"127.0.0.1:{port}"
     argv = [sys.executable, "-m", "services", "engine", "--model", model]
     argv += ["--engine-addr", address, "--kv-cache-memory-bytes", str(16 << 20)]
-    argv += ["--log-level", "WARNING"]
+    argv += ["--log-level", "WARNING", *extra_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "proto")]))
+    env.update(extra_env)
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, cwd=root)
     try:
@@ -113,7 +122,7 @@ def one_start(root: Path, model: str) -> dict[str, float]:
         if not wait_until_serving(address, [proc], 600):
             raise RuntimeError("the engine service did not reach SERVING")
         serving = time.perf_counter() - start
-        cpu = process_cpu_s(proc.pid)
+        cpu = process_tree_cpu_s(proc.pid)
         first_generate(address)
         generate = time.perf_counter() - start
         peak_rss = _peak_rss_mib(proc.pid)
@@ -157,15 +166,35 @@ def main() -> int:
     parser.add_argument(
         "--compare", default=None, help="another checkout whose engine to start too"
     )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--start-methods",
+        default=None,
+        help="comma-separated PAGEDSERVE_WORKER_MULTIPROC_METHOD values to alternate",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    checkouts = {"this": ROOT}
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    extra_args = ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    extra_args += ["--pipeline-parallel-size", str(args.pipeline_parallel_size)]
+    checkouts: dict[str, tuple[Path, dict[str, str]]] = {"this": (ROOT, {})}
     if args.compare:
         other = Path(args.compare).resolve()
         if not (other / "services" / "__main__.py").is_file():
             parser.error(f"--compare: {other} is not a pagedserve checkout")
-        checkouts["other"] = other
+        checkouts["other"] = (other, {})
+    if args.start_methods:
+        if args.compare:
+            parser.error("--start-methods and --compare: one comparison at a time")
+        methods = [m.strip() for m in args.start_methods.split(",") if m.strip()]
+        if len(methods) != 2 or len(set(methods)) != 2:
+            parser.error(f"--start-methods: two different methods, got {args.start_methods!r}")
+        env = "PAGEDSERVE_WORKER_MULTIPROC_METHOD"
+        checkouts = {m: (ROOT, {env: m}) for m in methods}
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "default":
             model = default_model_dir()
@@ -173,15 +202,16 @@ def main() -> int:
             model = args.model or str(write_test_model(Path(tmp) / "tiny"))
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
         for _ in range(args.repeats):
-            for name, root in checkouts.items():
-                run = one_start(root, model)
+            for name, (root, extra_env) in checkouts.items():
+                run = one_start(root, model, extra_args, extra_env)
                 runs[name].append(run)
-                print(json.dumps({"checkout": name, **run}), flush=True)
+                print(json.dumps({"variant": name, **run}), flush=True)
     medians = {name: _summary(name, name_runs) for name, name_runs in runs.items()}
-    if "other" in medians:
+    if len(medians) == 2:
+        first, second = medians
         for key in KEYS:
-            ratio = medians["this"][key] / medians["other"][key]
-            print(f"this/other {key}: {ratio:.2f}x")
+            ratio = medians[first][key] / medians[second][key]
+            print(f"{first}/{second} {key}: {ratio:.2f}x")
     return 0
 
 

@@ -31,7 +31,6 @@ up to `_DEATH_GRACE_S` for a rank to be seen dead.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import threading
@@ -46,6 +45,11 @@ from engine.config.resolved import EngineConfig
 from engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.rank_procs import describe_exit, free_port, kill_all, stop_ranks
 from engine.executor.rank_rpc import DEFAULT_RPC_TIMEOUT_S, raise_first_failure
+from engine.executor.start_method import (
+    WORKER_MULTIPROC_METHOD_ENV,
+    rank_context,
+    worker_multiproc_method,
+)
 from engine.executor.step_delta import StepDeltaBuilder
 from engine.executor.worker_proc import REPORTED_ERROR_EXIT_CODE, WorkerSpec, worker_main
 from engine.worker.worker import check_rpc_method
@@ -85,7 +89,7 @@ class MultiprocExecutor:
         on_cuda = config.device_config.device.startswith("cuda")
         num_threads = max(1, torch.get_num_threads() // self.world_size)
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        ctx = multiprocessing.get_context("spawn")
+        ctx, self.start_method = rank_context(worker_multiproc_method())
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._heartbeats: list[Any] = []
@@ -99,16 +103,25 @@ class MultiprocExecutor:
                 init_method,
                 "nccl" if on_cuda else "gloo",
                 num_threads,
-                os.getpid(),
                 config,
             )
+            # The spec is unpickled by the rank once it has applied the driver's environment
+            # (a forkserver's rank starts with the server's: engine/executor/rank_forkserver.py).
             proc = ctx.Process(
                 target=worker_main,
-                args=(spec, child_conn, heartbeat),
+                args=(pickle.dumps(spec), child_conn, heartbeat),
                 name=f"pagedserve-rank{rank}",
                 daemon=True,
             )
-            proc.start()
+            try:
+                proc.start()
+            except (OSError, EOFError, RuntimeError) as exc:  # the forkserver died or stopped
+                child_conn.close()
+                stop_ranks(self._procs, self._conns)
+                raise RankFailedError(
+                    f"rank {rank} could not be started ({self.start_method}): {exc!r}; "
+                    f"{WORKER_MULTIPROC_METHOD_ENV}=spawn starts ranks without the forkserver"
+                ) from exc
             child_conn.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
@@ -133,9 +146,10 @@ class MultiprocExecutor:
         )
         self._monitor.start()
         logger.info(
-            "%d ranks ready (tensor_parallel_size=%d, pipeline_parallel_size=%d, %d threads "
+            "%d ranks ready (%s; tensor_parallel_size=%d, pipeline_parallel_size=%d, %d threads "
             "each on CPU), %d KV blocks",
             self.world_size,
+            self.start_method,
             self.tp_size,
             self.pp_size,
             num_threads,

@@ -1,6 +1,7 @@
 """A rank's process: joins the world, loads its share of the model, runs the steps.
 
-Started (spawned) by `MultiprocExecutor`, one per rank. The conversation over its pipe::
+Started by `MultiprocExecutor`, one per rank: forked from the rank forkserver or spawned
+(engine/executor/start_method.py). The conversation over its pipe::
 
     rank -> driver   ("ready", num_blocks)     the blocks its own memory budget allows
     driver -> rank   ("init_kv", num_blocks)   the minimum over the ranks
@@ -17,9 +18,11 @@ Started (spawned) by `MultiprocExecutor`, one per rank. The conversation over it
 
 A heartbeat thread stamps a shared clock every `HEARTBEAT_INTERVAL_S`, so the driver sees
 a rank that stopped (SIGSTOP, a stuck machine) even while the others wait in a
-collective; it also ends the rank when the driver process is gone (the rank is then
-re-parented), so no rank outlives its engine. (Not PR_SET_PDEATHSIG: it fires when the
-*thread* that started the process exits, and engines are often built on a worker thread.)
+collective; it also ends the rank when the driver process is gone, so no rank outlives its
+engine. The rank watches multiprocessing's parent sentinel, the driver's end of a pipe, which
+closes when the driver exits however it ends: a forkserver's rank is the server's child, so
+its parent pid says nothing of the driver. (Not PR_SET_PDEATHSIG: it fires when the *thread*
+that started the process exits, and engines are often built on a worker thread.)
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import multiprocessing
 import os
+import pickle
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any
 
 from engine.distributed.parallel_state import CollectiveError, destroy_distributed, init_distributed
@@ -56,24 +62,29 @@ class WorkerSpec:
     init_method: str  # tcp://127.0.0.1:PORT rendezvous
     backend: str  # "gloo" or "nccl"
     num_threads: int  # intra-op threads on CPU
-    driver_pid: int
     config: Any  # the EngineConfig
 
 
-def worker_main(spec: WorkerSpec, conn: Any, heartbeat: Any) -> None:
-    """The rank's entry point (in the spawned process)."""
-    if os.getppid() != spec.driver_pid:  # the driver died while this process started
+def worker_main(spec_bytes: bytes, conn: Any, heartbeat: Any) -> None:
+    """The rank's entry point (in the rank's process); `spec_bytes`: the pickled
+    `WorkerSpec`."""
+    driver = multiprocessing.parent_process()
+    assert driver is not None, "a rank is started by multiprocessing"
+    if not driver.is_alive():  # the driver died while this process started
         os._exit(1)
     threading.Thread(
-        target=_beat, args=(heartbeat, spec.driver_pid), name="heartbeat", daemon=True
+        target=_beat, args=(heartbeat, driver.sentinel), name="heartbeat", daemon=True
     ).start()
+    spec: WorkerSpec | None = None
     try:
+        spec = pickle.loads(spec_bytes)
         _serve(spec, conn)
     except BaseException as exc:
         kind = "collective_error" if isinstance(exc, CollectiveError) else "error"
         text = traceback.format_exc()
+        rank = "?" if spec is None else spec.rank
         with contextlib.suppress(OSError, EOFError):
-            conn.send((kind, f"rank {spec.rank}: {text}"))
+            conn.send((kind, f"rank {rank}: {text}"))
         sys.exit(REPORTED_ERROR_EXIT_CODE)
     _exit_without_teardown()
 
@@ -126,9 +137,8 @@ def _serve(spec: WorkerSpec, conn: Any) -> None:
     destroy_distributed()
 
 
-def _beat(heartbeat: Any, driver_pid: int) -> None:
+def _beat(heartbeat: Any, driver_sentinel: int) -> None:
     while True:
         heartbeat.value = time.monotonic()
-        if os.getppid() != driver_pid:  # the driver is gone (and PDEATHSIG did not fire)
+        if wait([driver_sentinel], timeout=HEARTBEAT_INTERVAL_S):  # the driver is gone
             os._exit(1)
-        time.sleep(HEARTBEAT_INTERVAL_S)

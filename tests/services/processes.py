@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.supervisor import wait_until_serving
@@ -23,6 +25,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def rank_processes(pid: int) -> list[psutil.Process]:
+    """The tensor/pipeline-parallel ranks under the engine process `pid`: spawned ones
+    (`spawn_main`), or the children of its rank forkserver (engine/executor/rank_forkserver.py),
+    which the server's own command line names."""
+    ranks = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parent = child.parent()
+            if "spawn_main" in " ".join(child.cmdline()) or (
+                parent is not None and "multiprocessing.forkserver" in " ".join(parent.cmdline())
+            ):
+                ranks.append(child)
+    return ranks
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """An `LLM` with tensor-parallel rank processes that its user drops (`del llm;
 gc.collect()`) stops its ranks then, not when the interpreter exits: nothing outside the
 engine (the rank monitor thread included) keeps the executor alive, and a finalizer stops
-the processes. Real rank processes (gloo on CPU)."""
+the processes. Real rank processes (gloo on CPU), started both ways
+(`PAGEDSERVE_WORKER_MULTIPROC_METHOD`: forked from the preloaded forkserver, or spawned)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import gc
 import time
 
 import psutil
+import pytest
 
 from engine import LLM, SamplingParams
+from engine.executor.start_method import WORKER_MULTIPROC_METHOD_ENV, default_start_method
 from tests.model_utils import make_tiny_llama
 
 
@@ -25,9 +28,15 @@ def _running(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_a_collected_llm_stops_its_rank_processes(tmp_path) -> None:
+METHODS = sorted({default_start_method(), "spawn"})
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_collected_llm_stops_its_rank_processes(tmp_path, monkeypatch, method) -> None:
+    monkeypatch.setenv(WORKER_MULTIPROC_METHOD_ENV, method)
     path = make_tiny_llama(tmp_path / "m", num_layers=2)
     llm = LLM(str(path), skip_tokenizer_init=True, tensor_parallel_size=2)
+    assert llm.llm_engine.executor.start_method == method
     pids = llm.llm_engine.executor.pids
     params = SamplingParams(temperature=0.0, max_tokens=4)
     assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs

@@ -15,7 +15,7 @@ from services.tokenizer_service.model_files import load_text_model_files
 from services.tokenizer_service.server import TokenizerServer, TokenizerServerConfig
 from tests.services.conftest import LoopThread
 from tests.services.helpers import gather, request, wait_for
-from tests.services.processes import EngineProcess
+from tests.services.processes import EngineProcess, rank_processes
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 7, 99]
 
@@ -43,8 +43,7 @@ class TpStack:
 
     def ranks(self) -> list[psutil.Process]:
         assert self.engine.proc is not None
-        children = psutil.Process(self.engine.proc.pid).children(recursive=True)
-        return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        return rank_processes(self.engine.proc.pid)
 
     def close(self) -> None:
         self.channel.close()
@@ -109,14 +108,13 @@ def test_a_killed_rank_ends_streams_unavailable_and_leaves_no_process(tp_stack):
 
 
 def test_ranks_exit_when_the_engine_service_is_killed(tiny_model_dir):
-    """SIGKILL gives the engine service no chance to stop its ranks: they notice they were
-    re-parented and exit by themselves."""
+    """SIGKILL gives the engine service no chance to stop its ranks: they notice their
+    driver's end of a pipe closed and exit by themselves."""
     engine = EngineProcess(tiny_model_dir, None, "--pipeline-parallel-size", "2").start()
     try:
         engine.wait_serving(timeout=240)
         assert engine.proc is not None
-        children = psutil.Process(engine.proc.pid).children(recursive=True)
-        ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        ranks = rank_processes(engine.proc.pid)
         assert len(ranks) == 2
     finally:
         engine.kill()
