@@ -118,6 +118,12 @@ def kv_scale_args(
     return k_arg, v_arg, k_is_ptr
 
 
+def even_k(args: dict) -> bool:
+    """The `EVEN_K` heuristic of the GEMM kernels: K is a whole number of `BLOCK_K` steps, so
+    the K loop's loads need no mask on K."""
+    return args["K"] % args["BLOCK_K"] == 0
+
+
 def launch_tuned(
     autotuned: Any, kernel: Any, grid: Callable[[dict], tuple], args: dict, config: Any
 ) -> Any:

@@ -48,6 +48,7 @@ from kernels._common import (
     check_ndim,
     check_same_device,
     dot_precision,
+    even_k,
     is_interpreter,
     launch_tuned,
 )
@@ -186,11 +187,7 @@ _CACHE_RESULTS = (
 )  # fmt: skip
 
 
-def _even_k(args: dict) -> bool:
-    return args["K"] % args["BLOCK_K"] == 0
-
-
-_fp8_block_gemm = triton.heuristics({"EVEN_K": _even_k})(_fp8_block_gemm_kernel)
+_fp8_block_gemm = triton.heuristics({"EVEN_K": even_k})(_fp8_block_gemm_kernel)
 _fp8_block_gemm_autotuned = triton.autotune(
     configs=list(_TRITON_CONFIGS.values()),
     key=["BLOCK_M", "N", "K", "BLOCK_COLS"],

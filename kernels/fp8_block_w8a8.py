@@ -49,6 +49,7 @@ from kernels._common import (
     check_dtype,
     check_ndim,
     check_same_device,
+    even_k,
     is_interpreter,
     launch_tuned,
 )
@@ -211,11 +212,7 @@ def _fp8_block_w8a8_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _even_k(args: dict) -> bool:
-    return args["K"] % args["BLOCK_K"] == 0
-
-
-_fp8_block_w8a8 = triton.heuristics({"EVEN_K": _even_k})(_fp8_block_w8a8_kernel)
+_fp8_block_w8a8 = triton.heuristics({"EVEN_K": even_k})(_fp8_block_w8a8_kernel)
 _fp8_block_w8a8_autotuned = triton.autotune(
     configs=list(_TRITON_CONFIGS.values()),
     key=["M_BUCKET", "N", "K", "BLOCK_COLS"],
@@ -224,37 +221,49 @@ _fp8_block_w8a8_autotuned = triton.autotune(
 )(_fp8_block_w8a8)
 
 
-def _check(a, a_scale, weight, scale, block_size) -> None:
-    check_ndim("a", a, 2, "[M, K]")
+def check_w8a8_operands(a, a_scale, weight, scale, block_size, rows: str = "M") -> None:
+    """The W8A8 GEMMs' operands (this one's weight [N, K], the experts' [E, N, K]): FP8
+    activations [rows, K] with their per-group fp32 scales, FP8 weights with their block
+    grids, a block whose columns an FP8 K step fits in; each refused naming it."""
+    experts = weight.dim() == 3
+    check_ndim("a", a, 2, f"[{rows}, K]")
     check_dtype("a", a, (FP8_DTYPE,))
     check_contiguous("a", a)
-    check_ndim("a_scale", a_scale, 2, "[M, groups]")
+    check_ndim("a_scale", a_scale, 2, f"[{rows}, groups]")
     check_dtype("a_scale", a_scale, (torch.float32,))
-    check_ndim("weight", weight, 2, "[N, K]")
+    check_ndim(
+        "weight", weight, 3 if experts else 2, "[num_experts, N, K]" if experts else "[N, K]"
+    )
     check_dtype("weight", weight, (FP8_DTYPE,))
     check_contiguous("weight", weight)
     check_dtype("weight_scale", scale, (torch.float32,))
     check_contiguous("weight_scale", scale)
     check_same_device(a=a, a_scale=a_scale, weight=weight, weight_scale=scale)
-    if len(block_size) != 2 or not w8a8_takes_block(tuple(block_size)):
+    if block_size is None or len(block_size) != 2 or not w8a8_takes_block(tuple(block_size)):
         raise ValueError(
             f"block_size must be [rows, cols] with cols a multiple of {MIN_FP8_BLOCK_K} "
-            f"(an FP8 K step inside one scale column), got {list(block_size)}."
+            f"(an FP8 K step inside one scale column), got "
+            f"{None if block_size is None else list(block_size)}."
         )
-    n, k = weight.shape
+    *lead, n, k = weight.shape
     if a.shape[1] != k:
         raise ValueError(f"a has {a.shape[1]} columns, the weight K={k}.")
     groups = -(-k // block_size[1])
     if tuple(a_scale.shape) != (a.shape[0], groups):
         raise ValueError(
-            f"a_scale must be [M, groups] = {[a.shape[0], groups]} (groups of "
+            f"a_scale must be [{rows}, groups] = {[a.shape[0], groups]} (groups of "
             f"{block_size[1]} columns), got shape {list(a_scale.shape)}."
         )
-    grid = (-(-n // block_size[0]), groups)
+    grid = (*lead, -(-n // block_size[0]), groups)
     if tuple(scale.shape) != grid:
+        what = (
+            f"block grids {list(grid)} of {[*lead, n, k]} weights"
+            if experts
+            else (f"block grid {list(grid)} of a [{n}, {k}] weight")
+        )
         raise ValueError(
-            f"weight_scale must be the block grid {list(grid)} of a [{n}, {k}] weight in "
-            f"blocks {list(block_size)}, got shape {list(scale.shape)}."
+            f"weight_scale must be the {what} in blocks {list(block_size)}, "
+            f"got shape {list(scale.shape)}."
         )
 
 
@@ -268,7 +277,7 @@ def fp8_block_w8a8_quantized(
     config: W8A8Config | None = None,  # None: autotuned
 ) -> torch.Tensor:  # [M, N] in out_dtype
     """The GEMM of already quantized activations (see the module doc)."""
-    _check(a, a_scale, weight, weight_scale, block_size)
+    check_w8a8_operands(a, a_scale, weight, weight_scale, block_size)
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}.")
     m, k = a.shape

@@ -45,6 +45,7 @@ from kernels._common import (
     check_ndim,
     check_same_device,
     dot_precision,
+    even_k,
     launch_tuned,
 )
 from kernels.fp8_block_gemm import (
@@ -137,11 +138,7 @@ def _fp8_moe_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _even_k(args: dict) -> bool:
-    return args["K"] % args["BLOCK_K"] == 0
-
-
-_fp8_moe_gemm = triton.heuristics({"EVEN_K": _even_k})(_fp8_moe_gemm_kernel)
+_fp8_moe_gemm = triton.heuristics({"EVEN_K": even_k})(_fp8_moe_gemm_kernel)
 _fp8_moe_gemm_autotuned = triton.autotune(
     configs=list(_TRITON_CONFIGS.values()),
     key=["BLOCK_M", "N", "K", "BLOCK_COLS", "PER_CHANNEL"],

@@ -30,19 +30,18 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    check_contiguous,
-    check_dtype,
     check_ndim,
-    check_same_device,
+    even_k,
     launch_tuned,
 )
-from kernels.fp8_block_gemm import _CACHE_RESULTS, FP8_DTYPE
+from kernels.fp8_block_gemm import _CACHE_RESULTS
 from kernels.fp8_block_w8a8 import (
     GPU_CONFIGS,
     MIN_FP8_BLOCK_K,
     OUT_DTYPES,
     W8A8Config,
     candidate_configs,
+    check_w8a8_operands,
     w8a8_takes_block,
 )
 from kernels.fp8_group_quant import quantize_per_token_group_fp8
@@ -122,49 +121,13 @@ def _fp8_moe_w8a8_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _even_k(args: dict) -> bool:
-    return args["K"] % args["BLOCK_K"] == 0
-
-
-_fp8_moe_w8a8 = triton.heuristics({"EVEN_K": _even_k})(_fp8_moe_w8a8_kernel)
+_fp8_moe_w8a8 = triton.heuristics({"EVEN_K": even_k})(_fp8_moe_w8a8_kernel)
 _fp8_moe_w8a8_autotuned = triton.autotune(
     configs=list(_TRITON_CONFIGS.values()),
     key=["BLOCK_M", "N", "K", "BLOCK_COLS"],
     prune_configs_by={"early_config_prune": _prune},
     **_CACHE_RESULTS,
 )(_fp8_moe_w8a8)
-
-
-def _check(a, a_scale, weight, scale, block_size) -> None:
-    check_ndim("a", a, 2, "[num_x_rows, K]")
-    check_dtype("a", a, (FP8_DTYPE,))
-    check_contiguous("a", a)
-    check_ndim("a_scale", a_scale, 2, "[num_x_rows, groups]")
-    check_dtype("a_scale", a_scale, (torch.float32,))
-    check_ndim("weight", weight, 3, "[num_experts, N, K]")
-    check_dtype("weight", weight, (FP8_DTYPE,))
-    check_contiguous("weight", weight)
-    check_dtype("weight_scale", scale, (torch.float32,))
-    check_contiguous("weight_scale", scale)
-    check_same_device(a=a, a_scale=a_scale, weight=weight, weight_scale=scale)
-    if block_size is None or len(block_size) != 2 or not w8a8_takes_block(tuple(block_size)):
-        raise ValueError(
-            f"block_size must be [rows, cols] with cols a multiple of {MIN_FP8_BLOCK_K} "
-            f"(an FP8 K step inside one scale column), got {block_size}."
-        )
-    num_experts, n, k = weight.shape
-    groups = -(-k // block_size[1])
-    if tuple(a_scale.shape) != (a.shape[0], groups):
-        raise ValueError(
-            f"a_scale must be [num_x_rows, groups] = {[a.shape[0], groups]}, "
-            f"got shape {list(a_scale.shape)}."
-        )
-    grid = (num_experts, -(-n // block_size[0]), groups)
-    if tuple(scale.shape) != grid:
-        raise ValueError(
-            f"weight_scale must be the block grids {list(grid)} of [{num_experts}, {n}, {k}] "
-            f"weights in blocks {list(block_size)}, got shape {list(scale.shape)}."
-        )
 
 
 def fp8_moe_w8a8_quantized(
@@ -179,7 +142,7 @@ def fp8_moe_w8a8_quantized(
     config: W8A8Config | None = None,  # None: autotuned
 ) -> torch.Tensor:  # [M, N] in out_dtype
     """The grouped GEMM of already quantized activations (see the module doc)."""
-    _check(a, a_scale, weight, weight_scale, block_size)
+    check_w8a8_operands(a, a_scale, weight, weight_scale, block_size, rows="num_x_rows")
     check_rows(a, rows, weight, offsets)
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}.")

@@ -116,5 +116,10 @@ def test_bad_operands_are_named() -> None:
         fp8_moe_w8a8_quantized(
             a, a_scale[:, :1], None, weight, scale, offsets, (32, 32), torch.float32
         )
+    a32, a32_scale = quantize_per_token_group_fp8(x[:, :32].contiguous(), 32)
+    with pytest.raises(ValueError, match="a has 32 columns, the weight K=64"):
+        fp8_moe_w8a8_quantized(
+            a32, a32_scale, None, weight, scale, offsets, (32, 32), torch.float32
+        )
     with pytest.raises(ValueError, match="does not fit"):
         fp8_moe_w8a8(x, None, weight, scale, offsets, (32, 32), config=W8A8Config(64, 64, 64))
