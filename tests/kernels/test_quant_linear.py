@@ -177,6 +177,8 @@ def _load_with(value: str) -> tuple[int, str]:
     process as far as `engine.native.quant` can tell (its cached library cleared), and the
     path it forces stays in the child."""
     import os
+    import select
+    import signal
 
     from engine.native import quant
 
@@ -194,6 +196,11 @@ def _load_with(value: str) -> tuple[int, str]:
         os.write(write, answer.encode())
         os._exit(code)
     os.close(write)
+    if not select.select([read], [], [], 120)[0]:  # a hang fails the test, not the run
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)
+        raise AssertionError(f"the load with {value!r} hangs")
     with os.fdopen(read, "rb") as pipe:
         answer = pipe.read().decode()
     _, status = os.waitpid(pid, 0)
