@@ -170,22 +170,46 @@ def test_bad_inputs_name_the_problem():
         quant_linear(torch.randn(2, 64, dtype=torch.float64), weight)
 
 
+def _load_with(value: str) -> tuple[int, str]:
+    """The library loaded anew with $PAGEDSERVE_QUANT_ISA=`value`, in a child forked from
+    this process (torch imported already: two interpreter starts were this test's time):
+    (0, the active path's name) or (1, the error). The child's load is the first in its
+    process as far as `engine.native.quant` can tell (its cached library cleared), and the
+    path it forces stays in the child."""
+    import os
+    import select
+    import signal
+
+    from engine.native import quant
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest cleanup, no OpenMP (only the ctypes set/get calls)
+        os.close(read)
+        code = 1
+        try:
+            os.environ[quant.QUANT_ISA_ENV] = value
+            quant._lib.cache_clear()
+            answer, code = quant.active_isa().name, 0
+        except BaseException as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        os.write(write, answer.encode())
+        os._exit(code)
+    os.close(write)
+    if not select.select([read], [], [], 120)[0]:  # a hang fails the test, not the run
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)
+        raise AssertionError(f"the load with {value!r} hangs")
+    with os.fdopen(read, "rb") as pipe:
+        answer = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), answer
+
+
 def test_isa_forced_by_environment():
     """$PAGEDSERVE_QUANT_ISA picks the path at load; a bad value names the variable."""
-    import os
-    import subprocess
-    import sys
-
-    code = "from engine.native.quant import active_isa; print(active_isa().name)"
-    env = {**os.environ, "PAGEDSERVE_QUANT_ISA": "portable"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "PORTABLE"
-    env["PAGEDSERVE_QUANT_ISA"] = "sse9"
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode != 0
-    assert "PAGEDSERVE_QUANT_ISA" in result.stderr
+    assert _load_with("portable") == (0, "PORTABLE")
+    code, error = _load_with("sse9")
+    assert code != 0
+    assert error.startswith("ValueError") and "PAGEDSERVE_QUANT_ISA" in error
