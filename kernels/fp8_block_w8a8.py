@@ -149,6 +149,44 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     ]
 
 
+@triton.jit
+def w8a8_k_loop(
+    a_ptrs,  # [BLOCK_M, BLOCK_K] pointers to the tile's first K step of FP8 activations
+    w_ptrs,  # [BLOCK_N, BLOCK_K] pointers to the same of the FP8 weight rows
+    as_rows,  # [BLOCK_M] pointers to each row's group scales (stride_as_g apart)
+    s_rows,  # [BLOCK_N] pointers to each weight row's block-scale row (contiguous groups)
+    stride_as_g,
+    mask_m,
+    mask_n,
+    K,
+    BLOCK_COLS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The K loop both W8A8 GEMMs run (dense and experts): per step an FP8 x FP8 dot in
+    fp32, times the activation group's and the weight block's scales (a step never
+    straddles a scale column). Returns the fp32 [BLOCK_M, BLOCK_N] accumulator."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K] fp8
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K] fp8
+        else:
+            mask_k = k0 + tl.arange(0, BLOCK_K) < K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        g = k0 // BLOCK_COLS
+        a_s = tl.load(as_rows + g * stride_as_g, mask=mask_m, other=0.0)  # [BLOCK_M] fp32
+        w_s = tl.load(s_rows + g, mask=mask_n, other=0.0)  # [BLOCK_N] fp32
+        part = tl.dot(a, tl.trans(w))  # fp32
+        acc += part * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_block_w8a8_kernel(
     a_ptr,  # fp8 [M, K], rows stride_a apart
@@ -192,22 +230,10 @@ def _fp8_block_w8a8_kernel(
     s_rows = s_ptr + (offs_n // BLOCK_ROWS).to(tl.int64) * stride_s  # [BLOCK_N] pointers
     a_ptrs = a_ptr + rows[:, None] * stride_a + tl.arange(0, BLOCK_K)[None, :]
     w_ptrs = w_ptr + w_rows[:, None] * stride_w + tl.arange(0, BLOCK_K)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K] fp8
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K] fp8
-        else:
-            mask_k = k0 + tl.arange(0, BLOCK_K) < K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        g = k0 // BLOCK_COLS
-        a_s = tl.load(as_rows + g * stride_as_g, mask=mask_m, other=0.0)  # [BLOCK_M] fp32
-        w_s = tl.load(s_rows + g, mask=mask_n, other=0.0)  # [BLOCK_N] fp32
-        part = tl.dot(a, tl.trans(w))  # fp32
-        acc += part * a_s[:, None] * w_s[None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = w8a8_k_loop(
+        a_ptrs, w_ptrs, as_rows, s_rows, stride_as_g, mask_m, mask_n, K, BLOCK_COLS,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+    )  # fmt: skip
     out = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 

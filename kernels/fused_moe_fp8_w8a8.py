@@ -42,6 +42,7 @@ from kernels.fp8_block_w8a8 import (
     W8A8Config,
     candidate_configs,
     check_w8a8_operands,
+    w8a8_k_loop,
     w8a8_takes_block,
 )
 from kernels.fp8_group_quant import quantize_per_token_group_fp8
@@ -101,22 +102,10 @@ def _fp8_moe_w8a8_kernel(
     )  # fmt: skip
     as_rows = as_ptr + src * stride_as_m  # [BLOCK_M] pointers
     s_rows = s_ptr + expert * stride_se + (offs_n // BLOCK_ROWS).to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)  # [BLOCK_M, BLOCK_K] fp8
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K] fp8
-        else:
-            mask_k = k0 + tl.arange(0, BLOCK_K) < K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        g = k0 // BLOCK_COLS
-        a_s = tl.load(as_rows + g * stride_as_g, mask=mask_m, other=0.0)  # [BLOCK_M] fp32
-        w_s = tl.load(s_rows + g, mask=mask_n, other=0.0)  # [BLOCK_N] fp32
-        part = tl.dot(a, tl.trans(w))  # fp32
-        acc += part * a_s[:, None] * w_s[None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = w8a8_k_loop(
+        a_ptrs, w_ptrs, as_rows, s_rows, stride_as_g, mask_m, mask_n, K, BLOCK_COLS,
+        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+    )  # fmt: skip
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
